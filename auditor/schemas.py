@@ -1,0 +1,253 @@
+"""Wire contract v1 (DESIGN.md §3): pydantic models of what trainers send and what the API returns.
+
+Validation here is the only place that decides whether a report is well-formed; every
+error names the field (pydantic's ``loc``) and the rule. NaN and Inf are accepted in every
+statistic: they are a training fault the audit reports (``non_finite``), not a client error.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from auditor.stats import UNIT_ROUNDOFF
+
+DIMS: tuple[str, ...] = ("dp", "cp", "tp", "pp")
+Dim = Literal["dp", "cp", "tp", "pp"]
+Kind = Literal["moments", "sum", "norm"]
+DType = Literal["float64", "float32", "tf32", "float16", "bfloat16"]
+assert set(DType.__args__) == set(UNIT_ROUNDOFF)  # type: ignore[attr-defined]
+
+RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
+StatisticName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")]
+NonNegInt = Annotated[int, Field(ge=0)]
+PosInt = Annotated[int, Field(ge=1, le=1 << 20)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Coords(_Strict):
+    """A rank's coordinate along each parallel dimension (0-based)."""
+
+    dp: NonNegInt = 0
+    cp: NonNegInt = 0
+    tp: NonNegInt = 0
+    pp: NonNegInt = 0
+
+    def as_tuple(self) -> tuple[int, int, int, int]:
+        return (self.dp, self.cp, self.tp, self.pp)
+
+
+class Sizes(_Strict):
+    """Size of each parallel dimension; world_size is their product."""
+
+    dp: PosInt = 1
+    cp: PosInt = 1
+    tp: PosInt = 1
+    pp: PosInt = 1
+
+    def as_tuple(self) -> tuple[int, int, int, int]:
+        return (self.dp, self.cp, self.tp, self.pp)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.cp * self.tp * self.pp
+
+
+class StatisticSpec(_Strict):
+    """How a statistic must be reduced (DESIGN.md §3).
+
+    ``reduce_over``: dims whose ranks form one reduction group (a rank's expected group is
+    every rank equal to it on the other dims). ``replicas``: dims along which ranks hold the
+    same data, counted once. ``variance``: Bessel-corrected (``sample``) or ``population``.
+    ``over_microbatches``: a ``sum`` statistic is summed over all microbatches of the step.
+    """
+
+    reduce_over: list[Dim] = Field(default_factory=lambda: ["dp", "cp"])
+    replicas: list[Dim] = Field(default_factory=lambda: ["tp"])
+    variance: Literal["sample", "population"] = "sample"
+    over_microbatches: bool = False
+
+    @model_validator(mode="after")
+    def _unique_dims(self) -> "StatisticSpec":
+        for name in ("reduce_over", "replicas"):
+            dims = getattr(self, name)
+            if len(set(dims)) != len(dims):
+                raise ValueError(f"{name} lists a dimension twice: {dims}")
+        return self
+
+
+DEFAULT_SPECS: dict[str, StatisticSpec] = {
+    "moments": StatisticSpec(),
+    "sum": StatisticSpec(),
+    "norm": StatisticSpec(reduce_over=["tp", "pp"], replicas=["dp", "cp"]),
+}
+
+
+def _finite(x: float | None) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+class LocalStats(_Strict):
+    """This rank's own masked statistics before the all-reduce (float64 recommended).
+
+    ``moments``: count, sum, sum_sq required (min, max optional). ``sum``: sum required.
+    ``norm``: sum_sq required, replicated_sum_sq optional.
+    """
+
+    count: float | None = None
+    sum: float | None = None
+    sum_sq: float | None = None
+    min: float | None = None
+    max: float | None = None
+    replicated_sum_sq: float | None = None
+
+    @model_validator(mode="after")
+    def _rules(self) -> "LocalStats":
+        if _finite(self.count) and self.count < 0:  # type: ignore[operator]
+            raise ValueError(f"count must be >= 0, got {self.count}")
+        for name in ("sum_sq", "replicated_sum_sq"):
+            v = getattr(self, name)
+            if _finite(v) and v < 0:
+                raise ValueError(f"{name} must be >= 0, got {v}")
+        if _finite(self.min) and _finite(self.max) and self.min > self.max:  # type: ignore[operator]
+            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+        return self
+
+
+class AppliedStats(_Strict):
+    """What the rank's all-reduce returned, and optionally the mean/var it whitened with."""
+
+    count: float | None = None
+    sum: float | None = None
+    sum_sq: float | None = None
+    mean: float | None = None
+    var: float | None = None
+
+    @model_validator(mode="after")
+    def _rules(self) -> "AppliedStats":
+        if _finite(self.count) and self.count < 0:  # type: ignore[operator]
+            raise ValueError(f"count must be >= 0, got {self.count}")
+        if _finite(self.sum_sq) and self.sum_sq < 0:  # type: ignore[operator]
+            raise ValueError(f"sum_sq must be >= 0, got {self.sum_sq}")
+        return self
+
+
+def _check_cauchy_schwarz(where: str, count, total, total_sq, dtype: str) -> None:
+    """Reject Σv² < (Σv)²/N beyond rounding: no real data has negative variance."""
+    if not (_finite(count) and _finite(total) and _finite(total_sq)) or count <= 0:
+        return
+    floor = total * total / count
+    slack = 64.0 * UNIT_ROUNDOFF[dtype] * max(math.log2(max(count, 2.0)), 1.0) * max(floor, total_sq)
+    if floor - total_sq > slack:
+        raise ValueError(
+            f"{where}.sum_sq ({total_sq!r}) is below {where}.sum²/{where}.count ({floor!r}) "
+            f"beyond {dtype} rounding: the values would have negative variance"
+        )
+
+
+_REQUIRED_LOCAL: dict[str, tuple[str, ...]] = {
+    "moments": ("count", "sum", "sum_sq"),
+    "sum": ("sum",),
+    "norm": ("sum_sq",),
+}
+
+
+class Report(_Strict):
+    """One rank's statistics of one (run, statistic, step, microbatch); see DESIGN.md §3.
+
+    ``applied`` is ``null`` when the rank did not take part in the collective
+    (``skipped_collective``). ``group_ranks`` is ``dist.get_process_group_ranks(group)`` of
+    the group the rank reduced over, if the client knows it.
+    """
+
+    run_id: RunId
+    statistic: StatisticName
+    step: NonNegInt
+    microbatch: NonNegInt = 0
+    num_microbatches: PosInt = 1
+    rank: NonNegInt
+    world_size: PosInt
+    coords: Coords = Field(default_factory=Coords)
+    sizes: Sizes = Field(default_factory=Sizes)
+    local: LocalStats
+    applied: AppliedStats | None = None
+    group_ranks: list[NonNegInt] | None = Field(default=None, max_length=1 << 20)
+    dtype: DType = "float32"
+    kind: Kind = "moments"
+    spec: StatisticSpec | None = None
+
+    @model_validator(mode="after")
+    def _topology(self) -> "Report":
+        if self.sizes.world_size != self.world_size:
+            raise ValueError(
+                f"world_size ({self.world_size}) must equal the product of sizes "
+                f"dp*cp*tp*pp = {self.sizes.world_size}"
+            )
+        if self.rank >= self.world_size:
+            raise ValueError(f"rank ({self.rank}) must be < world_size ({self.world_size})")
+        for dim, c, s in zip(DIMS, self.coords.as_tuple(), self.sizes.as_tuple()):
+            if c >= s:
+                raise ValueError(f"coords.{dim} ({c}) must be < sizes.{dim} ({s})")
+        if self.microbatch >= self.num_microbatches:
+            raise ValueError(
+                f"microbatch ({self.microbatch}) must be < num_microbatches ({self.num_microbatches}); "
+                "send num_microbatches with every report of a step that has several microbatches"
+            )
+        missing = [f"local.{f}" for f in _REQUIRED_LOCAL[self.kind] if getattr(self.local, f) is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} required for kind '{self.kind}'")
+        if self.group_ranks is not None:
+            bad = [r for r in self.group_ranks if r >= self.world_size]
+            if bad:
+                raise ValueError(f"group_ranks holds ranks >= world_size ({self.world_size}): {bad[:5]}")
+        _check_cauchy_schwarz("local", self.local.count, self.local.sum, self.local.sum_sq, self.dtype)
+        if self.applied is not None:
+            _check_cauchy_schwarz(
+                "applied", self.applied.count, self.applied.sum, self.applied.sum_sq, self.dtype
+            )
+        return self
+
+    @property
+    def effective_spec(self) -> StatisticSpec:
+        return self.spec or DEFAULT_SPECS[self.kind]
+
+
+class ReportBatch(_Strict):
+    """Body of ``POST /v1/reports``: 1 to ``max_batch`` (default 10,000) reports."""
+
+    reports: list[Report] = Field(min_length=1)
+
+
+class StatisticRegistration(_Strict):
+    kind: Kind = "moments"
+    spec: StatisticSpec | None = None
+
+
+class RunRegistration(_Strict):
+    """Body of ``PUT /v1/runs/{run_id}``: fixes the topology (and optionally statistic specs)."""
+
+    world_size: PosInt
+    sizes: Sizes
+    statistics: dict[StatisticName, StatisticRegistration] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _world(self) -> "RunRegistration":
+        if self.sizes.world_size != self.world_size:
+            raise ValueError(
+                f"world_size ({self.world_size}) must equal the product of sizes "
+                f"dp*cp*tp*pp = {self.sizes.world_size}"
+            )
+        return self
+
+
+class IngestResult(BaseModel):
+    """Answer to ``POST /v1/reports``."""
+
+    accepted: int = Field(description="Reports stored by this request.")
+    duplicates: int = Field(description="Identical re-sends of stored reports (no-ops).")
+    steps_audited: int = Field(description="Steps this request completed and audited.")

@@ -1,0 +1,257 @@
+"""Masked moments, their stable merge, whitening and the rounding tolerance. Pure: no I/O.
+
+Everything here works in float64. The trainer side reduces ``[Σv·m, Σv²·m, Σm]`` in its own
+precision (float32 in slime); the auditor recomputes the same statistic from each rank's
+local moments with a merge that does not cancel, and asks whether the difference between
+what a rank applied and the recomputed value is explained by the rounding of the trainer's
+reduction (:func:`reduction_gamma`) or is a fault.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Sequence
+
+import numpy as np
+
+VarianceConvention = Literal["sample", "population"]
+
+#: Unit roundoff u = 2^-p of each dtype a trainer may reduce in (Higham 2002, §2.1).
+UNIT_ROUNDOFF: dict[str, float] = {
+    "float64": 2.0**-53,
+    "float32": 2.0**-24,
+    "tf32": 2.0**-11,
+    "float16": 2.0**-11,
+    "bfloat16": 2.0**-8,
+}
+
+#: Whitening epsilon of slime's ``distributed_masked_whiten`` (added to the variance).
+WHITEN_EPSILON = 1e-8
+
+#: Width of the value range, in standard deviations either side of the mean, assumed when
+#: a report carries no local min/max.
+DEFAULT_RANGE_SIGMA = 3.0
+
+#: Safety multiplier λ of the probabilistic summation bound (Higham & Mary 2019, Thm 3.1):
+#: a sum of k rounded additions exceeds λ·√k·u relative error with probability at most
+#: 2·k·exp(-λ²/2) ≈ 3e-8·k for λ = 6.
+PROBABILISTIC_LAMBDA = 6.0
+
+
+@dataclass(frozen=True, slots=True)
+class Moments:
+    """Masked moments of a set of values: count N, mean μ and M2 = Σ(v-μ)² (all float64).
+
+    ``min``/``max`` are the extreme masked values (``nan`` when unknown or N == 0).
+    An empty set has N = 0, μ = 0, M2 = 0.
+    """
+
+    count: float
+    mean: float
+    m2: float
+    min: float = math.nan
+    max: float = math.nan
+
+    @property
+    def sum(self) -> float:
+        """Σv = N·μ."""
+        return self.count * self.mean
+
+    def variance(self, convention: VarianceConvention = "sample") -> float:
+        """Variance with slime's convention: M2/(N-1) if ``sample`` and N ≥ 2, else M2/N.
+
+        Returns ``nan`` for N == 0 (slime raises there; the auditor reports ``empty_global``).
+        """
+        return variance_from_m2(self.count, self.m2, convention)
+
+    def is_finite(self) -> bool:
+        """True when count, mean and M2 are all finite."""
+        return math.isfinite(self.count) and math.isfinite(self.mean) and math.isfinite(self.m2)
+
+
+EMPTY = Moments(0.0, 0.0, 0.0)
+
+
+def variance_from_m2(count: float, m2: float, convention: VarianceConvention = "sample") -> float:
+    """Variance from N and M2 = Σ(v-μ)²: Bessel's correction M2/(N-1) only when N ≥ 2.
+
+    This is slime's rule (``if N >= 2: var *= N/(N-1)``): a single element has variance 0
+    under both conventions. Returns ``nan`` when N == 0.
+    """
+    if count <= 0:
+        return math.nan
+    if convention == "sample" and count >= 2:
+        return m2 / (count - 1.0)
+    return m2 / count
+
+
+def moments_from_sums(
+    count: float,
+    total: float,
+    total_sq: float,
+    minimum: float | None = None,
+    maximum: float | None = None,
+) -> Moments:
+    """Convert the wire form (N, Σv, Σv²) of one rank's masked values into :class:`Moments`.
+
+    M2 = Σv² − (Σv)²/N is clamped at 0 (a tiny negative value is rounding). The wire sums
+    should be float64 (``auditor.torch_hooks.masked_moments``); then the cancellation here
+    costs ~1e-16·(μ/σ)² relative, negligible below |μ|/σ = 1e6. Non-finite inputs propagate
+    as ``nan``/``inf`` so the caller can report ``non_finite``.
+    """
+    lo = math.nan if minimum is None else float(minimum)
+    hi = math.nan if maximum is None else float(maximum)
+    if count == 0:
+        return Moments(0.0, 0.0, 0.0, lo, hi)
+    mean = total / count
+    m2 = total_sq - total * mean
+    if m2 < 0.0:
+        m2 = 0.0
+    return Moments(float(count), mean, m2, lo, hi)
+
+
+def merge(parts: Sequence[Moments]) -> Moments:
+    """Combine masked-moment summaries of disjoint sets (Chan, Golub & LeVeque 1979, eq. 2.1).
+
+    Uses the k-way form of the pairwise update: N = ΣNᵢ, μ = ΣNᵢμᵢ/N,
+    M2 = ΣM2ᵢ + ΣNᵢ(μᵢ − μ)². Every term is non-negative, so unlike Σv²−(Σv)²/N it does
+    not cancel when |μ| ≫ σ. Empty parts contribute nothing; merging nothing gives
+    :data:`EMPTY`. min/max are the extremes of the parts that know theirs.
+    """
+    if not parts:
+        return EMPTY
+    counts = np.fromiter((p.count for p in parts), dtype=np.float64, count=len(parts))
+    means = np.fromiter((p.mean for p in parts), dtype=np.float64, count=len(parts))
+    m2s = np.fromiter((p.m2 for p in parts), dtype=np.float64, count=len(parts))
+    n, mean, m2 = merge_arrays(counts, means, m2s)
+    mins = [p.min for p in parts if p.count > 0 and not math.isnan(p.min)]
+    maxs = [p.max for p in parts if p.count > 0 and not math.isnan(p.max)]
+    return Moments(n, mean, m2, min(mins) if mins else math.nan, max(maxs) if maxs else math.nan)
+
+
+def merge_arrays(counts: np.ndarray, means: np.ndarray, m2s: np.ndarray) -> tuple[float, float, float]:
+    """Vectorised :func:`merge` over float64 arrays of shape (k,); returns (N, μ, M2)."""
+    n = float(counts.sum())
+    if n == 0.0:
+        return 0.0, 0.0, 0.0
+    mean = float(np.dot(counts, means) / n)
+    dev = means - mean
+    m2 = float(m2s.sum() + np.dot(counts, dev * dev))
+    return n, mean, m2
+
+
+def one_pass_mean_var(
+    count: float, total: float, total_sq: float, convention: VarianceConvention = "sample"
+) -> tuple[float, float]:
+    """Mean and variance from reduced (N, Σv, Σv²) exactly as slime computes them.
+
+    mean = S/N; var = SS/N − mean²; if ``sample`` and N ≥ 2: var ·= N/(N−1).
+    Evaluated in float64 here; the trainer did it in its own dtype. Returns (nan, nan) for
+    N == 0 (slime raises ``ValueError`` there).
+    """
+    if count == 0:
+        return math.nan, math.nan
+    mean = total / count
+    var = total_sq / count - mean * mean
+    if convention == "sample" and count >= 2:
+        var = var * count / (count - 1.0)
+    return mean, var
+
+
+def whiten(
+    values: np.ndarray,
+    mean: float,
+    var: float,
+    epsilon: float = WHITEN_EPSILON,
+    shift_mean: bool = True,
+) -> np.ndarray:
+    """slime's whitening: (v − μ)·rsqrt(var + ε), plus μ back when ``shift_mean`` is False.
+
+    ``values``: any shape, float; returned in float64 with the same shape.
+    """
+    out = (np.asarray(values, dtype=np.float64) - mean) / math.sqrt(var + epsilon)
+    return out if shift_mean else out + mean
+
+
+def transform_gap(
+    mean_a: float,
+    var_a: float,
+    mean_b: float,
+    var_b: float,
+    lo: float,
+    hi: float,
+    epsilon: float = WHITEN_EPSILON,
+) -> float:
+    """Largest |w_a(x) − w_b(x)| over x ∈ [lo, hi] of two whitening transforms.
+
+    w(x) = (x − μ)/√(var + ε). The difference is affine in x, so the maximum is at an end
+    of the range. The result is in whitened units, i.e. in standard deviations of the
+    statistic (the figure behind ``auditor_cp_disagreement_sigma`` and
+    ``auditor_applied_error_sigma``). ``nan`` if any input is not finite.
+    """
+    if not all(math.isfinite(v) for v in (mean_a, var_a, mean_b, var_b, lo, hi)):
+        return math.nan
+    if var_a + epsilon <= 0 or var_b + epsilon <= 0:
+        return math.inf
+    sa = math.sqrt(var_a + epsilon)
+    sb = math.sqrt(var_b + epsilon)
+    return max(abs((x - mean_a) / sa - (x - mean_b) / sb) for x in (lo, hi))
+
+
+def value_range(m: Moments, convention: VarianceConvention = "sample") -> tuple[float, float]:
+    """The observed range [min, max] of a group, or μ ± 3σ when min/max were not reported."""
+    if math.isfinite(m.min) and math.isfinite(m.max):
+        return m.min, m.max
+    sd = math.sqrt(max(m.variance(convention), 0.0)) if m.count > 0 else 0.0
+    return m.mean - DEFAULT_RANGE_SIGMA * sd, m.mean + DEFAULT_RANGE_SIGMA * sd
+
+
+def reduction_gamma(dtype: str, count: float, ranks: int) -> float:
+    """Relative error bound γ of a sum the trainer reduced in ``dtype``.
+
+    A rank sums its n ≤ N local terms blockwise/pairwise (torch's cascade sum; CUDA tree
+    reductions): worst case γ_L with L = ⌈log2 N⌉ + 3 (Higham 2002, §4.2, eq. 4.6; the +3
+    covers the products v·m and v² and the final division). The all-reduce then adds P
+    partial sums along a ring (NCCL, gloo): P − 1 sequential additions, bounded
+    probabilistically by λ·√(P−1)·u with λ = 6 (Higham & Mary 2019, SIAM J. Sci. Comput.
+    41(5), Thm 3.1). Hence γ = u·(L + λ·√(P−1)), relative to Σ|terms|.
+
+    Raises ``KeyError`` for an unknown dtype (the wire schema admits only
+    :data:`UNIT_ROUNDOFF`'s keys).
+    """
+    u = UNIT_ROUNDOFF[dtype]
+    depth = math.ceil(math.log2(max(count, 2.0))) + 3
+    return u * (depth + PROBABILISTIC_LAMBDA * math.sqrt(max(ranks - 1, 0)))
+
+
+def whiten_tolerance(gamma: float, m: Moments, lo: float, hi: float) -> float:
+    """Largest whitening error, in σ, that rounding of a correct one-pass reduction explains.
+
+    With ρ = rms/σ = √(1 + μ²/σ²) and relative errors γ on S = Σv, SS = Σv² and N:
+    |δμ| ≤ 2γ·rms, |δvar| ≤ 7γ·rms² (SS/N: 2γ; μ²: 4γ; the subtraction: γ), so
+    |δσ|/σ ≤ 3.5γρ². Over the range, R = max|x − μ|/σ, the transform error is
+    |δw| ≤ 2γρ + 3.5γρ²·R (first order; ρ² is the cancellation of the one-pass form, which
+    is what makes float32 useless at |μ|/σ ≈ 1e3). The tolerance is that bound, with σ the
+    population standard deviation of the group (ε added as the trainer does).
+    """
+    if m.count <= 0:
+        return 0.0
+    var = m.m2 / m.count + WHITEN_EPSILON
+    rho_sq = 1.0 + m.mean * m.mean / var
+    r = max(abs(lo - m.mean), abs(hi - m.mean)) / math.sqrt(var)
+    return gamma * (2.0 * math.sqrt(rho_sq) + 3.5 * rho_sq * r)
+
+
+def one_pass_variance_error(gamma: float, m: Moments) -> float:
+    """Predicted relative error of the one-pass variance SS/N − μ²: 7γ·(1 + μ²/σ²).
+
+    The quantity behind ``precision_loss``: when it is large the trainer's variance is
+    rounding noise. ``inf`` for an empty or zero-variance group with μ ≠ 0.
+    """
+    if m.count <= 0:
+        return 0.0
+    var = m.m2 / m.count
+    if var == 0.0:
+        return math.inf if m.mean != 0.0 else 0.0
+    return 7.0 * gamma * (1.0 + m.mean * m.mean / var)
