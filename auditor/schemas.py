@@ -20,7 +20,8 @@ Kind = Literal["moments", "sum", "norm"]
 DType = Literal["float64", "float32", "tf32", "float16", "bfloat16"]
 assert set(DType.__args__) == set(UNIT_ROUNDOFF)  # type: ignore[attr-defined]
 
-RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:-]+$")]
+RUN_ID_PATTERN = r"^[A-Za-z0-9._:-]+$"
+RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=RUN_ID_PATTERN)]
 StatisticName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")]
 NonNegInt = Annotated[int, Field(ge=0)]
 PosInt = Annotated[int, Field(ge=1, le=1 << 20)]

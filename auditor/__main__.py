@@ -1,0 +1,5 @@
+"""``python -m auditor`` is the ``auditor`` command."""
+
+from auditor.cli import app
+
+app(prog_name="auditor")

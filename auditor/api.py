@@ -1,0 +1,214 @@
+"""HTTP API (FastAPI): a thin layer over :class:`auditor.db.store.Store`.
+
+Endpoints (all JSON):
+
+* ``POST /v1/reports`` — ingest a batch (wire contract v1, DESIGN.md §3).
+* ``PUT /v1/runs/{run_id}`` — register a run's topology and statistic specs.
+* ``GET /v1/runs``, ``GET /v1/runs/{run_id}``, ``GET /v1/runs/{run_id}/report``,
+  ``GET /v1/runs/{run_id}/statistics/{statistic}/steps/{step}``.
+* ``GET /healthz``, ``GET /metrics`` (Prometheus text format).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from typing import Any
+
+import sqlalchemy as sa
+from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from pydantic import ValidationError
+
+from auditor import __version__
+from auditor.config import Settings
+from auditor.db.engine import current_revision, ensure_schema, make_engine
+from auditor.db.store import ConflictError, NotFound, Store
+from auditor.metrics import AuditCollector, ServiceMetrics
+from auditor.schemas import RUN_ID_PATTERN, IngestResult, ReportBatch, RunRegistration
+
+log = logging.getLogger("auditor.api")
+
+
+def _field(loc: tuple) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out
+
+
+def validation_detail(err: ValidationError) -> list[dict[str, Any]]:
+    """pydantic errors as ``[{"field": "reports[3].local.count", "loc": [...], "msg", "type"}]``."""
+    return [
+        {"field": _field(e["loc"]), "loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
+        for e in err.errors(include_url=False, include_input=False)
+    ]
+
+
+class Service:
+    """What a request handler needs: settings, store, metrics. One per app."""
+
+    def __init__(self, settings: Settings):
+        self.settings = settings
+        self.engine = make_engine(settings.database_url)
+        ensure_schema(self.engine, settings.database_url)
+        self.store = Store(self.engine)
+        self.registry = CollectorRegistry()
+        self.metrics = ServiceMetrics(self.registry)
+        self.registry.register(AuditCollector(self.store.metric_series, settings.metrics_retention_seconds))
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """Build the FastAPI app. On start-up it migrates an empty database to head and refuses
+    (``auditor.db.engine.SchemaError``) a database at another revision; it then runs the
+    missing-report sweep every ``settings.sweep_interval_seconds``."""
+    settings = settings or Settings()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        svc = Service(settings)
+        app.state.svc = svc
+        sweeper = asyncio.create_task(_sweep_forever(svc))
+        try:
+            yield
+        finally:
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await sweeper
+            svc.close()
+
+    app = FastAPI(title="auditor", version=__version__, lifespan=lifespan,
+                  description="Audits the statistics distributed trainers all-reduce across ranks.")
+
+    def svc(request: Request) -> Service:
+        return request.app.state.svc
+
+    def authorized(request: Request) -> None:
+        token = settings.token
+        if token and request.headers.get("authorization") != f"Bearer {token}":
+            raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer <AUDITOR_TOKEN>)")
+
+    @app.exception_handler(ConflictError)
+    async def _conflict(request: Request, exc: ConflictError):
+        request.app.state.svc.metrics.rejected.labels(exc.error).inc(max(1, len(exc.conflicts)))
+        return JSONResponse(status_code=409, content={
+            "detail": {"error": exc.error, "message": exc.message, "conflicts": exc.conflicts}})
+
+    @app.exception_handler(NotFound)
+    async def _not_found(request: Request, exc: NotFound):
+        return JSONResponse(status_code=404, content={"detail": f"not found: {exc}"})
+
+    @app.exception_handler(sa.exc.OperationalError)
+    async def _db_down(request: Request, exc: sa.exc.OperationalError):
+        log.warning("database error: %s", exc)
+        return JSONResponse(status_code=503, headers={"Retry-After": "1"},
+                            content={"detail": "database unavailable, retry later"})
+
+    @app.post("/v1/reports", response_model=IngestResult, dependencies=[Depends(authorized)])
+    async def post_reports(request: Request, s: Service = Depends(svc)) -> IngestResult:
+        """Store a batch of rank reports and audit every step it completes.
+
+        Body: ``{"reports": [Report, ...]}`` (DESIGN.md §3), 1 to ``max_batch`` reports.
+        All-or-nothing: 422 (validation; ``detail[].field`` names the field, e.g.
+        ``reports[3].local.count``) or 409 (``conflicting_report``, ``topology_conflict``,
+        ``spec_conflict``; ``detail.conflicts[].index`` lists the offending reports) store
+        nothing. Identical re-sends are counted in ``duplicates``. 503 with Retry-After
+        when the database is unreachable.
+        """
+        t0 = time.perf_counter()
+        body = await request.body()
+        try:
+            batch = await run_in_threadpool(ReportBatch.model_validate_json, body)
+        except ValidationError as e:
+            s.metrics.rejected.labels("validation").inc(_count_reports(body))
+            return JSONResponse(status_code=422, content={"detail": validation_detail(e)})
+        if len(batch.reports) > s.settings.max_batch:
+            s.metrics.rejected.labels("batch_too_large").inc(len(batch.reports))
+            return JSONResponse(status_code=413, content={"detail": [{
+                "field": "reports", "loc": ["reports"], "type": "too_long",
+                "msg": f"at most {s.settings.max_batch} reports per request, got {len(batch.reports)}"}]})
+        out = await run_in_threadpool(s.store.ingest, batch.reports)
+        s.metrics.received.inc(out.accepted)
+        s.metrics.ingest_duration.observe(time.perf_counter() - t0)
+        return IngestResult(accepted=out.accepted, duplicates=out.duplicates, steps_audited=len(out.audited))
+
+    @app.put("/v1/runs/{run_id}", dependencies=[Depends(authorized)])
+    def put_run(
+        reg: RunRegistration,
+        run_id: str = Path(min_length=1, max_length=128, pattern=RUN_ID_PATTERN),
+        s: Service = Depends(svc),
+    ) -> dict:
+        """Register a run's topology (and statistic kinds/specs) before its first report.
+        Idempotent; 409 ``topology_conflict``/``spec_conflict`` if it contradicts the stored one."""
+        return s.store.register_run(run_id, reg)
+
+    @app.get("/v1/runs")
+    def list_runs(s: Service = Depends(svc)) -> list[dict]:
+        """Every run: topology, statistics, steps audited and inconsistent. Newest first."""
+        return s.store.list_runs()
+
+    @app.get("/v1/runs/{run_id}")
+    def get_run(run_id: str, s: Service = Depends(svc)) -> dict:
+        """One run's summary; 404 if unknown."""
+        return s.store.get_run(run_id)
+
+    @app.get("/v1/runs/{run_id}/report")
+    def get_report(
+        run_id: str,
+        statistic: str | None = None,
+        bad_steps: int = Query(20, ge=0, le=1000, description="Bad steps shown per statistic."),
+        s: Service = Depends(svc),
+    ) -> dict:
+        """Consistency report: per statistic, steps audited/consistent/inconsistent/incomplete/
+        pending, first and last bad step, fault counts by kind, the latest sigma figures, and
+        for up to ``bad_steps`` bad steps their faults and per-rank table (rank, coords,
+        local count and mean, applied mean/std, correct mean/std, error in σ)."""
+        return s.store.report(run_id, bad_steps_limit=bad_steps, statistic=statistic)
+
+    @app.get("/v1/runs/{run_id}/statistics/{statistic}/steps/{step}")
+    def get_step(run_id: str, statistic: str, step: int, s: Service = Depends(svc)) -> dict:
+        """One step's verdict, faults and per-rank table; 404 if not seen."""
+        return s.store.step(run_id, statistic, step)
+
+    @app.get("/healthz")
+    def healthz(s: Service = Depends(svc)) -> JSONResponse:
+        """Liveness and database reachability: 200 ``{"status": "ok"}`` or 503."""
+        try:
+            rev = current_revision(s.engine)
+        except sa.exc.SQLAlchemyError as e:
+            return JSONResponse(status_code=503, content={"status": "error", "database": str(e)[:200]})
+        return JSONResponse({"status": "ok", "version": __version__, "schema_revision": rev})
+
+    @app.get("/metrics")
+    def metrics(s: Service = Depends(svc)) -> Response:
+        """Prometheus exposition (DESIGN.md §6)."""
+        return Response(generate_latest(s.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def _count_reports(body: bytes) -> int:
+    try:
+        reports = json.loads(body).get("reports")
+        return max(1, len(reports)) if isinstance(reports, list) else 1
+    except (ValueError, AttributeError):
+        return 1
+
+
+async def _sweep_forever(svc: Service) -> None:
+    while True:
+        await asyncio.sleep(svc.settings.sweep_interval_seconds)
+        try:
+            n = await run_in_threadpool(svc.store.sweep, svc.settings.grace_seconds)
+            if n:
+                log.info("sweep audited %d incomplete step(s)", n)
+        except Exception:  # keep sweeping; the next round retries
+            log.exception("sweep failed")

@@ -1,0 +1,128 @@
+"""The one place that creates engines and knows dialect specifics, and the schema-version gate.
+
+SQLite: WAL journal, a busy timeout, foreign keys on, and ``BEGIN IMMEDIATE`` for write
+transactions (so two writers queue on the lock instead of failing to upgrade a read
+lock). PostgreSQL: psycopg 3, ``READ COMMITTED`` (the ingest path relies on row locks,
+not on snapshot isolation).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from importlib import resources
+from pathlib import Path
+
+import sqlalchemy as sa
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+
+class SchemaError(RuntimeError):
+    """The database schema is not the one this code expects."""
+
+
+def make_engine(url: str, **kwargs) -> sa.Engine:
+    """Create an engine for ``url`` with the dialect settings above.
+
+    Raises ``sqlalchemy.exc.ArgumentError`` for a malformed URL.
+    """
+    u = sa.make_url(url)
+    if u.get_backend_name() == "sqlite":
+        if u.database and u.database != ":memory:":
+            Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = sa.create_engine(
+            u, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False}, **kwargs
+        )
+        _configure_sqlite(engine)
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    kwargs.setdefault("pool_size", 10)
+    return sa.create_engine(u, isolation_level="READ COMMITTED", **kwargs)
+
+
+def _configure_sqlite(engine: sa.Engine) -> None:
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: sqlite3.Connection, _record) -> None:
+        dbapi_conn.isolation_level = None  # let SQLAlchemy's begin event emit BEGIN
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.execute("PRAGMA synchronous=NORMAL")
+        cur.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(conn: sa.Connection) -> None:
+        immediate = conn.get_execution_options().get("sqlite_immediate", False)
+        conn.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+
+
+def write_begin(engine: sa.Engine):
+    """A transaction for writing: ``BEGIN IMMEDIATE`` on SQLite, a plain one elsewhere."""
+    return engine.execution_options(sqlite_immediate=True).begin()
+
+
+def alembic_config(url: str) -> Config:
+    """Alembic configuration for ``url``, pointing at the migrations shipped in the package."""
+    cfg = Config()
+    cfg.set_main_option("script_location", str(resources.files("auditor.migrations")))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def head_revision() -> str:
+    """The newest migration revision this code ships."""
+    return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
+
+
+def current_revision(engine: sa.Engine) -> str | None:
+    """The database's revision, or None for an empty database."""
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()
+
+
+def upgrade(url: str, revision: str = "head") -> None:
+    """Apply migrations up to ``revision`` (``auditor db upgrade``)."""
+    command.upgrade(alembic_config(url), revision)
+
+
+def downgrade(url: str, revision: str) -> None:
+    """Revert migrations down to ``revision`` (``base`` empties the schema)."""
+    command.downgrade(alembic_config(url), revision)
+
+
+def ensure_schema(engine: sa.Engine, url: str) -> None:
+    """Start-up gate of ``auditor serve``.
+
+    An empty database is migrated to head; a database at head passes; a database at an
+    older revision or at one this code does not know (newer code wrote it) raises
+    :class:`SchemaError` with the command to run.
+    """
+    current = current_revision(engine)
+    head = head_revision()
+    if current == head:
+        return
+    if current is None:
+        with engine.connect() as conn:
+            tables = sa.inspect(conn).get_table_names()
+        if tables:
+            raise SchemaError(
+                f"database {engine.url.render_as_string(hide_password=True)} has tables {tables[:5]} but no "
+                "auditor schema version; refusing to touch it"
+            )
+        upgrade(url)
+        return
+    known = {rev.revision for rev in ScriptDirectory.from_config(alembic_config(url)).walk_revisions()}
+    if current not in known:
+        raise SchemaError(
+            f"database schema revision {current} is newer than this auditor (head {head}); "
+            "upgrade the auditor package, or point it at another database"
+        )
+    raise SchemaError(
+        f"database schema revision {current} is older than this auditor's {head}; "
+        f"run `auditor db upgrade --database-url {engine.url.render_as_string(hide_password=True)}`"
+    )

@@ -1,0 +1,125 @@
+"""SQLAlchemy Core tables. The schema is created by Alembic (``migrations/``), never by
+``create_all`` at start-up; keep this file and the newest revision in step.
+
+Timestamps are float Unix seconds (portable across SQLite and PostgreSQL, cheap to compare).
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+metadata = sa.MetaData(
+    naming_convention={
+        "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+        "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+        "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+        "pk": "pk_%(table_name)s",
+    }
+)
+
+BigInt = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+runs = sa.Table(
+    "runs",
+    metadata,
+    sa.Column("run_id", sa.String(128), primary_key=True),
+    sa.Column("world_size", sa.Integer, nullable=False),
+    sa.Column("dp", sa.Integer, nullable=False),
+    sa.Column("cp", sa.Integer, nullable=False),
+    sa.Column("tp", sa.Integer, nullable=False),
+    sa.Column("pp", sa.Integer, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
+# One row per (run, statistic): its kind and spec, and the running aggregates that
+# /metrics and the report read instead of scanning verdicts.
+series = sa.Table(
+    "series",
+    metadata,
+    sa.Column("id", BigInt, primary_key=True, autoincrement=True),
+    sa.Column("run_id", sa.String(128), sa.ForeignKey("runs.run_id", ondelete="CASCADE"), nullable=False),
+    sa.Column("statistic", sa.String(128), nullable=False),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("spec", sa.JSON, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+    sa.Column("updated_at", sa.Float, nullable=False),
+    sa.Column("steps_consistent", BigInt, nullable=False, server_default="0"),
+    sa.Column("steps_inconsistent", BigInt, nullable=False, server_default="0"),
+    sa.Column("steps_incomplete", BigInt, nullable=False, server_default="0"),
+    sa.Column("first_bad_step", BigInt),
+    sa.Column("last_bad_step", BigInt),
+    sa.Column("last_audited_step", BigInt),
+    sa.Column("cp_disagreement_sigma", sa.Float),
+    sa.Column("applied_error_sigma", sa.Float),
+    sa.UniqueConstraint("run_id", "statistic"),
+)
+
+reports = sa.Table(
+    "reports",
+    metadata,
+    sa.Column("series_id", BigInt, sa.ForeignKey("series.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("step", BigInt, primary_key=True, autoincrement=False),
+    sa.Column("microbatch", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("rank", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("dp", sa.Integer, nullable=False),
+    sa.Column("cp", sa.Integer, nullable=False),
+    sa.Column("tp", sa.Integer, nullable=False),
+    sa.Column("pp", sa.Integer, nullable=False),
+    sa.Column("dtype", sa.String(16), nullable=False),
+    sa.Column("local_count", sa.Float),
+    sa.Column("local_sum", sa.Float),
+    sa.Column("local_sum_sq", sa.Float),
+    sa.Column("local_min", sa.Float),
+    sa.Column("local_max", sa.Float),
+    sa.Column("local_replicated_sum_sq", sa.Float),
+    sa.Column("applied", sa.Boolean, nullable=False),
+    sa.Column("applied_count", sa.Float),
+    sa.Column("applied_sum", sa.Float),
+    sa.Column("applied_sum_sq", sa.Float),
+    sa.Column("applied_mean", sa.Float),
+    sa.Column("applied_var", sa.Float),
+    sa.Column("non_finite", sa.String(256)),  # fields that were NaN/Inf on the wire (NaN is stored as NULL)
+    sa.Column("group_ranks", sa.Text),  # compressed ranges, e.g. "0-3,8-11" (audit.compress_ranks)
+    sa.Column("received_at", sa.Float, nullable=False),
+)
+
+# One row per (series, step): created by the step's first report, counts arrivals, and
+# holds the verdict once audited. The row lock on it makes "audit exactly once" hold
+# across concurrent ingest transactions and replicas.
+step_audits = sa.Table(
+    "step_audits",
+    metadata,
+    sa.Column("series_id", BigInt, sa.ForeignKey("series.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("step", BigInt, primary_key=True, autoincrement=False),
+    sa.Column("expected", sa.Integer, nullable=False),
+    sa.Column("received", sa.Integer, nullable=False),
+    sa.Column("first_seen", sa.Float, nullable=False),
+    sa.Column("verdict", sa.String(16)),  # NULL while the step is open
+    sa.Column("audited_at", sa.Float),
+    sa.Column("cp_disagreement_sigma", sa.Float),
+    sa.Column("applied_error_sigma", sa.Float),
+    sa.Column("fault_kinds", sa.String(256)),  # comma-separated, for listings
+    sa.Column("groups", sa.JSON),  # correct statistic per expected group: [[key, mb, count, mean, var]]
+    sa.Index("ix_step_audits_open", "verdict", "first_seen"),
+)
+
+faults = sa.Table(
+    "faults",
+    metadata,
+    sa.Column("id", BigInt, primary_key=True, autoincrement=True),
+    sa.Column("series_id", BigInt, sa.ForeignKey("series.id", ondelete="CASCADE"), nullable=False),
+    sa.Column("step", BigInt, nullable=False),
+    sa.Column("kind", sa.String(32), nullable=False),
+    sa.Column("ranks", sa.Text, nullable=False),
+    sa.Column("message", sa.Text, nullable=False),
+    sa.Column("evidence", sa.JSON, nullable=False),
+    sa.Index("ix_faults_series_step", "series_id", "step"),
+)
+
+series_faults = sa.Table(
+    "series_faults",
+    metadata,
+    sa.Column("series_id", BigInt, sa.ForeignKey("series.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("kind", sa.String(32), primary_key=True),
+    sa.Column("count", BigInt, nullable=False),
+)

@@ -1,0 +1,106 @@
+"""Rich rendering of a run's consistency report (``GET /v1/runs/{run_id}/report``).
+
+Shared by ``auditor demo`` and ``auditor report``. Input is the report JSON as a dict;
+nothing here talks to the service.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+#: Bad steps shown per statistic, and rank rows shown per bad step, by default.
+MAX_STEPS = 5
+MAX_RANKS = 16
+
+
+def render_report(report: dict[str, Any], console: Console, *, max_steps: int = MAX_STEPS,
+                  max_ranks: int = MAX_RANKS) -> None:
+    """Print ``report``: a header, one summary row per statistic, then its worst steps.
+
+    Parameters
+    ----------
+    report:
+        The JSON of ``GET /v1/runs/{run_id}/report``.
+    console:
+        Rich console to print to.
+    max_steps, max_ranks:
+        Bad steps per statistic and rank rows per bad step to show; the rest is counted.
+    """
+    verdict = "[green]consistent[/]" if report.get("consistent") else "[red bold]INCONSISTENT[/]"
+    sizes = report.get("sizes") or {}
+    console.print(
+        f"[bold]run {report.get('run_id')}[/]: {verdict}  world_size={report.get('world_size')}  "
+        + " ".join(f"{k}={v}" for k, v in sizes.items())
+    )
+    statistics = report.get("statistics") or []
+    if not statistics:
+        console.print("  no audited statistics yet")
+        return
+    console.print(_summary_table(statistics))
+    for stat in statistics:
+        bad = stat.get("bad_steps") or []
+        for step in bad[:max_steps]:
+            _render_bad_step(console, stat["statistic"], step, max_ranks)
+        if len(bad) > max_steps:
+            console.print(f"  … {len(bad) - max_steps} more bad steps of {stat['statistic']}")
+
+
+def _summary_table(statistics: list[dict[str, Any]]) -> Table:
+    table = Table(title="Verdicts per statistic")
+    for col in ("statistic", "kind", "audited", "consistent", "inconsistent", "incomplete",
+                "first bad", "last bad", "faults", "CP disagreement σ", "applied error σ"):
+        table.add_column(col, justify="left" if col in ("statistic", "kind", "faults") else "right")
+    for s in statistics:
+        faults = ", ".join(f"{k}×{n}" for k, n in (s.get("faults") or {}).items()) or "—"
+        table.add_row(
+            s.get("statistic", ""), s.get("kind", ""), _int(s.get("steps_audited")),
+            _int(s.get("steps_consistent")), _int(s.get("steps_inconsistent")),
+            _int(s.get("steps_incomplete")), _int(s.get("first_bad_step")), _int(s.get("last_bad_step")),
+            faults, _num(s.get("cp_disagreement_sigma"), 3), _num(s.get("applied_error_sigma"), 3),
+        )
+    return table
+
+
+def _render_bad_step(console: Console, statistic: str, step: dict[str, Any], max_ranks: int) -> None:
+    console.print(f"[bold]{statistic}[/] step {step.get('step')}: [red]{step.get('verdict')}[/]")
+    for fault in step.get("faults") or []:
+        ranks = fault.get("ranks") or []
+        shown = ", ".join(map(str, ranks[:max_ranks])) + (" …" if len(ranks) > max_ranks else "")
+        console.print(f"  • [bold]{fault.get('kind')}[/] (ranks {shown or '—'}): {fault.get('message')}",
+                      highlight=False)
+    ranks = step.get("ranks") or []
+    if not ranks:
+        return
+    table = Table(show_edge=False, pad_edge=False)
+    for col in ("rank", "mb", "coords", "local n", "local mean", "applied mean", "applied std",
+                "correct mean", "correct std", "error σ", "faults"):
+        table.add_column(col, justify="left" if col in ("coords", "faults") else "right")
+    for r in ranks[:max_ranks]:
+        coords = " ".join(f"{k}{v}" for k, v in (r.get("coords") or {}).items())
+        table.add_row(
+            _int(r.get("rank")), _int(r.get("microbatch")), coords, _num(r.get("local_count"), 0),
+            _num(r.get("local_mean")), _num(r.get("applied_mean")), _num(r.get("applied_std")),
+            _num(r.get("correct_mean")), _num(r.get("correct_std")), _num(r.get("error_sigma"), 3),
+            ", ".join(r.get("faults") or []) or "—",
+        )
+    console.print(table)
+    if len(ranks) > max_ranks:
+        console.print(f"  … {len(ranks) - max_ranks} more ranks")
+
+
+def _int(x: Any) -> str:
+    return "—" if x is None else str(x)
+
+
+def _num(x: Any, digits: int = 6) -> str:
+    """Fixed-point with sign for statistics, '—' for null; NaN/Inf spelled out."""
+    if x is None:
+        return "—"
+    x = float(x)
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:.{digits}f}" if digits == 0 else f"{x:+.{digits}f}"
