@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -59,17 +60,62 @@ class ServerProcess:
         return httpx.put(self.url + path, timeout=30, **kw)
 
 
-@pytest.fixture(scope="session")
-def sqlite_url(tmp_path_factory) -> str:
-    return f"sqlite:///{tmp_path_factory.mktemp('db') / 'auditor.db'}"
+PG_ADMIN_URL = os.environ.get("AUDITOR_TEST_PG", "postgresql://127.0.0.1:5432/postgres")
+
+
+def _pg_database(tmp_name: str):
+    """Create a throw-away PostgreSQL database; return (url, drop)."""
+    import psycopg
+
+    name = f"auditor_test_{tmp_name}_{uuid.uuid4().hex[:8]}"
+    try:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(f'CREATE DATABASE "{name}"')
+    except psycopg.OperationalError as e:
+        pytest.fail(f"PostgreSQL at {PG_ADMIN_URL} is required (.ci/run starts it): {e}")
+    base = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
+
+    def drop() -> None:
+        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    return f"{base}/{name}", drop
+
+
+@pytest.fixture(scope="session", params=["sqlite", "postgresql"])
+def backend(request) -> str:
+    """Every storage and API test runs on both backends."""
+    return request.param
 
 
 @pytest.fixture(scope="session")
-def live_server(sqlite_url, tmp_path_factory):
-    """One service process for the session (grace 2 s, sweep every 0.2 s) on a SQLite file.
+def database_url(backend, tmp_path_factory):
+    """A fresh, empty database of the session's backend."""
+    if backend == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('db') / 'auditor.db'}"
+        return
+    url, drop = _pg_database("session")
+    yield url
+    drop()
+
+
+@pytest.fixture
+def fresh_database_url(backend, tmp_path):
+    """An empty database for one test (migrations, restarts)."""
+    if backend == "sqlite":
+        yield f"sqlite:///{tmp_path / 'auditor.db'}"
+        return
+    url, drop = _pg_database("t")
+    yield url
+    drop()
+
+
+@pytest.fixture(scope="session")
+def live_server(database_url, tmp_path_factory):
+    """One service process per backend for the session (grace 2 s, sweep every 0.2 s).
     Tests isolate themselves with unique run ids (:func:`run_id`)."""
     server = ServerProcess(
-        sqlite_url, tmp_path_factory.mktemp("logs") / "server.log",
+        database_url, tmp_path_factory.mktemp("logs") / "server.log",
         AUDITOR_GRACE_SECONDS="2", AUDITOR_SWEEP_INTERVAL_SECONDS="0.2",
     ).start()
     yield server
@@ -79,5 +125,5 @@ def live_server(sqlite_url, tmp_path_factory):
 @pytest.fixture
 def run_id(request) -> str:
     """A run id unique to this test."""
-    name = request.node.name.replace("[", "-").replace("]", "").replace(",", "-")[:80]
+    name = re.sub(r"[^A-Za-z0-9._:-]+", "-", request.node.name)[:80]
     return f"{name}-{uuid.uuid4().hex[:8]}"

@@ -1,0 +1,53 @@
+"""Reports of the reference case (DESIGN.md §4), built from the token counts with exact sums."""
+
+from __future__ import annotations
+
+import math
+
+from auditor import stats
+
+#: Per CP rank (cp=2, dp=1): response tokens of each sequence with advantage +1.5/−0.5/−1.0.
+REFERENCE_TOKENS = {0: (16, 40, 9), 1: (32, 50, 3)}
+ADVANTAGES = (1.5, -0.5, -1.0)
+
+
+def local_moments(cp_rank: int) -> dict:
+    counts = REFERENCE_TOKENS[cp_rank]
+    present = [a for a, n in zip(ADVANTAGES, counts) if n]
+    return {
+        "count": float(sum(counts)),
+        "sum": sum(n * a for n, a in zip(counts, ADVANTAGES)),
+        "sum_sq": sum(n * a * a for n, a in zip(counts, ADVANTAGES)),
+        "min": min(present), "max": max(present),
+    }
+
+
+def applied(moments: dict) -> dict:
+    mean, var = stats.one_pass_mean_var(moments["count"], moments["sum"], moments["sum_sq"])
+    return {"count": moments["count"], "sum": moments["sum"], "sum_sq": moments["sum_sq"], "mean": mean, "var": var}
+
+
+def total(*ms: dict) -> dict:
+    return {k: sum(m[k] for m in ms) for k in ("count", "sum", "sum_sq")}
+
+
+def reference_reports(run_id: str, *, buggy: bool, step: int = 0, statistic: str = "advantages") -> list[dict]:
+    """The two CP ranks' reports: ``buggy`` reduces each over itself (DP group without CP),
+    otherwise over both."""
+    loc = [local_moments(0), local_moments(1)]
+    glob = total(*loc)
+    out = []
+    for rank in (0, 1):
+        out.append({
+            "run_id": run_id, "statistic": statistic, "step": step, "rank": rank, "world_size": 2,
+            "coords": {"dp": 0, "cp": rank, "tp": 0, "pp": 0}, "sizes": {"dp": 1, "cp": 2, "tp": 1, "pp": 1},
+            "local": loc[rank],
+            "applied": applied(loc[rank] if buggy else glob),
+            "group_ranks": [rank] if buggy else [0, 1],
+            "dtype": "float32",
+        })
+    return out
+
+
+def whitened(value: float, mean: float, var: float) -> float:
+    return (value - mean) / math.sqrt(var + stats.WHITEN_EPSILON)

@@ -1,0 +1,219 @@
+"""The HTTP API of a real `auditor serve` process, on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+
+import pytest
+from factory import local_moments, reference_reports
+
+
+def report_of(server, run_id: str) -> dict:
+    r = server.get(f"/v1/runs/{run_id}/report")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def post(server, reports: list[dict]):
+    return server.post("/v1/reports", json={"reports": reports})
+
+
+def test_reference_bug_is_flagged_with_the_reference_numbers(live_server, run_id):
+    """The seed's bug (whitening reduced over the DP group without CP) comes out as
+    cp_disagreement + group_mismatch + wrong_group(['dp'] vs ['dp','cp']), with the sigma
+    figures of DESIGN.md §6 and the per-rank table of §4."""
+    r = post(live_server, reference_reports(run_id, buggy=True))
+    assert r.status_code == 200, r.text
+    assert r.json() == {"accepted": 2, "duplicates": 0, "steps_audited": 1}
+
+    rep = report_of(live_server, run_id)
+    assert rep["consistent"] is False
+    (s,) = rep["statistics"]
+    assert (s["steps_audited"], s["steps_inconsistent"], s["first_bad_step"], s["last_bad_step"]) == (1, 1, 0, 0)
+    assert set(s["faults"]) == {"cp_disagreement", "group_mismatch", "wrong_group"}
+    assert s["cp_disagreement_sigma"] == pytest.approx(0.433154, abs=1e-6)
+    assert s["applied_error_sigma"] == pytest.approx(0.267869, abs=1e-6)
+
+    (step,) = s["bad_steps"]
+    wrong = [f for f in step["faults"] if f["kind"] == "wrong_group"]
+    assert len(wrong) == 1 and wrong[0]["ranks"] == [0, 1]
+    assert wrong[0]["evidence"]["found"] == ["dp"] and wrong[0]["evidence"]["expected"] == ["dp", "cp"]
+    assert "with_context_parallel=True" in wrong[0]["message"]
+
+    rows = {row["rank"]: row for row in step["ranks"]}
+    assert rows[0]["local_count"] == 65 and rows[1]["local_count"] == 85
+    assert rows[0]["local_mean"] == pytest.approx(-0.076923, abs=1e-6)
+    assert rows[1]["local_mean"] == pytest.approx(0.235294, abs=1e-6)
+    for row in rows.values():
+        assert row["correct_mean"] == pytest.approx(0.1, abs=1e-6)
+        assert set(row["faults"]) >= {"group_mismatch", "wrong_group", "cp_disagreement"}
+    assert rows[0]["applied_mean"] == pytest.approx(-0.076923, abs=1e-6)
+    # whitened +1.5 with each rank's applied statistic: +1.707037 / +1.273883
+    for rank, want in ((0, 1.707037), (1, 1.273883)):
+        got = (1.5 - rows[rank]["applied_mean"]) / math.sqrt(rows[rank]["applied_std"] ** 2 + 1e-8)
+        assert got == pytest.approx(want, abs=1e-6)
+    got = (1.5 - rows[0]["correct_mean"]) / math.sqrt(rows[0]["correct_std"] ** 2 + 1e-8)
+    assert got == pytest.approx(1.439168, abs=1e-6)
+
+
+def test_fixed_reference_run_is_consistent(live_server, run_id):
+    """Reduced over the DP group with CP, both ranks apply the global statistic: no fault."""
+    assert post(live_server, reference_reports(run_id, buggy=False)).status_code == 200
+    (s,) = report_of(live_server, run_id)["statistics"]
+    assert (s["steps_audited"], s["steps_consistent"], s["faults"], s["bad_steps"]) == (1, 1, {}, [])
+    assert s["cp_disagreement_sigma"] == 0.0
+    assert s["applied_error_sigma"] == pytest.approx(0.0, abs=1e-9)
+
+
+def test_metrics_export_the_sigma_gauges(live_server, run_id):
+    """/metrics carries DESIGN.md §6's series for the run, labelled run/statistic/kind."""
+    post(live_server, reference_reports(run_id, buggy=True))
+    text = live_server.get("/metrics").text
+    lines = {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+             if f'run="{run_id}"' in line}
+    assert lines[f'auditor_cp_disagreement_sigma{{run="{run_id}",statistic="advantages"}}'] == pytest.approx(0.433154, abs=1e-6)
+    assert lines[f'auditor_steps_audited_total{{run="{run_id}",statistic="advantages",verdict="inconsistent"}}'] == 1
+    assert lines[f'auditor_faults_total{{kind="cp_disagreement",run="{run_id}",statistic="advantages"}}'] == 1
+    assert lines[f'auditor_last_audited_step{{run="{run_id}",statistic="advantages"}}'] == 0
+    assert "auditor_ingest_duration_seconds_bucket" in text and "auditor_reports_received_total" in text
+
+
+@pytest.mark.parametrize(
+    "mutate, field, words",
+    [
+        (lambda r: r["local"].update(count=-1.0), "reports[0].local", "count must be >= 0"),
+        (lambda r: r["coords"].update(cp=2), "reports[0]", "coords.cp (2) must be < sizes.cp (2)"),
+        (lambda r: r.update(world_size=3), "reports[0]", "world_size (3) must equal the product"),
+        (lambda r: r.update(dtype="float8"), "reports[0].dtype", "float32"),
+        (lambda r: r["local"].update(sum_sq=0.1), "reports[0]", "local.sum_sq"),
+        (lambda r: r.update(run_id="bad run id"), "reports[0].run_id", "pattern"),
+        (lambda r: r.update(step=-1), "reports[0].step", "greater than or equal to 0"),
+        (lambda r: r.pop("local"), "reports[0].local", "Field required"),
+        (lambda r: r.update(rank=7), "reports[0]", "rank (7) must be < world_size (2)"),
+        (lambda r: r.update(extra_field=1), "reports[0].extra_field", "Extra inputs"),
+    ],
+)
+def test_bad_input_is_a_422_naming_the_field_and_stores_nothing(live_server, run_id, mutate, field, words):
+    """Each rule of DESIGN.md §3 gives a 4xx whose detail names the field; the valid
+    report in the same batch is not stored either."""
+    good, bad = reference_reports(run_id, buggy=False)
+    mutate(good)
+    r = post(live_server, [good, bad])
+    assert r.status_code == 422, r.text
+    detail = r.json()["detail"]
+    assert any(d["field"] == field and words in d["msg"] for d in detail), detail
+    assert live_server.get(f"/v1/runs/{run_id}").status_code == 404
+
+
+def test_malformed_and_empty_bodies(live_server):
+    assert live_server.post("/v1/reports", content=b"{not json").status_code == 422
+    r = live_server.post("/v1/reports", json={"reports": []})
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "reports"
+
+
+def test_retry_is_idempotent(live_server, run_id):
+    """Re-sending identical reports (a client retry) stores and audits nothing twice."""
+    batch = reference_reports(run_id, buggy=True)
+    assert post(live_server, batch).json() == {"accepted": 2, "duplicates": 0, "steps_audited": 1}
+    assert post(live_server, batch).json() == {"accepted": 0, "duplicates": 2, "steps_audited": 0}
+    assert post(live_server, batch + batch).json() == {"accepted": 0, "duplicates": 4, "steps_audited": 0}
+    (s,) = report_of(live_server, run_id)["statistics"]
+    assert s["steps_audited"] == 1 and s["faults"]["cp_disagreement"] == 1
+
+
+def test_conflicting_duplicate_is_409_and_the_stored_report_stays(live_server, run_id):
+    first = reference_reports(run_id, buggy=False)
+    assert post(live_server, first[:1]).status_code == 200
+    changed = json.loads(json.dumps(first[0]))
+    changed["local"]["sum"] += 1.0
+    r = post(live_server, [first[1], changed])
+    assert r.status_code == 409, r.text
+    detail = r.json()["detail"]
+    assert detail["error"] == "conflicting_report"
+    assert detail["conflicts"] == [{"index": 1, "run_id": run_id, "statistic": "advantages", "step": 0,
+                                    "microbatch": 0, "rank": 0, "fields": ["local_sum"]}]
+    # nothing of that batch was stored: rank 1 is still missing, rank 0 keeps its sum
+    step = live_server.get(f"/v1/runs/{run_id}/statistics/advantages/steps/0").json()
+    assert step["verdict"] is None and step["reports"] == 1
+    assert step["ranks"][0]["local_mean"] == pytest.approx(local_moments(0)["sum"] / 65, abs=1e-12)
+
+
+def test_topology_conflict_is_409(live_server, run_id):
+    assert post(live_server, reference_reports(run_id, buggy=False)[:1]).status_code == 200
+    other = reference_reports(run_id, buggy=False, step=1)
+    other[1].update(world_size=4, sizes={"dp": 2, "cp": 2, "tp": 1, "pp": 1})
+    r = post(live_server, other)
+    assert r.status_code == 409
+    assert r.json()["detail"]["error"] == "topology_conflict"
+    assert r.json()["detail"]["conflicts"] == [{"index": 1, "field": "sizes"}]
+    assert live_server.get(f"/v1/runs/{run_id}/statistics/advantages/steps/1").status_code == 404
+
+
+def test_run_registration_fixes_topology(live_server, run_id):
+    body = {"world_size": 4, "sizes": {"dp": 2, "cp": 2}, "statistics": {"advantages": {"kind": "moments"}}}
+    r = live_server.put(f"/v1/runs/{run_id}", json=body)
+    assert r.status_code == 200 and r.json()["world_size"] == 4
+    assert live_server.put(f"/v1/runs/{run_id}", json=body).status_code == 200
+    r = post(live_server, reference_reports(run_id, buggy=False))
+    assert r.status_code == 409 and r.json()["detail"]["error"] == "topology_conflict"
+    bad = live_server.put("/v1/runs/bad%20id", json=body)
+    assert bad.status_code == 422
+
+
+def test_nan_is_accepted_and_flagged_non_finite(live_server, run_id):
+    """NaN/Inf are a training fault to report, not a client error (sent as JSON NaN)."""
+    batch = reference_reports(run_id, buggy=False)
+    batch[1]["local"]["sum"] = float("nan")
+    batch[1]["applied"]["mean"] = float("inf")
+    r = live_server.post("/v1/reports", content=json.dumps({"reports": batch}),
+                         headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    (s,) = report_of(live_server, run_id)["statistics"]
+    assert s["steps_inconsistent"] == 1 and "non_finite" in s["faults"]
+    (f,) = [f for f in s["bad_steps"][0]["faults"] if f["kind"] == "non_finite"]
+    assert f["ranks"] == [1] and f["evidence"]["fields"] == ["applied_mean", "local_sum"]
+    # a retry of the same NaN report is still an identical duplicate
+    again = live_server.post("/v1/reports", content=json.dumps({"reports": batch}),
+                             headers={"content-type": "application/json"})
+    assert again.json()["duplicates"] == 2
+
+
+def test_skipped_collective_is_flagged(live_server, run_id):
+    """A rank that reports local moments but no all-reduce result skipped the collective."""
+    batch = reference_reports(run_id, buggy=False)
+    batch[1]["applied"] = None
+    batch[1]["local"] = {"count": 0.0, "sum": 0.0, "sum_sq": 0.0}
+    post(live_server, batch)
+    (s,) = report_of(live_server, run_id)["statistics"]
+    (f,) = [f for f in s["bad_steps"][0]["faults"] if f["kind"] == "skipped_collective"]
+    assert f["ranks"] == [1] and f["evidence"]["empty_local_mask"] is True
+    assert "hang" in f["message"]
+
+
+def test_missing_report_after_grace_period(live_server, run_id):
+    """A step that never completes is audited as incomplete once the grace period (2 s in
+    this fixture) ends, by the background sweep."""
+    post(live_server, reference_reports(run_id, buggy=False)[:1])
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        (s,) = report_of(live_server, run_id)["statistics"]
+        if s["steps_audited"]:
+            break
+        assert s["steps_pending"] == 1
+        time.sleep(0.2)
+    assert (s["steps_incomplete"], s["steps_inconsistent"], s["faults"]) == (1, 0, {"missing_report": 1})
+    (f,) = s["bad_steps"][0]["faults"]
+    assert f["ranks"] == [1] and f["evidence"] == {"missing": 1, "expected": 2}
+    # the late report is stored but the verdict stays
+    assert post(live_server, reference_reports(run_id, buggy=False)[1:]).json()["steps_audited"] == 0
+
+
+def test_runs_listing_and_health(live_server, run_id):
+    post(live_server, reference_reports(run_id, buggy=True))
+    runs = {r["run_id"]: r for r in live_server.get("/v1/runs").json()}
+    assert runs[run_id]["steps_inconsistent"] == 1 and runs[run_id]["statistics"] == ["advantages"]
+    h = live_server.get("/healthz").json()
+    assert h["status"] == "ok" and h["schema_revision"] == "0001"
+    assert live_server.get("/v1/runs/no-such-run/report").status_code == 404
