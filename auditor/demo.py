@@ -438,7 +438,7 @@ def _fetch_service_view(url: str, result: DemoResult, console: Console) -> None:
                            if ln.startswith("auditor_") and any(lab in ln for lab in labels)]
     console.print("[bold]Prometheus metrics of these runs[/]")
     for line in result.metric_lines:
-        console.print(f"  {line}", markup=False, highlight=False)
+        console.print(f"  {line}", markup=False, highlight=False, soft_wrap=True)
 
 
 def _get_json(http: httpx.Client, path: str, console: Console) -> dict | None:

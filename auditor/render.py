@@ -51,16 +51,18 @@ def render_report(report: dict[str, Any], console: Console, *, max_steps: int = 
 
 def _summary_table(statistics: list[dict[str, Any]]) -> Table:
     table = Table(title="Verdicts per statistic")
-    for col in ("statistic", "kind", "audited", "consistent", "inconsistent", "incomplete",
-                "first bad", "last bad", "faults", "CP disagreement σ", "applied error σ"):
-        table.add_column(col, justify="left" if col in ("statistic", "kind", "faults") else "right")
+    for col, justify in (("statistic", "left"), ("kind", "left"), ("ok/bad/inc", "right"),
+                         ("bad steps", "right"), ("faults", "left"), ("CP σ", "right"), ("error σ", "right")):
+        table.add_column(col, justify=justify)
     for s in statistics:
-        faults = ", ".join(f"{k}×{n}" for k, n in (s.get("faults") or {}).items()) or "—"
+        faults = "\n".join(f"{k} ×{n}" for k, n in (s.get("faults") or {}).items()) or "—"
+        counts = "/".join(_int(s.get(k)) for k in ("steps_consistent", "steps_inconsistent", "steps_incomplete"))
+        first, last = s.get("first_bad_step"), s.get("last_bad_step")
+        span = "—" if first is None else (str(first) if first == last else f"{first}–{last}")
         table.add_row(
-            s.get("statistic", ""), s.get("kind", ""), _int(s.get("steps_audited")),
-            _int(s.get("steps_consistent")), _int(s.get("steps_inconsistent")),
-            _int(s.get("steps_incomplete")), _int(s.get("first_bad_step")), _int(s.get("last_bad_step")),
-            faults, _num(s.get("cp_disagreement_sigma"), 3), _num(s.get("applied_error_sigma"), 3),
+            s.get("statistic", ""), s.get("kind", ""), f"{counts} of {_int(s.get('steps_audited'))}", span,
+            faults, _num(s.get("cp_disagreement_sigma"), 3, sign=False),
+            _num(s.get("applied_error_sigma"), 3, sign=False),
         )
     return table
 
@@ -75,17 +77,17 @@ def _render_bad_step(console: Console, statistic: str, step: dict[str, Any], max
     ranks = step.get("ranks") or []
     if not ranks:
         return
-    table = Table(show_edge=False, pad_edge=False)
-    for col in ("rank", "mb", "coords", "local n", "local mean", "applied mean", "applied std",
-                "correct mean", "correct std", "error σ", "faults"):
-        table.add_column(col, justify="left" if col in ("coords", "faults") else "right")
+    table = Table(box=None, padding=(0, 1), header_style="bold")
+    for col in ("rank", "coords", "n", "local μ", "applied μ", "applied σ", "correct μ", "correct σ", "error σ"):
+        table.add_column(col, justify="left" if col == "coords" else "right")
     for r in ranks[:max_ranks]:
-        coords = " ".join(f"{k}{v}" for k, v in (r.get("coords") or {}).items())
+        coords = " ".join(f"{k}{v}" for k, v in (r.get("coords") or {}).items() if k in ("dp", "cp") or v)
+        mb = f"/mb{r['microbatch']}" if r.get("microbatch") else ""
         table.add_row(
-            _int(r.get("rank")), _int(r.get("microbatch")), coords, _num(r.get("local_count"), 0),
-            _num(r.get("local_mean")), _num(r.get("applied_mean")), _num(r.get("applied_std")),
-            _num(r.get("correct_mean")), _num(r.get("correct_std")), _num(r.get("error_sigma"), 3),
-            ", ".join(r.get("faults") or []) or "—",
+            _int(r.get("rank")) + mb, coords, _num(r.get("local_count"), 0, sign=False),
+            _num(r.get("local_mean"), 4), _num(r.get("applied_mean"), 4), _num(r.get("applied_std"), 4, sign=False),
+            _num(r.get("correct_mean"), 4), _num(r.get("correct_std"), 4, sign=False),
+            _num(r.get("error_sigma"), 3, sign=False),
         )
     console.print(table)
     if len(ranks) > max_ranks:
@@ -96,11 +98,11 @@ def _int(x: Any) -> str:
     return "—" if x is None else str(x)
 
 
-def _num(x: Any, digits: int = 6) -> str:
-    """Fixed-point with sign for statistics, '—' for null; NaN/Inf spelled out."""
+def _num(x: Any, digits: int = 6, sign: bool = True) -> str:
+    """Fixed-point (signed for means), '—' for null; NaN/Inf spelled out."""
     if x is None:
         return "—"
     x = float(x)
     if not math.isfinite(x):
         return str(x)
-    return f"{x:.{digits}f}" if digits == 0 else f"{x:+.{digits}f}"
+    return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"

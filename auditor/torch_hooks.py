@@ -9,11 +9,15 @@ all-reduce returned (wire contract v1, DESIGN.md §3).
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from auditor.integrations.megatron import coords_and_sizes
+
+if TYPE_CHECKING:
+    from auditor.client import AuditorClient
 
 log = logging.getLogger("auditor.torch_hooks")
 
@@ -55,7 +59,7 @@ def distributed_masked_whiten(
     shift_mean: bool = True,
     epsilon: float = 1e-8,
     *,
-    client=None,
+    client: AuditorClient | None = None,
     run_id: str | None = None,
     statistic: str = "advantages",
     step: int = 0,
@@ -125,7 +129,7 @@ def distributed_masked_whiten(
     return whitened
 
 
-def _report(client, run_id, statistic, step, microbatch, num_microbatches, values, mask, applied, group) -> None:
+def _report(client: AuditorClient, run_id, statistic, step, microbatch, num_microbatches, values, mask, applied, group) -> None:
     """Build and enqueue this rank's report (wire contract §3); never raises into training."""
     try:
         coords, sizes = coords_and_sizes()

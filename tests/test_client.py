@@ -1,0 +1,216 @@
+"""AuditorClient delivery semantics, and the report distributed_masked_whiten emits.
+
+The service side is a real stdlib HTTP server on a free port that records every request and
+answers from a script of status codes, so retries, 409 partial rejections and drops are
+exercised over real sockets.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from auditor.client import AuditorClient, client_from_env
+from auditor.schemas import Report
+from auditor.torch_hooks import distributed_masked_whiten
+
+
+class RecordingServer:
+    """Records (headers, raw body, parsed body) of every POST; answers from ``script``
+    (a list of (status, headers, json body) used in order, then 200)."""
+
+    def __init__(self):
+        self.requests: list[tuple[dict, bytes, dict]] = []
+        self.script: list[tuple[int, dict, dict]] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):  # noqa: N802 - http.server API
+                raw = self.rfile.read(int(self.headers["Content-Length"]))
+                outer.requests.append((dict(self.headers), raw, json.loads(raw)))
+                status, headers, body = outer.script.pop(0) if outer.script else (200, {}, {"accepted": 0})
+                payload = json.dumps(body).encode()
+                self.send_response(status)
+                for k, v in {"Content-Type": "application/json", **headers}.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, args=(0.05,), daemon=True)
+        self.thread.start()
+
+    def reports(self) -> list[dict]:
+        return [r for _, _, body in self.requests for r in body["reports"]]
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def server():
+    s = RecordingServer()
+    yield s
+    s.close()
+
+
+def _reports(n: int, start: int = 0) -> list[dict]:
+    return [{"run_id": "r", "step": i, "local": {"count": 1.0}} for i in range(start, start + n)]
+
+
+def test_batches_flush_and_token(server):
+    """2500 reports with batch_size 1000 arrive in order in requests of ≤ 1000, with the bearer
+    token; flush returns True once all are sent; stats count them."""
+    client = AuditorClient(server.url, batch_size=1000, token="s3cret")
+    for r in _reports(2500):
+        client.report(r)
+    assert client.flush(timeout=10)
+    assert [r["step"] for r in server.reports()] == list(range(2500))
+    assert all(len(body["reports"]) <= 1000 for _, _, body in server.requests)
+    assert all(h["Authorization"] == "Bearer s3cret" for h, _, _ in server.requests)
+    assert client.stats == {"enqueued": 2500, "sent": 2500, "rejected": 0, "dropped": 0, "retries": 0}
+    client.close()
+
+
+def test_non_finite_values_use_json_nan_tokens(server):
+    """NaN and ±Inf go on the wire as the JSON tokens NaN / Infinity / -Infinity."""
+    client = AuditorClient(server.url)
+    client.report({"local": {"sum": float("nan"), "sum_sq": float("inf"), "min": float("-inf")}})
+    assert client.flush(timeout=10)
+    raw = server.requests[0][1]
+    assert b"NaN" in raw and b"Infinity" in raw and b"-Infinity" in raw
+    client.close()
+
+
+def test_transient_failures_are_retried(server):
+    """503 (with Retry-After) and 429 are retried with the same batch until it is accepted."""
+    server.script = [(503, {"Retry-After": "0"}, {}), (429, {}, {})]
+    client = AuditorClient(server.url)
+    for r in _reports(3):
+        client.report(r)
+    assert client.flush(timeout=10)
+    bodies = [body for _, _, body in server.requests]
+    assert len(bodies) == 3 and bodies[0] == bodies[1] == bodies[2]
+    assert client.stats["retries"] == 2 and client.stats["sent"] == 3
+    client.close()
+
+
+def test_409_drops_named_reports_and_resends_the_rest(server):
+    """A 409 naming indices 1 and 3 rejects those two; the other three are resent and sent."""
+    detail = {"error": "conflicting_report", "message": "differs", "conflicts": [{"index": 1}, {"index": 3}]}
+    server.script = [(409, {}, {"detail": detail})]
+    client = AuditorClient(server.url)
+    for r in _reports(5):
+        client.report(r)
+    assert client.flush(timeout=10)
+    assert [r["step"] for r in server.requests[1][2]["reports"]] == [0, 2, 4]
+    assert client.stats["rejected"] == 2 and client.stats["sent"] == 3
+    client.close()
+
+
+def test_other_4xx_rejects_the_batch_and_continues(server):
+    """A 422 rejects the whole batch (no retry); later reports are still delivered."""
+    server.script = [(422, {}, {"detail": "bad"})]
+    client = AuditorClient(server.url)
+    for r in _reports(4):
+        client.report(r)
+    assert client.flush(timeout=10)
+    client.report(_reports(1, start=9)[0])
+    assert client.flush(timeout=10)
+    assert client.stats == {"enqueued": 5, "sent": 1, "rejected": 4, "dropped": 0, "retries": 0}
+    client.close()
+
+
+def test_unreachable_service_never_raises_and_close_drops():
+    """With nothing listening, report() never raises, flush times out (False), retries are
+    counted, and close() gives the undelivered reports up as dropped."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+    client = AuditorClient(url, timeout=0.2)
+    for r in _reports(3):
+        client.report(r)
+    assert client.flush(timeout=0.5) is False
+    client.close(timeout=0.1)
+    assert client.stats["retries"] >= 1
+    assert client.stats["dropped"] == 3 and client.stats["sent"] == 0
+    client.report(_reports(1)[0])  # after close: counted, not raised
+    assert client.stats["dropped"] == 4
+
+
+def test_full_queue_drops_new_reports(server):
+    """Beyond max_queue, report() drops (and counts) instead of growing memory."""
+    client = AuditorClient(server.url, max_queue=2, flush_interval=30.0)
+    for r in _reports(5):
+        client.report(r)
+    assert client.stats["enqueued"] == 2 and client.stats["dropped"] == 3
+    assert client.flush(timeout=10)
+    assert [r["step"] for r in server.reports()] == [0, 1]
+    client.close()
+
+
+def test_client_from_env(monkeypatch):
+    """AUDITOR_URL unset → None; set → a client for it with AUDITOR_TOKEN as bearer token."""
+    monkeypatch.delenv("AUDITOR_URL", raising=False)
+    assert client_from_env() is None
+    monkeypatch.setenv("AUDITOR_URL", "http://127.0.0.1:1/")
+    monkeypatch.setenv("AUDITOR_TOKEN", "t")
+    client = client_from_env()
+    assert client.url == "http://127.0.0.1:1"
+    assert client._http.headers["Authorization"] == "Bearer t"
+    client.close(timeout=0.1)
+
+
+@pytest.fixture
+def world1():
+    """A real one-process gloo world (WORLD = [0])."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_whiten_report_matches_the_wire_contract(server, world1):
+    """distributed_masked_whiten enqueues one report that validates as a wire Report: local
+    float64 moments, applied = the all-reduced sums with the mean/var it whitened with,
+    group ranks, and Megatron-less coordinates (dp = rank, sizes.dp = world)."""
+    client = AuditorClient(server.url)
+    values = torch.tensor([1.5, 1.5, -0.5, -1.0])
+    distributed_masked_whiten(values, torch.tensor([1.0, 1.0, 1.0, 0.0]), client=client, run_id="run-1", step=3)
+    assert client.flush(timeout=10)
+    (sent,) = server.reports()
+    report = Report.model_validate(sent)
+    assert (report.run_id, report.statistic, report.step, report.rank, report.world_size) == ("run-1", "advantages", 3, 0, 1)
+    assert sent["local"] == {"count": 3.0, "sum": 2.5, "sum_sq": 4.75, "min": -0.5, "max": 1.5}
+    mean, var = 2.5 / 3, (4.75 / 3 - (2.5 / 3) ** 2) * 3 / 2
+    assert sent["applied"]["count"] == 3.0 and sent["applied"]["sum"] == 2.5
+    assert sent["applied"]["mean"] == pytest.approx(mean, rel=1e-6)
+    assert sent["applied"]["var"] == pytest.approx(var, rel=1e-6)
+    assert sent["group_ranks"] == [0] and sent["dtype"] == "float32"
+    assert sent["coords"] == {"dp": 0, "cp": 0, "tp": 0, "pp": 0}
+    assert sent["sizes"] == {"dp": 1, "cp": 1, "tp": 1, "pp": 1}
+    client.close()
+
+
+def test_whiten_reports_a_globally_empty_mask_then_raises(server, world1):
+    """N == 0: the report is still sent (applied count 0, mean/var null), then ValueError."""
+    client = AuditorClient(server.url)
+    with pytest.raises(ValueError):
+        distributed_masked_whiten(torch.zeros(0), torch.zeros(0), client=client, run_id="run-1")
+    assert client.flush(timeout=10)
+    (sent,) = server.reports()
+    Report.model_validate(sent)
+    assert sent["local"] == {"count": 0.0, "sum": 0.0, "sum_sq": 0.0, "min": None, "max": None}
+    assert sent["applied"] == {"count": 0.0, "sum": 0.0, "sum_sq": 0.0, "mean": None, "var": None}
+    client.close()
