@@ -30,6 +30,12 @@ def _db_url(url: str | None) -> str:
     return url or DEFAULT_DATABASE_URL
 
 
+def _console() -> Console:
+    """A console for tables; when output is piped (CI logs), wide enough not to cut numbers."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
+
+
 @app.command()
 def serve(
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
@@ -134,7 +140,7 @@ def report(
         return
     from auditor.render import render_report
 
-    render_report(data, Console())
+    render_report(data, _console())
 
 
 @app.command()
@@ -181,7 +187,7 @@ def runs(url: Optional[str] = ServiceUrl, database_url: Optional[str] = Database
         s = r["sizes"]
         t.add_row(r["run_id"], str(r["world_size"]), f"{s['dp']}×{s['cp']}×{s['tp']}×{s['pp']}",
                   ", ".join(r["statistics"]), str(r["steps_audited"]), str(r["steps_inconsistent"]))
-    Console().print(t)
+    _console().print(t)
 
 
 @app.command()
@@ -196,7 +202,7 @@ def demo(
     (slime's bug) and with CP (the fix) — push to the auditor, and print both reports."""
     from auditor.demo import run_demo
 
-    console = Console()
+    console = _console()
     if url:
         run_demo(url, dp=dp, cp=cp, console=console)
         return

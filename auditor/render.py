@@ -52,7 +52,7 @@ def render_report(report: dict[str, Any], console: Console, *, max_steps: int = 
 def _summary_table(statistics: list[dict[str, Any]]) -> Table:
     table = Table(title="Verdicts per statistic")
     for col, justify in (("statistic", "left"), ("kind", "left"), ("ok/bad/inc", "right"),
-                         ("bad steps", "right"), ("faults", "left"), ("CP σ", "right"), ("error σ", "right")):
+                         ("bad steps (first–last)", "right"), ("faults", "left"), ("CP σ", "right"), ("error σ", "right")):
         table.add_column(col, justify=justify)
     for s in statistics:
         faults = "\n".join(f"{k} ×{n}" for k, n in (s.get("faults") or {}).items()) or "—"
@@ -61,8 +61,8 @@ def _summary_table(statistics: list[dict[str, Any]]) -> Table:
         span = "—" if first is None else (str(first) if first == last else f"{first}–{last}")
         table.add_row(
             s.get("statistic", ""), s.get("kind", ""), f"{counts} of {_int(s.get('steps_audited'))}", span,
-            faults, _num(s.get("cp_disagreement_sigma"), 3, sign=False),
-            _num(s.get("applied_error_sigma"), 3, sign=False),
+            faults, _num(s.get("cp_disagreement_sigma"), sign=False),
+            _num(s.get("applied_error_sigma"), sign=False),
         )
     return table
 
@@ -85,9 +85,9 @@ def _render_bad_step(console: Console, statistic: str, step: dict[str, Any], max
         mb = f"/mb{r['microbatch']}" if r.get("microbatch") else ""
         table.add_row(
             _int(r.get("rank")) + mb, coords, _num(r.get("local_count"), 0, sign=False),
-            _num(r.get("local_mean"), 4), _num(r.get("applied_mean"), 4), _num(r.get("applied_std"), 4, sign=False),
-            _num(r.get("correct_mean"), 4), _num(r.get("correct_std"), 4, sign=False),
-            _num(r.get("error_sigma"), 3, sign=False),
+            _num(r.get("local_mean")), _num(r.get("applied_mean")), _num(r.get("applied_std"), sign=False),
+            _num(r.get("correct_mean")), _num(r.get("correct_std"), sign=False),
+            _num(r.get("error_sigma"), sign=False),
         )
     console.print(table)
     if len(ranks) > max_ranks:
