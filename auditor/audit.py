@@ -4,11 +4,17 @@ Pure (no I/O): the store hands in the reports of one (run, statistic, step) and 
 :class:`StepVerdict`. The vocabulary is DESIGN.md §5.
 
 Terms. A rank's *expected group* is every rank equal to it on each dim outside
-``spec.reduce_over``. Ranks that differ only along ``spec.replicas`` hold the same data, so
-the correct statistic counts their data once. The *correct* statistic of a group is the
-float64 Chan merge (:func:`auditor.stats.merge`) of its members' local moments. A rank's
-applied statistic is *consistent* when its whitening transform differs from the correct one
-by no more than :func:`auditor.stats.whiten_tolerance` over the group's value range.
+``spec.reduce_over`` (and, for ``sum`` statistics with ``over_microbatches``, every
+microbatch of the step). Ranks that differ only along ``spec.replicas`` hold the same data,
+so the correct statistic counts their data once. The *correct* statistic of a group is
+recomputed in float64 from its members' local values: the Chan merge
+(:func:`auditor.stats.merge`) for ``moments``, Σ local sums for ``sum``, Σ sum_sq plus the
+replicated part once for ``norm``. A rank's applied statistic *matches* a group when each
+component differs from the group's by no more than the rounding a correct reduction in the
+reported dtype can produce (:func:`auditor.stats.mean_var_tolerance`,
+:func:`auditor.stats.sum_tolerance`; docs/tolerance.md). A mismatch is then diagnosed by
+trying every other reduction (every subset of dp, cp, tp, pp, with replicas counted once or
+summed, and the microbatch axis for ``sum``) and earlier steps' values.
 """
 
 from __future__ import annotations
@@ -18,6 +24,8 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
+
+import numpy as np
 
 from auditor import stats
 from auditor.schemas import DIMS, StatisticSpec
@@ -129,6 +137,9 @@ class RankRow:
     correct_std: float | None
     error_sigma: float | None
     faults: list[str] = field(default_factory=list)
+    #: ``sum``/``norm``: |applied − correct| / |correct| (local/applied/correct values sit in
+    #: the ``*_mean`` columns; the ``*_std`` and ``error_sigma`` columns stay None).
+    relative_error: float | None = None
 
 
 @dataclass(slots=True)
@@ -179,56 +190,215 @@ def expand_ranks(text: str | None) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def _key(c: Coord, dims: Iterable[str]) -> tuple[int, ...]:
-    return tuple(c[DIMS.index(d)] for d in dims)
+# ----------------------------------------------------------------------------- engine
+#
+# One step is audited as arrays over its *elements* (one report per rank and microbatch).
+# A reduction over a set of dims D partitions the elements by their coordinates outside D
+# (the microbatch index is a coordinate too: ``sum`` statistics with ``over_microbatches``
+# reduce over it). Every candidate group of the diagnosis is one such partition, computed
+# once for all elements with numpy (O(elements) per candidate), so a 4,096-rank step with
+# every rank wrong is diagnosed in milliseconds.
 
+#: Extended coordinate axes of an element: the four parallel dims and the microbatch.
+_AXES: tuple[str, ...] = DIMS + ("mb",)
 
-def _outside(dims: Iterable[str]) -> tuple[str, ...]:
-    dims = set(dims)
-    return tuple(d for d in DIMS if d not in dims)
+#: Terms assumed in one rank's local sum of a ``sum``/``norm`` statistic that reports no
+#: ``local.count``: 2^24, every float32 integer (only the log2 of it enters the tolerance).
+DEFAULT_LOCAL_TERMS = float(2**24)
+
+_VERB = {"moments": "whitened with", "sum": "divided by", "norm": "clipped with"}
+_WHAT = {"moments": "statistic", "sum": "denominator", "norm": "gradient norm"}
 
 
 def _dims_text(dims: Iterable[str]) -> str:
-    return "[" + ", ".join(repr(d) for d in dims) + "]"
+    """``['dp', 'cp']``; the microbatch axis reads "and all microbatches"."""
+    dims = list(dims)
+    text = "[" + ", ".join(repr(d) for d in dims if d != "mb") + "]"
+    return text + (" and all microbatches of the step" if "mb" in dims else "")
 
 
-class _Groups:
-    """Correct moments of the groups a reduction over ``dims`` forms, cached per key.
+def _max_opt(a: float | None, b: float | None) -> float | None:
+    if b is None or not math.isfinite(b):
+        return a
+    return b if a is None else max(a, b)
 
-    ``dedupe`` counts ranks that differ only along replica dims once (the correct
-    reduction); without it every member is summed (what a trainer that reduced over the
-    replicas too would get).
-    """
 
-    def __init__(self, reports: Sequence[RankReport], local: dict[int, Moments], replicas: Sequence[str]):
-        self.reports = reports
-        self.local = local
-        self.replicas = tuple(replicas)
-        self._cache: dict[tuple, tuple[Moments, list[int]]] = {}
+def _f(x: float | None) -> float:
+    return math.nan if x is None else float(x)
 
-    def of(self, r: RankReport, dims: tuple[str, ...], dedupe: bool = True) -> tuple[Moments, list[int]]:
-        outside = _outside(dims)
-        key = (dims, dedupe, _key(r.coords, outside))
-        hit = self._cache.get(key)
+
+@dataclass(slots=True)
+class _Part:
+    """The groups a reduction over ``axes`` forms. Per element: ``inv`` (group index);
+    per group: ``size`` (elements), ``complete``, ``finite`` and the kind's sums."""
+
+    axes: tuple[str, ...]
+    dedupe: bool
+    inv: np.ndarray
+    size: np.ndarray
+    complete: np.ndarray
+    finite: np.ndarray
+    vals: dict[str, np.ndarray]
+    _members: dict[int, list[int]] | None = None
+
+    def members(self, step: "_Step", element: int) -> list[int]:
+        """Sorted global ranks of the group of ``element``."""
+        if self._members is None:
+            self._members = {}
+        g = int(self.inv[element])
+        hit = self._members.get(g)
         if hit is None:
-            members = [m for m in self.reports if _key(m.coords, outside) == key[2]]
-            counted = members
-            if dedupe:
-                seen: dict[tuple, RankReport] = {}
-                shard_dims = _outside(self.replicas)
-                for m in sorted(members, key=lambda m: m.coords):
-                    seen.setdefault(_key(m.coords, shard_dims), m)
-                counted = list(seen.values())
-            hit = (stats.merge([self.local[m.rank] for m in counted]), sorted(m.rank for m in members))
-            self._cache[key] = hit
+            hit = sorted(set(step.rank[self.inv == g].tolist()))
+            self._members[g] = hit
         return hit
 
 
-def _matches(a: AppliedStat, m: Moments, var: float, tol: float, gamma: float, lo: float, hi: float) -> bool:
-    if a.count is not None and math.isfinite(a.count) and abs(a.count - m.count) > gamma * m.count + 1e-9:
-        return False
-    gap = stats.transform_gap(a.mean, a.var, m.mean, var, lo, hi)
-    return math.isfinite(gap) and gap <= tol
+class _Step:
+    """Arrays of one step's elements and a cache of partitions (one per candidate group)."""
+
+    def __init__(self, reports: Sequence[RankReport], sizes: Coord, spec: StatisticSpec, kind: str,
+                 num_microbatches: int):
+        self.reports = sorted(reports, key=lambda r: (r.dp, r.cp, r.tp, r.pp, r.microbatch, r.rank))
+        rs = self.reports
+        self.kind, self.spec = kind, spec
+        self.n = len(rs)
+        self.coords = np.array([[r.dp, r.cp, r.tp, r.pp, r.microbatch] for r in rs], dtype=np.int64).reshape(-1, 5)
+        want = np.array(list(sizes) + [max(num_microbatches, 1)], dtype=np.int64)
+        self.expected_sizes = want
+        seen = self.coords.max(axis=0) + 1 if self.n else want
+        self.radix = np.maximum(want, seen)
+        self.rank = np.array([r.rank for r in rs], dtype=np.int64)
+        self.u = np.array([stats.UNIT_ROUNDOFF.get(r.dtype, stats.UNIT_ROUNDOFF["float32"]) for r in rs])
+        self.nonfinite = [r.non_finite_fields() for r in rs]
+        self.bad_local = np.array([any(x.startswith("local_") for x in nf) for nf in self.nonfinite], dtype=bool)
+        self.applied = np.array([r.applied for r in rs], dtype=bool)
+        self._parts: dict[tuple, _Part] = {}
+        if kind == "moments":
+            ms = [r.local_moments() for r in rs]
+            self.l_n = np.array([m.count for m in ms], dtype=np.float64)
+            self.l_mean = np.array([m.mean for m in ms], dtype=np.float64)
+            self.l_m2 = np.array([m.m2 for m in ms], dtype=np.float64)
+            self.l_lo = np.array([m.min if m.count > 0 and math.isfinite(m.min) else np.inf for m in ms])
+            self.l_hi = np.array([m.max if m.count > 0 and math.isfinite(m.max) else -np.inf for m in ms])
+            conv = spec.variance
+            ap = [applied_stat(r, conv) for r in rs]
+            self.a_n = np.array([_f(a.count) if a else math.nan for a in ap])
+            self.a_mean = np.array([a.mean if a else math.nan for a in ap])
+            self.a_var = np.array([a.var if a else math.nan for a in ap])
+            self.a_ok = np.isfinite(self.a_mean) & np.isfinite(self.a_var)
+            self.bad_local |= ~(np.isfinite(self.l_n) & np.isfinite(self.l_mean) & np.isfinite(self.l_m2))
+        else:
+            field_ = "local_sum" if kind == "sum" else "local_sum_sq"
+            self.l_val = np.array([_f(getattr(r, field_)) for r in rs])
+            self.l_rep = np.array([_f(r.local_replicated_sum_sq) if r.local_replicated_sum_sq is not None else 0.0
+                                   for r in rs])
+            self.l_terms = np.array([r.local_count if r.local_count and math.isfinite(r.local_count)
+                                     else DEFAULT_LOCAL_TERMS for r in rs], dtype=np.float64)
+            afield = "applied_sum" if kind == "sum" else "applied_sum_sq"
+            self.a_val = np.array([_f(getattr(r, afield)) if r.applied else math.nan for r in rs])
+            self.a_ok = np.isfinite(self.a_val)
+            self.bad_local |= ~(np.isfinite(self.l_val) & np.isfinite(self.l_rep))
+
+    # ------------------------------------------------------------------ partitions
+    def _key(self, axes: Iterable[str]) -> np.ndarray:
+        key = np.zeros(self.n, dtype=np.int64)
+        for ax in axes:
+            i = _AXES.index(ax)
+            key = key * int(self.radix[i]) + self.coords[:, i]
+        return key
+
+    def part(self, axes: tuple[str, ...], dedupe: bool = True) -> _Part:
+        """Groups of a reduction over ``axes`` (a subset of dp, cp, tp, pp, mb). With
+        ``dedupe`` ranks differing only along ``spec.replicas`` are counted once (the
+        representative is the one with the smallest coordinates)."""
+        axes = tuple(a for a in _AXES if a in axes)
+        ck = (axes, dedupe)
+        hit = self._parts.get(ck)
+        if hit is not None:
+            return hit
+        outside = [a for a in _AXES if a not in axes]
+        _, inv = np.unique(self._key(outside), return_inverse=True)
+        inv = inv.reshape(-1)
+        ng = int(inv.max()) + 1 if self.n else 0
+        size = np.bincount(inv, minlength=ng).astype(np.float64)
+        w = np.ones(self.n)
+        if dedupe and any(a in axes for a in self.spec.replicas):
+            shard = self._key([a for a in _AXES if a not in self.spec.replicas])
+            _, first = np.unique(inv * (int(shard.max()) + 1) + shard, return_index=True)
+            w = np.zeros(self.n)
+            w[first] = 1.0
+        expected = float(np.prod([self.expected_sizes[_AXES.index(a)] for a in axes])) if axes else 1.0
+        complete = size == expected
+        finite = np.bincount(inv, self.bad_local.astype(np.float64), minlength=ng) == 0
+        vals: dict[str, np.ndarray] = {}
+        if self.kind == "moments":
+            n_g = np.bincount(inv, w * self.l_n, minlength=ng)
+            s_g = np.bincount(inv, w * self.l_n * np.where(self.bad_local, 0.0, self.l_mean), minlength=ng)
+            mean_g = np.divide(s_g, n_g, out=np.zeros(ng), where=n_g > 0)
+            dev = np.where(self.bad_local, 0.0, self.l_mean - mean_g[inv])
+            m2_g = np.bincount(inv, w * np.where(self.bad_local, 0.0, self.l_m2), minlength=ng) + np.bincount(
+                inv, w * self.l_n * dev * dev, minlength=ng)
+            lo = np.full(ng, np.inf)
+            hi = np.full(ng, -np.inf)
+            np.minimum.at(lo, inv, self.l_lo)
+            np.maximum.at(hi, inv, self.l_hi)
+            vals.update(count=n_g, mean=mean_g, m2=m2_g, lo=lo, hi=hi)
+        else:
+            v = np.where(self.bad_local, 0.0, self.l_val)
+            rep = np.where(self.bad_local, 0.0, self.l_rep)
+            terms = np.bincount(inv, w * self.l_terms, minlength=ng)
+            total = np.bincount(inv, w * v, minlength=ng)
+            absum = np.bincount(inv, w * np.abs(v), minlength=ng)
+            if self.kind == "norm":
+                counted = np.bincount(inv, w, minlength=ng)
+                rep_mean = np.bincount(inv, rep, minlength=ng) / np.maximum(size, 1.0)
+                vals["value_rep_each"] = total + np.bincount(inv, w * rep, minlength=ng)
+                vals["rep_factor"] = counted
+                total = total + rep_mean
+                absum = absum + rep_mean
+            vals.update(value=total, abs=absum, terms=terms)
+        p = _Part(axes, dedupe, inv, size, complete, finite, vals)
+        self._parts[ck] = p
+        return p
+
+    # ------------------------------------------------------------------ matching
+    def gamma(self, p: _Part) -> np.ndarray:
+        """γ per element for the group ``p`` assigns it (:func:`stats.reduction_gamma`)."""
+        terms = p.vals["count"] if self.kind == "moments" else p.vals["terms"]
+        return stats.reduction_gamma_array(self.u, terms[p.inv], p.size[p.inv])
+
+    def tolerances(self, p: _Part, convention: str | None = None):
+        """(expected values, tolerances) per element: moments → (count, mean, var) and
+        (count_tol, mean_tol, var_tol); sum/norm → (value,) and (value_tol,)."""
+        g = self.gamma(p)
+        if self.kind == "moments":
+            conv = convention or self.spec.variance
+            n, mean, m2 = (p.vals[k][p.inv] for k in ("count", "mean", "m2"))
+            safe = np.where(n > 0, n, 1.0)
+            bessel = (conv == "sample") & (n >= 2)
+            var = np.where(n > 0, m2 / np.where(bessel, np.maximum(n - 1.0, 1.0), safe), np.nan)
+            tm, tv = stats.mean_var_tolerance(g, n, mean, m2, conv)
+            return (n, mean, var), (g * n, tm, tv)
+        value = p.vals["value"][p.inv]
+        return (value,), (stats.sum_tolerance(g, p.vals["abs"][p.inv]),)
+
+    def matches(self, p: _Part, convention: str | None = None, value_key: str = "value") -> np.ndarray:
+        """Elements whose applied statistic equals their group's in ``p`` within rounding
+        (only elements of complete, finite, non-empty groups can match)."""
+        ok = self.a_ok & p.complete[p.inv] & p.finite[p.inv]
+        (exp, tol) = self.tolerances(p, convention)
+        with np.errstate(invalid="ignore"):
+            if self.kind == "moments":
+                n, mean, var = exp
+                tn, tm, tv = tol
+                count_ok = np.isnan(self.a_n) | (np.abs(self.a_n - n) <= tn)
+                return ok & (n > 0) & count_ok & (np.abs(self.a_mean - mean) <= tm) & (np.abs(self.a_var - var) <= tv)
+            value = p.vals[value_key][p.inv]
+            return ok & (np.abs(self.a_val - value) <= tol[0])
+
+
+def _partial(fn, *args):
+    return lambda ranks: fn(ranks, *args)
 
 
 def audit_step(
@@ -238,38 +408,53 @@ def audit_step(
     *,
     num_microbatches: int = 1,
     history: Callable[[], Mapping[tuple, Sequence[tuple[int, float, float, float]]]] | None = None,
+    kind: str = "moments",
 ) -> StepVerdict:
-    """Audit one step of a ``moments`` statistic (whitening mean/variance).
+    """Audit one step of a statistic of ``kind`` (DESIGN.md §3 table).
 
-    ``reports``: the stored reports of the step (any order, one per rank and microbatch).
-    ``sizes``: (dp, cp, tp, pp). ``num_microbatches``: how many microbatches every rank
-    should have reported. ``history``: called at most once, only when a mismatch needs a
-    diagnosis; returns per group key the earlier steps' correct (step, count, mean, var),
-    oldest first, for ``stale_statistic``.
+    Parameters
+    ----------
+    reports:
+        The stored reports of the step (any order, one per rank and microbatch).
+    sizes:
+        (dp, cp, tp, pp) of the run.
+    spec:
+        The statistic's spec: ``reduce_over``, ``replicas``, ``variance`` (moments),
+        ``over_microbatches`` (sum).
+    num_microbatches:
+        Microbatches every rank should have reported.
+    history:
+        Called at most once, only when a mismatch needs a diagnosis; returns per group key
+        (coordinates outside ``reduce_over``) the earlier steps' correct
+        (step, count, mean, var), oldest first, for ``stale_statistic``. For ``sum`` and
+        ``norm`` the correct value is in ``count`` and ``mean`` (``var`` = 0).
+    kind:
+        ``moments`` (whitening mean/variance), ``sum`` (e.g. token-count denominators)
+        or ``norm`` (squared gradient norm).
 
-    Each microbatch is its own reduction. Faults are aggregated per kind (and per
-    diagnosis) so one step yields a handful of findings, not one per rank; the per-rank
-    detail is in ``rows``. Verdict: ``inconsistent`` if any fault other than
-    ``missing_report``; else ``incomplete`` if reports are missing; else ``consistent``.
-    Raises nothing on odd data: NaN/Inf become ``non_finite``.
+    Returns
+    -------
+    A :class:`StepVerdict`. Faults are aggregated per kind and diagnosis, so one step yields
+    a handful of findings, not one per rank; per-rank detail is in ``rows``. Verdict:
+    ``inconsistent`` if any fault other than ``missing_report``; else ``incomplete`` if
+    reports are missing; else ``consistent``. ``cp_disagreement_sigma`` and
+    ``applied_error_sigma`` are in units of the correct standard deviation and defined for
+    ``moments`` only (``None`` for ``sum``/``norm``, whose rows carry ``relative_error``).
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``kind``. Odd data never raises: NaN/Inf become ``non_finite``.
     """
+    if kind not in _VERB:
+        raise ValueError(f"unknown statistic kind {kind!r}; expected one of {sorted(_VERB)}")
     world = math.prod(sizes)
-    convention = spec.variance
     faults: list[Fault] = []
-    rows: list[RankRow] = []
-    groups_out: list[GroupStat] = []
-    cp_sigma: float | None = None
-    err_sigma: float | None = None
-
-    by_mb: dict[int, list[RankReport]] = defaultdict(list)
+    by_mb: dict[int, set[int]] = defaultdict(set)
     for r in reports:
-        by_mb[r.microbatch].append(r)
-
-    missing = [
-        (rank, mb)
-        for mb in range(num_microbatches)
-        for rank in sorted(set(range(world)) - {r.rank for r in by_mb.get(mb, [])})
-    ]
+        by_mb[r.microbatch].add(r.rank)
+    missing = [(rank, mb) for mb in range(num_microbatches)
+               for rank in sorted(set(range(world)) - by_mb.get(mb, set()))]
     if missing:
         mranks = sorted({rank for rank, _ in missing})
         faults.append(Fault(
@@ -279,17 +464,14 @@ def audit_step(
             mranks,
             {"missing": len(missing), "expected": world * num_microbatches},
         ))
-
     acc = _Accumulator()
-    past = _Lazy(history)
-    for mb in sorted(by_mb):
-        part = _audit_microbatch(by_mb[mb], mb, sizes, spec, convention, past, acc)
-        rows.extend(part[0])
-        groups_out.extend(part[1])
-        cp_sigma = _max_opt(cp_sigma, part[2])
-        err_sigma = _max_opt(err_sigma, part[3])
+    rows: list[RankRow] = []
+    groups_out: list[GroupStat] = []
+    cp_sigma = err_sigma = None
+    if reports:
+        st = _Step(reports, sizes, spec, kind, num_microbatches)
+        rows, groups_out, cp_sigma, err_sigma = _audit(st, _Lazy(history), acc)
     faults.extend(acc.faults())
-
     if any(f.kind != "missing_report" for f in faults):
         verdict = "inconsistent"
     elif missing:
@@ -314,22 +496,22 @@ class _Lazy:
         return self._value.get(key, default)
 
 
-def _max_opt(a: float | None, b: float | None) -> float | None:
-    if b is None or (isinstance(b, float) and math.isnan(b)):
-        return a
-    return b if a is None else max(a, b)
-
-
 class _Accumulator:
     """Collects per-rank findings and folds them into one fault per (kind, diagnosis)."""
 
     def __init__(self) -> None:
         self._by: dict[tuple, dict] = {}
 
-    def add(self, kind: str, detail: tuple, rank: int, message, evidence: dict | None = None) -> None:
-        slot = self._by.setdefault((kind, detail), {"ranks": [], "message": message, "evidence": {}})
-        slot["ranks"].append(rank)
-        for k, v in (evidence or {}).items():  # the first rank's evidence, but the worst max_*
+    def add(self, kind: str, detail: tuple, ranks, message, evidence: dict | None = None) -> None:
+        """Record ``kind`` for ``ranks`` (an int or an iterable). ``message`` is a string or
+        a callable of the sorted rank list; ``evidence`` is merged (first value wins, except
+        ``max_*`` keys which keep the largest)."""
+        slot = self._by.setdefault((kind, detail), {"ranks": set(), "message": message, "evidence": {}})
+        if isinstance(ranks, (int, np.integer)):
+            slot["ranks"].add(int(ranks))
+        else:
+            slot["ranks"].update(int(r) for r in ranks)
+        for k, v in (evidence or {}).items():
             old = slot["evidence"].get(k)
             if old is None or (k.startswith("max_") and v > old):
                 slot["evidence"][k] = v
@@ -337,270 +519,502 @@ class _Accumulator:
     def faults(self) -> list[Fault]:
         out = []
         for (kind, _), slot in self._by.items():
-            ranks = sorted(set(slot["ranks"]))
+            ranks = sorted(slot["ranks"])
             msg = slot["message"](ranks) if callable(slot["message"]) else slot["message"]
             out.append(Fault(kind, msg, ranks, slot["evidence"]))
         return out
 
 
-def _audit_microbatch(
-    reports: list[RankReport],
-    mb: int,
-    sizes: Coord,
-    spec: StatisticSpec,
-    convention: stats.VarianceConvention,
-    history: "_Lazy",
-    acc: _Accumulator,
-) -> tuple[list[RankRow], list[GroupStat], float | None, float | None]:
+def _ranks_of(st: _Step, mask: np.ndarray) -> list[int]:
+    return sorted(set(st.rank[mask].tolist()))
+
+
+def _audit(st: _Step, history: _Lazy, acc: _Accumulator):
+    kind, spec = st.kind, st.spec
+    what, verb = _WHAT[kind], _VERB[kind]
     reduce_over = tuple(d for d in DIMS if d in spec.reduce_over)
-    outside = _outside(reduce_over)
-    expected_members = math.prod(sizes[DIMS.index(d)] for d in reduce_over)
-    local = {r.rank: r.local_moments() for r in reports}
-    groups = _Groups(reports, local, spec.replicas)
-    by_rank = {r.rank: r for r in reports}
+    over_mb = kind == "sum" and spec.over_microbatches
+    exp_axes = reduce_over + (("mb",) if over_mb else ())
+    exp = st.part(exp_axes)
+    faults_of: list[list[str]] = [[] for _ in range(st.n)]
 
-    # non_finite and skipped_collective are per rank, independent of groups.
-    bad_local: set[int] = set()
-    for r in reports:
-        nf = r.non_finite_fields()
-        if nf:
-            if any(n.startswith("local_") for n in nf):
-                bad_local.add(r.rank)
-            acc.add("non_finite", (), r.rank,
-                    lambda ranks: f"NaN or Inf in the statistics of ranks {compress_ranks(ranks)}: "
-                                  "a loss spike or a bad reward upstream; whitening with them poisons every rank of the group",
-                    {"fields": sorted(set(nf))})
-        if not r.applied:
-            empty = (r.local_count or 0) == 0
-            acc.add("skipped_collective", (), r.rank,
-                    lambda ranks: f"ranks {compress_ranks(ranks)} reported local moments but no all-reduce result: "
-                                  "they skipped the collective (e.g. an `if mask.numel() > 0` guard); "
-                                  "their peers block in the all-reduce — hang risk",
-                    {"empty_local_mask": empty})
+    # ---- per element, independent of groups: non_finite, skipped_collective
+    nf_idx = [i for i in range(st.n) if st.nonfinite[i]]
+    for i in nf_idx:
+        faults_of[i].append("non_finite")
+    if nf_idx:
+        acc.add("non_finite", (), st.rank[nf_idx],
+                lambda ranks: f"NaN or Inf in the statistics of ranks {compress_ranks(ranks)}: a loss spike or a bad "
+                              f"input upstream; a {what} computed from them poisons every rank of the group",
+                {"fields": sorted({f for i in nf_idx for f in st.nonfinite[i]})})
+    skipped = ~st.applied
+    if skipped.any():
+        empty = bool(any((st.reports[i].local_count or 0) == 0 for i in np.flatnonzero(skipped)))
+        for i in np.flatnonzero(skipped):
+            faults_of[i].append("skipped_collective")
+        acc.add("skipped_collective", (), st.rank[skipped],
+                lambda ranks: f"ranks {compress_ranks(ranks)} reported local values but no all-reduce result: they "
+                              "skipped the collective (e.g. an `if mask.numel() > 0` guard around it); their peers "
+                              "block in the all-reduce — hang risk. Call the collective unconditionally; an empty "
+                              "local tensor contributes zeros",
+                {"empty_local_mask": empty})
 
-    _check_replicas(reports, spec, acc)
+    _check_replicas(st, acc, faults_of)
 
+    # ---- the expected group: empty_global, precision_loss, the verdict per element
+    judged = exp.complete[exp.inv] & exp.finite[exp.inv]
+    (e_vals, e_tol) = st.tolerances(exp)
+    match = st.matches(exp)
+    if kind == "moments":
+        empty_groups = judged & (exp.vals["count"][exp.inv] == 0)
+    elif kind == "sum":
+        empty_groups = judged & (exp.vals["value"][exp.inv] == 0)
+    else:
+        empty_groups = np.zeros(st.n, dtype=bool)
+    if empty_groups.any():
+        for i in np.flatnonzero(empty_groups):
+            faults_of[i].append("empty_global")
+        acc.add("empty_global", (), st.rank[empty_groups],
+                lambda ranks: f"the expected group (over {_dims_text(exp_axes)}) of ranks {compress_ranks(ranks)} holds "
+                              f"no masked element: the {what} divides by zero (slime raises ValueError) — every "
+                              "response token masked out, or the batch is empty")
+    if kind == "moments":
+        _precision_loss(st, exp, judged & ~empty_groups, acc, faults_of)
+
+    bad = judged & ~empty_groups & st.a_ok & ~match
+    for i in np.flatnonzero(bad):
+        faults_of[i].append("group_mismatch")
+    if bad.any():
+        if kind == "moments":
+            gaps = [_gap(st, exp, e_vals, i) for i in np.flatnonzero(bad)]
+            ev = {"max_error_sigma": float(max((g for g in gaps if math.isfinite(g)), default=math.inf))}
+        else:
+            ref = np.abs(e_vals[0][bad])
+            rel = np.abs(st.a_val[bad] - e_vals[0][bad]) / np.where(ref > 0, ref, 1.0)
+            ev = {"max_relative_error": float(rel.max())}
+        acc.add("group_mismatch", (), st.rank[bad],
+                lambda ranks: f"ranks {compress_ranks(ranks)} {verb} a {what} that is not their expected group's "
+                              f"(the reduction over {_dims_text(exp_axes)}) beyond what {_dtypes(st)} rounding explains",
+                ev)
+        _diagnose(st, exp, bad, reduce_over, over_mb, history, acc, faults_of)
+    _check_membership(st, exp, reduce_over, acc, faults_of)
+
+    # ---- rows and sigma figures
     rows: list[RankRow] = []
     groups_out: list[GroupStat] = []
-    cp_sigma: float | None = None
-    err_sigma: float | None = None
-    transforms: dict[int, tuple[AppliedStat, float, float, float]] = {}
-
-    keyed: dict[tuple, list[RankReport]] = defaultdict(list)
-    for r in reports:
-        keyed[_key(r.coords, outside)].append(r)
-
-    for gkey, members in sorted(keyed.items()):
-        correct, member_ranks = groups.of(members[0], reduce_over)
-        complete = len(members) == expected_members
-        finite = complete and not (bad_local & set(member_ranks)) and correct.is_finite()
-        var = correct.variance(convention)
-        if finite and correct.count > 0:
-            groups_out.append(GroupStat(gkey, mb, member_ranks, correct.count, correct.mean, var))
-        if finite and correct.count == 0:
-            for r in members:
-                acc.add("empty_global", (), r.rank,
-                        lambda ranks: f"the expected group of ranks {compress_ranks(ranks)} holds no masked element: "
-                                      "slime raises ValueError (every response token masked out, or the batch is empty)")
-        lo, hi = stats.value_range(correct, convention)
-        gamma = stats.reduction_gamma(members[0].dtype, correct.count, len(member_ranks))
-        tol = stats.whiten_tolerance(gamma, correct, lo, hi) if finite else math.inf
-        if finite and correct.count > 0:
-            predicted = stats.one_pass_variance_error(gamma, correct)
-            if predicted > PRECISION_LOSS_THRESHOLD and any(by_rank[r].applied for r in member_ranks):
-                for r in members:
-                    acc.add("precision_loss", (), r.rank,
-                            lambda ranks, p=predicted, m=correct: (
-                                f"ranks {compress_ranks(ranks)} reduce Σv and Σv² in {members[0].dtype} with "
-                                f"|mean|/std = {abs(m.mean) / math.sqrt(max(m.m2 / m.count, 1e-300)):.3g}: the one-pass "
-                                f"variance SS/N − mean² can be off by {p:.3g} (relative); subtract a shift or "
-                                "reduce in float64"),
-                            {"max_predicted_relative_var_error": predicted})
-
-        for r in members:
-            m = local[r.rank]
-            a = applied_stat(r, convention)
+    err_sigma = None
+    if kind == "moments":
+        n_e, mean_e, var_e = e_vals
+        lo_g, hi_g = exp.vals["lo"], exp.vals["hi"]
+    done_groups: set[int] = set()
+    for i, r in enumerate(st.reports):
+        g = int(exp.inv[i])
+        ok_group = bool(judged[i])
+        gkey = tuple(int(st.coords[i, _AXES.index(a)]) for a in DIMS if a not in reduce_over)
+        mbi = 0 if over_mb else r.microbatch
+        if kind == "moments":
+            m = st.l_n[i]
+            a_mean, a_var = st.a_mean[i], st.a_var[i]
             row = RankRow(
-                r.rank, mb, dict(zip(DIMS, r.coords)),
-                r.local_count, m.mean if m.count > 0 else None,
-                a.mean if a else None, math.sqrt(a.var) if a and a.var >= 0 else None,
-                correct.mean if complete and correct.count > 0 else None,
-                math.sqrt(var) if complete and correct.count > 0 and var >= 0 else None,
-                None,
+                r.rank, r.microbatch, dict(zip(DIMS, (r.dp, r.cp, r.tp, r.pp))), r.local_count,
+                float(st.l_mean[i]) if m > 0 and math.isfinite(st.l_mean[i]) else None,
+                float(a_mean) if math.isfinite(a_mean) else None,
+                math.sqrt(a_var) if math.isfinite(a_var) and a_var >= 0 else None,
+                None, None, None, faults_of[i],
             )
-            rows.append(row)
-            if a is None or not (math.isfinite(a.mean) and math.isfinite(a.var)):
-                continue
-            transforms[r.rank] = (a, lo, hi, tol)
-            if not finite or correct.count == 0:
-                continue
-            gap = stats.transform_gap(a.mean, a.var, correct.mean, var, lo, hi)
-            row.error_sigma = gap
-            err_sigma = _max_opt(err_sigma, gap)
-            if _matches(a, correct, var, tol, gamma, lo, hi):
-                _check_membership(r, member_ranks, reduce_over, acc, row)
-                continue
-            row.faults.append("group_mismatch")
-            acc.add("group_mismatch", (), r.rank,
-                    lambda ranks, exp=reduce_over: (
-                        f"ranks {compress_ranks(ranks)} whitened with a statistic that is not their expected group's "
-                        f"(reduction over {_dims_text(exp)})"),
-                    {"max_error_sigma": gap, "tolerance_sigma": tol})
-            _diagnose(r, a, correct, var, gamma, tol, lo, hi, groups, reduce_over, sizes, spec, history, gkey, acc, row)
-            _check_membership(r, member_ranks, reduce_over, acc, row)
+            if ok_group and n_e[i] > 0:
+                row.correct_mean = float(mean_e[i])
+                row.correct_std = math.sqrt(var_e[i]) if var_e[i] >= 0 else None
+                if g not in done_groups:
+                    done_groups.add(g)
+                    groups_out.append(GroupStat(gkey, mbi, exp.members(st, i), float(n_e[i]), float(mean_e[i]),
+                                                float(var_e[i])))
+                if st.a_ok[i]:
+                    lo, hi = _range(lo_g[g], hi_g[g], mean_e[i], var_e[i])
+                    gap = stats.transform_gap(a_mean, a_var, mean_e[i], var_e[i], lo, hi)
+                    row.error_sigma = gap if math.isfinite(gap) else None
+                    err_sigma = _max_opt(err_sigma, gap)
+        else:
+            value = float(e_vals[0][i])
+            row = RankRow(
+                r.rank, r.microbatch, dict(zip(DIMS, (r.dp, r.cp, r.tp, r.pp))), r.local_count,
+                float(st.l_val[i]) if math.isfinite(st.l_val[i]) else None,
+                float(st.a_val[i]) if st.a_ok[i] else None, None,
+                value if ok_group else None, None, None, faults_of[i],
+            )
+            if ok_group:
+                if g not in done_groups:
+                    done_groups.add(g)
+                    groups_out.append(GroupStat(gkey, mbi, exp.members(st, i), value, value, 0.0))
+                if st.a_ok[i]:
+                    row.relative_error = abs(float(st.a_val[i]) - value) / abs(value) if value else (
+                        0.0 if st.a_val[i] == 0 else math.inf)
+        rows.append(row)
 
-    cp_sigma = _cp_disagreement(reports, transforms, acc, rows)
+    cp_sigma = _cp_disagreement(st, exp, e_vals, e_tol, judged, acc, faults_of)
     return rows, groups_out, cp_sigma, err_sigma
 
 
-def _check_membership(r: RankReport, expected: list[int], reduce_over, acc: _Accumulator, row: RankRow) -> None:
-    """When the client sent ``group_ranks``, compare them with the expected group directly."""
-    if r.group_ranks is None or "wrong_group" in row.faults:
+def _gap(st: _Step, exp: _Part, e_vals, i: int) -> float:
+    """Whitening gap (σ) of element ``i``'s applied statistic vs its expected group's."""
+    g = exp.inv[i]
+    lo, hi = _range(exp.vals["lo"][g], exp.vals["hi"][g], e_vals[1][i], e_vals[2][i])
+    return stats.transform_gap(float(st.a_mean[i]), float(st.a_var[i]), float(e_vals[1][i]), float(e_vals[2][i]), lo, hi)
+
+
+def _dtypes(st: _Step) -> str:
+    return "/".join(sorted({r.dtype for r in st.reports}))
+
+
+def _range(lo: float, hi: float, mean: float, var: float) -> tuple[float, float]:
+    """The observed value range of a group, or μ ± 3σ when min/max were not reported."""
+    if math.isfinite(lo) and math.isfinite(hi):
+        return lo, hi
+    sd = math.sqrt(max(var, 0.0)) if math.isfinite(var) else 0.0
+    return mean - stats.DEFAULT_RANGE_SIGMA * sd, mean + stats.DEFAULT_RANGE_SIGMA * sd
+
+
+def _precision_loss(st: _Step, exp: _Part, judged: np.ndarray, acc: _Accumulator, faults_of) -> None:
+    """``precision_loss``: the predicted relative error of the one-pass variance,
+    7γ(1 + μ²/σ²) (:func:`auditor.stats.one_pass_variance_error`), exceeds
+    :data:`PRECISION_LOSS_THRESHOLD` for a group some member of which applied a value.
+    Groups with σ = 0 (all values equal, e.g. N = 1) are exempt: every value equals the
+    mean, so whitening maps them to 0 whatever the variance."""
+    g = st.gamma(exp)
+    n, mean, m2 = (exp.vals[k][exp.inv] for k in ("count", "mean", "m2"))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        var = np.where(n > 0, m2 / np.where(n > 0, n, 1.0), 0.0)
+        predicted = np.where(var > 0, 7.0 * g * (1.0 + mean * mean / np.where(var > 0, var, 1.0)), 0.0)
+    any_applied = np.bincount(exp.inv, st.applied.astype(np.float64), minlength=len(exp.size)) > 0
+    flag = judged & (n > 0) & (predicted > PRECISION_LOSS_THRESHOLD) & any_applied[exp.inv]
+    if not flag.any():
         return
-    got, want = set(r.group_ranks), set(expected)
-    if got == want:
-        return
-    left_out, extra = sorted(want - got), sorted(got - want)
-    row.faults.append("wrong_group")
-    acc.add("wrong_group", ("members", tuple(left_out), tuple(extra)), r.rank,
-            lambda ranks, lo=left_out, ex=extra: (
-                f"ranks {compress_ranks(ranks)} all-reduced over a process group that "
-                + (f"leaves out ranks {compress_ranks(lo)}" if lo else "")
-                + (" and " if lo and ex else "")
-                + (f"wrongly includes ranks {compress_ranks(ex)}" if ex else "")
-                + f"; expected the group over {_dims_text(reduce_over)}"),
-            {"left_out": compress_ranks(left_out), "wrongly_included": compress_ranks(extra)})
+    idx = np.flatnonzero(flag)
+    worst = idx[np.argmax(predicted[idx])]
+    ratio = abs(mean[worst]) / math.sqrt(var[worst])
+    for i in idx:
+        faults_of[i].append("precision_loss")
+    acc.add("precision_loss", (), st.rank[idx],
+            lambda ranks, p=float(predicted[worst]), q=ratio, dt=_dtypes(st): (
+                f"ranks {compress_ranks(ranks)} reduce Σv and Σv² in {dt} with |mean|/std = {q:.3g}: the one-pass "
+                f"variance SS/N − mean² can be off by {p:.3g}× its value (predicted 7γ(1 + mean²/var) > "
+                f"{PRECISION_LOSS_THRESHOLD}); subtract a shift (e.g. the previous step's mean) before reducing, "
+                "or reduce in float64"),
+            {"max_predicted_relative_var_error": float(predicted[worst]), "abs_mean_over_std": ratio,
+             "threshold": PRECISION_LOSS_THRESHOLD})
 
 
-def _diagnose(r, a, correct, var, gamma, tol, lo, hi, groups: _Groups, reduce_over, sizes, spec, history, gkey,
-              acc: _Accumulator, row: RankRow) -> None:
-    """Name the cause of a mismatch: variance convention, another group, replicas, a stale step."""
-    other = "population" if spec.variance == "sample" else "sample"
-    other_var = correct.variance(other)
-    if _matches(a, correct, other_var, tol, gamma, lo, hi):
-        row.faults.append("variance_convention")
-        acc.add("variance_convention", (other,), r.rank,
-                lambda ranks, o=other: (
-                    f"ranks {compress_ranks(ranks)} used the {o} variance where {spec.variance} was expected "
-                    + ("(Bessel's correction N/(N−1) missing)" if o == "population" else "(Bessel's correction applied twice or wrongly)")),
-                {"expected": spec.variance, "found": other})
-        return
+def _candidates(st: _Step, reduce_over: tuple[str, ...], over_mb: bool):
+    """Every alternative reduction, most plausible first: (sort key, axes, dedupe, variant).
 
-    candidates = []
-    for n in range(len(DIMS) + 1):
-        for dims in itertools.combinations(DIMS, n):
-            for dedupe in (True, False):
-                m, members = groups.of(r, dims, dedupe)
-                if m.count <= 0 or (dims == reduce_over and dedupe):
-                    continue
-                v = m.variance(spec.variance)
-                if _matches(a, m, v, stats.whiten_tolerance(gamma, m, *stats.value_range(m)), gamma, *stats.value_range(m)):
-                    distance = len(set(dims) ^ set(reduce_over))
-                    candidates.append((not dedupe, distance, len(dims), dims, dedupe, m, members))
-    if candidates:
-        candidates.sort(key=lambda c: c[:3])
-        _, _, _, dims, dedupe, m, members = candidates[0]
-        expected_members = groups.of(r, reduce_over)[1]
-        if not dedupe and m.count > correct.count > 0:
-            k = m.count / correct.count
-            row.faults.append("replica_overcount")
-            acc.add("replica_overcount", (dims,), r.rank,
-                    lambda ranks, k=k, d=dims: (
-                        f"ranks {compress_ranks(ranks)} summed replicas along {_dims_text(spec.replicas)}: applied count "
-                        f"is {k:.3g}× the true count (reduced over {_dims_text(d)}); count replicated data once"),
-                    {"factor": k, "found": list(dims)})
-            return
-        left_out = sorted(set(expected_members) - set(members))
-        extra = sorted(set(members) - set(expected_members))
-        missing_dims = [d for d in reduce_over if d not in dims and sizes[DIMS.index(d)] > 1]
-        extra_dims = [d for d in dims if d not in reduce_over and sizes[DIMS.index(d)] > 1]
-        row.faults.append("wrong_group")
-        acc.add("wrong_group", (dims,), r.rank,
-                lambda ranks, d=dims: (
-                    f"ranks {compress_ranks(ranks)} reduced over {_dims_text(d)} where {_dims_text(reduce_over)} "
-                    "was expected"
-                    + (f": their peers along {_dims_text(missing_dims)} were left out" if missing_dims else "")
-                    + (f"; peers along {_dims_text(extra_dims)} were wrongly included" if extra_dims else "")
-                    + (" — under context parallelism use get_data_parallel_group(with_context_parallel=True)"
-                       if "cp" in missing_dims else "")),
-                {"found": list(dims), "expected": list(reduce_over), "example_rank": r.rank,
-                 "left_out": compress_ranks(left_out), "wrongly_included": compress_ranks(extra)})
-        return
-
-    for step, count, mean, hvar in reversed(list(history.get(gkey, ()))[-STALE_LOOKBACK:]):
-        past = Moments(count, mean, hvar * (count - 1 if spec.variance == "sample" and count >= 2 else count))
-        if _matches(a, past, hvar, tol, gamma, lo, hi):
-            row.faults.append("stale_statistic")
-            acc.add("stale_statistic", (step,), r.rank,
-                    lambda ranks, s=step: (
-                        f"ranks {compress_ranks(ranks)} applied the statistic of step {s}: "
-                        "a cached or un-refreshed buffer"),
-                    {"stale_step": step})
-            return
+    Subsets of dp/cp/tp/pp (the singleton and the world included), each with replicas
+    counted once or summed; ``sum`` statistics also with and without the microbatches;
+    ``norm`` statistics also with the replicated part counted once per rank. Order: correct
+    replica handling first, then fewest differing dims of size > 1 from ``reduce_over``,
+    then most dims shared with it (so the reference case names ``['dp']``, the group the
+    trainer used, rather than the equivalent singleton), then fewest dims."""
+    out = []
+    nontrivial = {d: st.expected_sizes[i] > 1 for i, d in enumerate(DIMS)}
+    mb_options = (False, True) if st.kind == "sum" else (False,)
+    for k in range(len(DIMS) + 1):
+        for dims in itertools.combinations(DIMS, k):
+            for mb in mb_options:
+                for dedupe in (True, False):
+                    variants = ("value", "value_rep_each") if st.kind == "norm" else ("value",)
+                    for variant in variants:
+                        if dims == reduce_over and mb == over_mb and dedupe and variant == "value":
+                            continue
+                        if not dedupe and not any(d in dims for d in st.spec.replicas):
+                            continue  # identical to the deduplicated group
+                        overcount = (not dedupe) or variant != "value"
+                        # dims of size 1 change nothing: they do not count towards the distance
+                        distance = len({d for d in set(dims) ^ set(reduce_over) if nontrivial[d]}) + (mb != over_mb)
+                        shared = len(set(dims) & set(reduce_over))
+                        out.append(((overcount, distance, -shared, k), dims + (("mb",) if mb else ()), dedupe,
+                                    variant))
+    out.sort(key=lambda c: c[0])
+    return out
 
 
-def _check_replicas(reports: Sequence[RankReport], spec: StatisticSpec, acc: _Accumulator) -> None:
-    """Ranks differing only along replica dims must report the same local moments."""
-    if not spec.replicas:
-        return
-    shard_dims = _outside(spec.replicas)
-    shards: dict[tuple, list[RankReport]] = defaultdict(list)
-    for r in reports:
-        shards[_key(r.coords, shard_dims)].append(r)
-    for members in shards.values():
-        if len(members) < 2:
+def _diagnose(st: _Step, exp: _Part, bad: np.ndarray, reduce_over, over_mb: bool, history: _Lazy,
+              acc: _Accumulator, faults_of) -> None:
+    """Name the cause of each mismatch: variance convention, another group (``wrong_group``),
+    replicas counted more than once (``replica_overcount``), an earlier step's value
+    (``stale_statistic``). Vectorised over elements; each candidate group is one partition."""
+    kind, spec = st.kind, st.spec
+    what, verb = _WHAT[kind], _VERB[kind]
+    todo = bad.copy()
+    exp_axes = reduce_over + (("mb",) if over_mb else ())
+
+    if kind == "moments":
+        other = "population" if spec.variance == "sample" else "sample"
+        hit = todo & st.matches(exp, other)
+        if hit.any():
+            todo &= ~hit
+            for i in np.flatnonzero(hit):
+                faults_of[i].append("variance_convention")
+            acc.add("variance_convention", (other,), st.rank[hit],
+                    lambda ranks, o=other: (
+                        f"ranks {compress_ranks(ranks)} used the {o} variance where the {spec.variance} one was "
+                        "expected: " + ("Bessel's correction N/(N−1) is missing (var ·= N/(N−1) for N ≥ 2)"
+                                        if o == "population" else
+                                        "Bessel's correction N/(N−1) was applied where it should not be")),
+                    {"expected": spec.variance, "found": other})
+
+    for _, axes, dedupe, variant in _candidates(st, reduce_over, over_mb):
+        if not todo.any():
+            break
+        p = st.part(axes, dedupe)
+        hit = todo & st.matches(p, None, variant)
+        if not hit.any():
             continue
-        ref = members[0]
-        gamma = stats.reduction_gamma(ref.dtype, ref.local_count or 0.0, 1)
-        for m in members[1:]:
-            diffs = [
-                name for name in ("local_count", "local_sum", "local_sum_sq")
-                if not _close(getattr(ref, name), getattr(m, name), gamma)
-            ]
-            if diffs:
-                acc.add("replica_divergence", (), m.rank,
-                        lambda ranks, ref=ref.rank: (
-                            f"ranks {compress_ranks(ranks)} should hold the same data as their replica rank {ref} "
-                            f"(along {_dims_text(spec.replicas)}) but report different local moments"),
-                        {"fields": diffs})
+        todo &= ~hit
+        dims = tuple(a for a in axes if a != "mb")
+        mb = "mb" in axes
+        first = int(np.flatnonzero(hit)[0])
+        if dedupe and variant == "value":
+            _wrong_group(st, exp, p, hit, first, dims, mb, reduce_over, over_mb, acc, faults_of)
+            continue
+        # replicas counted more than once: the factor is relative to the same reduction with
+        # replicated data counted once
+        once = st.part(axes, True)
+        if kind == "moments":
+            denom = once.vals["count"][once.inv[first]]
+            factor = float(p.vals["count"][p.inv[first]] / denom) if denom else math.inf
+        else:
+            denom = once.vals["value"][once.inv[first]]
+            factor = float(p.vals[variant][p.inv[first]] / denom) if denom else math.inf
+        sizes = dict(zip(DIMS, st.expected_sizes.tolist()))
+        core = {d for d in dims if sizes[d] > 1 and (variant != "value" or d not in spec.replicas)}
+        if core != {d for d in reduce_over if sizes[d] > 1} or mb != over_mb:
+            _wrong_group(st, exp, once, hit, first, dims, mb, reduce_over, over_mb, acc, faults_of)
+        for i in np.flatnonzero(hit):
+            faults_of[i].append("replica_overcount")
+        if variant == "value_rep_each":
+            k = float(p.vals["rep_factor"][p.inv[first]])
+            msg = (lambda ranks, k=k, f=factor, d=dims: (
+                f"ranks {compress_ranks(ranks)} {verb} a squared norm that counts the replicated parameters "
+                f"(replicated_sum_sq, e.g. TP-duplicated layer norms) {k:.3g}× — once per rank of the reduction over "
+                f"{_dims_text(d)} — where once was expected: the applied value is {f:.6g}× the correct one. Add the "
+                "replicated gradients' squares on one rank only (or after the all-reduce)"))
+            acc.add("replica_overcount", (axes, dedupe, variant), st.rank[hit], msg,
+                    {"factor": factor, "replicated_counted": k, "found": list(dims), "expected": list(reduce_over)})
+        else:
+            msg = (lambda ranks, f=factor, d=dims: (
+                f"ranks {compress_ranks(ranks)} summed replicas along {_dims_text(spec.replicas)} (ranks that hold "
+                f"the same data): reduced over {_dims_text(d)} counting each replica, so the applied "
+                + ("count" if kind == "moments" else what) + f" is {f:.6g}× the true one. Reduce over "
+                f"{_dims_text(reduce_over)} only, or count replicated data once"))
+            acc.add("replica_overcount", (axes, dedupe, variant), st.rank[hit], msg,
+                    {"factor": factor, "found": list(dims), "expected": list(reduce_over)})
+
+    if todo.any():
+        _stale(st, exp, todo, reduce_over, history, acc, faults_of)
 
 
-def _close(a: float | None, b: float | None, gamma: float) -> bool:
-    if a is None or b is None:
-        return a is b
-    if not (math.isfinite(a) and math.isfinite(b)):
-        return True  # reported as non_finite instead
-    return abs(a - b) <= 4 * gamma * max(abs(a), abs(b)) + 1e-12
+def _wrong_group(st: _Step, exp: _Part, p: _Part, hit, first: int, dims, mb: bool, reduce_over, over_mb: bool,
+                 acc: _Accumulator, faults_of) -> None:
+    kind = st.kind
+    what, verb = _WHAT[kind], _VERB[kind]
+    sizes = dict(zip(_AXES, st.expected_sizes.tolist()))
+    for i in np.flatnonzero(hit):
+        faults_of[i].append("wrong_group")
+    want, got = exp.members(st, first), p.members(st, first)
+    left_out, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    missing_dims = [d for d in reduce_over if d not in dims and sizes[d] > 1]
+    extra_dims = [d for d in dims if d not in reduce_over and sizes[d] > 1]
+    local_only = all(sizes[d] == 1 or d in st.spec.replicas for d in dims)
+
+    def message(ranks, d=dims, mb=mb):
+        who = f"ranks {compress_ranks(ranks)}"
+        if kind == "sum" and local_only and mb == over_mb:
+            head = (f"{who} divided by their local count only (no all-reduce, found {_dims_text(d)}) where the "
+                    f"sum over {_dims_text(reduce_over)} was expected: all-reduce the token count over "
+                    f"{_dims_text(reduce_over)} before dividing")
+        else:
+            head = f"{who} reduced over {_dims_text(d)} where {_dims_text(reduce_over)} was expected"
+        parts = [head]
+        if missing_dims:
+            parts.append(f"their peers along {_dims_text(missing_dims)} were left out (e.g. rank {st.rank[first]} "
+                         f"missed ranks {compress_ranks(left_out)})" if left_out else
+                         f"their peers along {_dims_text(missing_dims)} were left out")
+        if extra_dims:
+            parts.append(f"peers along {_dims_text(extra_dims)} were wrongly included"
+                         + (f" (e.g. ranks {compress_ranks(extra)})" if extra else ""))
+        if kind == "sum" and mb != over_mb:
+            parts.append(f"the {what} covers " + ("every microbatch of the step where one microbatch's was expected"
+                                                  if mb else "one microbatch where the total over all "
+                                                  f"{sizes['mb']} microbatches of the step was expected "
+                                                  "(gradient accumulation: divide by the step's token count)"))
+        text = ": ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if len(parts) > 2 else "")
+        if "cp" in missing_dims and kind in ("moments", "sum"):
+            text += " — under context parallelism use get_data_parallel_group(with_context_parallel=True)"
+        elif kind == "norm" and missing_dims:
+            text += " — reduce the squared norm over the model-parallel group (get_model_parallel_group())"
+        return text
+
+    evidence = {"found": list(dims), "expected": list(reduce_over), "example_rank": int(st.rank[first]),
+                "left_out": compress_ranks(left_out), "wrongly_included": compress_ranks(extra)}
+    if kind == "sum":
+        evidence.update(found_over_microbatches=mb, expected_over_microbatches=over_mb)
+    acc.add("wrong_group", (tuple(dims), mb), st.rank[hit], message, evidence)
 
 
-def _cp_disagreement(reports, transforms, acc: _Accumulator, rows: list[RankRow]) -> float | None:
-    """Max whitening gap between CP peers (same dp, tp, pp) — ``auditor_cp_disagreement_sigma``."""
-    peers: dict[tuple, list[int]] = defaultdict(list)
-    for r in reports:
-        if r.rank in transforms:
-            peers[(r.dp, r.tp, r.pp)].append(r.rank)
+def _stale(st: _Step, exp: _Part, todo: np.ndarray, reduce_over, history: _Lazy, acc: _Accumulator,
+           faults_of) -> None:
+    """``stale_statistic``: the applied value equals an earlier step's correct one for the
+    same group (within this step's tolerance). Memoised per (group, applied value)."""
+    _, tol = st.tolerances(exp)
+    seen: dict[tuple, int | None] = {}
+    for i in np.flatnonzero(todo):
+        gkey = tuple(int(st.coords[i, _AXES.index(a)]) for a in DIMS if a not in reduce_over)
+        if st.kind == "moments":
+            memo = (gkey, st.a_n[i], st.a_mean[i], st.a_var[i])
+        else:
+            memo = (gkey, st.a_val[i])
+        if memo not in seen:
+            seen[memo] = None
+            for step, count, mean, var in reversed(list(history.get(gkey, ()))[-STALE_LOOKBACK:]):
+                if st.kind == "moments":  # mean and variance only: a cached pair sits next to a fresh count
+                    ok = abs(st.a_mean[i] - mean) <= tol[1][i] and abs(st.a_var[i] - var) <= tol[2][i]
+                else:
+                    ok = abs(st.a_val[i] - mean) <= tol[0][i]
+                if ok:
+                    seen[memo] = step
+                    break
+        step = seen[memo]
+        if step is None:
+            continue
+        faults_of[i].append("stale_statistic")
+        acc.add("stale_statistic", (step,), st.rank[i],
+                lambda ranks, s=step: (
+                    f"ranks {compress_ranks(ranks)} {_VERB[st.kind]} the {_WHAT[st.kind]} of step {s}: a cached or "
+                    "un-refreshed buffer (recompute and all-reduce it every step)"),
+                {"stale_step": step})
+
+
+def _check_membership(st: _Step, exp: _Part, reduce_over, acc: _Accumulator, faults_of) -> None:
+    """When the client sent ``group_ranks``, compare them with the expected group directly
+    (skipped for ranks already diagnosed ``wrong_group`` from their values). Memoised per
+    (group, group_ranks)."""
+    memo: dict[tuple, tuple[list[int], list[int]]] = {}
+    for i, r in enumerate(st.reports):
+        if (r.group_ranks is None or "wrong_group" in faults_of[i] or "replica_overcount" in faults_of[i]
+                or not exp.complete[exp.inv[i]]):
+            continue
+        key = (int(exp.inv[i]), r.group_ranks)
+        if key not in memo:
+            want, got = set(exp.members(st, i)), set(r.group_ranks)
+            memo[key] = (sorted(want - got), sorted(got - want))
+        left_out, extra = memo[key]
+        if not left_out and not extra:
+            continue
+        faults_of[i].append("wrong_group")
+        acc.add("wrong_group", ("members", tuple(left_out), tuple(extra)), r.rank,
+                lambda ranks, lo=left_out, ex=extra: (
+                    f"ranks {compress_ranks(ranks)} all-reduced over a process group that "
+                    + (f"leaves out ranks {compress_ranks(lo)}" if lo else "")
+                    + (" and " if lo and ex else "")
+                    + (f"wrongly includes ranks {compress_ranks(ex)}" if ex else "")
+                    + f" (dist.get_process_group_ranks); expected the group over {_dims_text(reduce_over)}"),
+                {"left_out": compress_ranks(left_out), "wrongly_included": compress_ranks(extra),
+                 "expected": list(reduce_over), "source": "group_ranks"})
+
+
+def _check_replicas(st: _Step, acc: _Accumulator, faults_of) -> None:
+    """``replica_divergence``: ranks that differ only along ``spec.replicas`` must report the
+    same local values (within 4γ relative, γ of one rank's local sum); for ``norm``,
+    ``replicated_sum_sq`` must also be equal across the reduction group."""
+    spec = st.spec
+    checks: list[tuple[tuple[str, ...], list[str]]] = []
+    if spec.replicas:
+        fields = {"moments": ["local_count", "local_sum", "local_sum_sq"], "sum": ["local_sum"],
+                  "norm": ["local_sum_sq", "local_replicated_sum_sq"]}[st.kind]
+        checks.append((tuple(spec.replicas), fields))
+    if st.kind == "norm":
+        checks.append((tuple(spec.reduce_over) + tuple(spec.replicas), ["local_replicated_sum_sq"]))
+    gamma = stats.reduction_gamma_array(
+        st.u, st.l_n if st.kind == "moments" else st.l_terms, np.ones(st.n))
+    for axes, fields in checks:
+        p = st.part(axes, dedupe=False)
+        _, first = np.unique(p.inv, return_index=True)
+        ref = first[p.inv]
+        diverged: dict[int, list[str]] = defaultdict(list)
+        for name in fields:
+            # NaN is stored as NULL: a missing value is NaN (skipped) except an absent replicated part (0)
+            v = np.array([_f(getattr(r, name)) if getattr(r, name) is not None else
+                          (0.0 if name == "local_replicated_sum_sq" and name not in st.nonfinite[k] else math.nan)
+                          for k, r in enumerate(st.reports)])
+            a, b = v, v[ref]
+            with np.errstate(invalid="ignore"):
+                differ = np.isfinite(a) & np.isfinite(b) & (np.abs(a - b) > 4 * gamma * np.maximum(np.abs(a), np.abs(b)) + 1e-300)
+            for i in np.flatnonzero(differ):
+                diverged[int(i)].append(name)
+        if not diverged:
+            continue
+        idx = sorted(diverged)
+        for i in idx:
+            if "replica_divergence" not in faults_of[i]:
+                faults_of[i].append("replica_divergence")
+        names = sorted({n for i in idx for n in diverged[i]})
+        along = [a for a in axes if a in DIMS]
+        ref_rank = int(st.rank[ref[idx[0]]])
+        acc.add("replica_divergence", (axes,), st.rank[idx],
+                lambda ranks, ref_rank=ref_rank, along=along, names=names: (
+                    f"ranks {compress_ranks(ranks)} should hold the same data as their replicas along "
+                    f"{_dims_text(along)} (e.g. rank {ref_rank}) but report different {', '.join(names)}: a "
+                    "replica got different inputs (data loader or RNG not replicated along those dims) or the "
+                    "spec's replicas are wrong"),
+                {"fields": names, "reference_rank": ref_rank, "along": along})
+
+
+def _cp_disagreement(st: _Step, exp: _Part, e_vals, e_tol, judged, acc: _Accumulator, faults_of) -> float | None:
+    """Max difference between CP peers (same dp, tp, pp, microbatch) — they must agree when
+    cp is reduced over or is a replica dim. For ``moments`` the figure is the whitening
+    gap in σ (``auditor_cp_disagreement_sigma``); peers disagree when their means or
+    variances differ by more than the sum of their groups' rounding bounds."""
+    spec = st.spec
+    if st.expected_sizes[1] <= 1 or not ("cp" in spec.reduce_over or "cp" in spec.replicas):
+        return None
+    peers = st.part(("cp",), dedupe=False)
+    order = np.argsort(peers.inv, kind="stable")
+    bounds = np.flatnonzero(np.diff(peers.inv[order])) + 1
     worst: float | None = None
-    by_rank = {row.rank: row for row in rows}
-    for key, ranks in peers.items():
-        if len(ranks) < 2:
-            continue
-        for i, j in itertools.combinations(sorted(ranks), 2):
-            ai, lo_i, hi_i, tol_i = transforms[i]
-            aj, lo_j, hi_j, tol_j = transforms[j]
-            lo, hi = min(lo_i, lo_j), max(hi_i, hi_j)
-            gap = stats.transform_gap(ai.mean, ai.var, aj.mean, aj.var, lo, hi)
-            if math.isnan(gap):
-                continue
-            worst = gap if worst is None else max(worst, gap)
-            tol = tol_i + tol_j
-            if gap > tol:
-                for k in (i, j):
-                    if "cp_disagreement" not in by_rank[k].faults:
-                        by_rank[k].faults.append("cp_disagreement")
-                acc.add("cp_disagreement", (), i,
-                        lambda ranks: (
-                            f"CP peers {compress_ranks(ranks)} (same dp/tp/pp) whitened one sequence's halves with "
-                            "different statistics: the reduction excludes the context-parallel group"),
-                        {"max_gap_sigma": gap, "tolerance_sigma": tol})
-                acc.add("cp_disagreement", (), j, None)
-    return worst
+    tol = [np.where(judged, t, np.inf) for t in e_tol]
+    flagged: set[int] = set()
+    ev = {}
+    for grp in np.split(order, bounds):
+        grp = [int(i) for i in grp if st.a_ok[i]]
+        for i, j in itertools.combinations(grp, 2):
+            if st.kind == "moments":
+                lo_i, hi_i = _range(exp.vals["lo"][exp.inv[i]], exp.vals["hi"][exp.inv[i]], e_vals[1][i], e_vals[2][i])
+                lo_j, hi_j = _range(exp.vals["lo"][exp.inv[j]], exp.vals["hi"][exp.inv[j]], e_vals[1][j], e_vals[2][j])
+                gap = stats.transform_gap(st.a_mean[i], st.a_var[i], st.a_mean[j], st.a_var[j],
+                                          min(lo_i, lo_j), max(hi_i, hi_j))
+                if math.isfinite(gap):
+                    worst = gap if worst is None else max(worst, gap)
+                differ = (abs(st.a_mean[i] - st.a_mean[j]) > tol[1][i] + tol[1][j]
+                          or abs(st.a_var[i] - st.a_var[j]) > tol[2][i] + tol[2][j])
+                figure = {"max_gap_sigma": float(gap)}
+            else:
+                differ = abs(st.a_val[i] - st.a_val[j]) > tol[0][i] + tol[0][j]
+                ref = max(abs(st.a_val[i]), abs(st.a_val[j]))
+                figure = {"max_relative_gap": float(abs(st.a_val[i] - st.a_val[j]) / ref) if ref else 0.0}
+            if differ:
+                flagged.update((i, j))
+                for k, v in figure.items():
+                    if math.isfinite(v) and v > ev.get(k, -1.0):
+                        ev[k] = v
+    if flagged:
+        for i in flagged:
+            if "cp_disagreement" not in faults_of[i]:
+                faults_of[i].append("cp_disagreement")
+        what = {"moments": "whitened one sequence's parts with different statistics",
+                "sum": "divided one sequence's token losses by different denominators",
+                "norm": "clipped with different gradient norms"}[st.kind]
+        acc.add("cp_disagreement", (), st.rank[sorted(flagged)],
+                lambda ranks: (
+                    f"CP peers {compress_ranks(ranks)} (same dp/tp/pp) {what}: the reduction does not span the "
+                    "context-parallel group the same way on every CP rank"),
+                ev)
+    return worst if st.kind == "moments" else None

@@ -225,6 +225,37 @@ def reduction_gamma(dtype: str, count: float, ranks: int) -> float:
     return u * (depth + PROBABILISTIC_LAMBDA * math.sqrt(max(ranks - 1, 0)))
 
 
+def reduction_gamma_array(unit_roundoff: np.ndarray, terms: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """Vectorised :func:`reduction_gamma`: arrays of shape (k,) of u, term counts and ranks."""
+    depth = np.ceil(np.log2(np.maximum(terms, 2.0))) + 3.0
+    return unit_roundoff * (depth + PROBABILISTIC_LAMBDA * np.sqrt(np.maximum(ranks - 1.0, 0.0)))
+
+
+def mean_var_tolerance(
+    gamma: np.ndarray | float, count, mean, m2, convention: VarianceConvention = "sample"
+) -> tuple[np.ndarray, np.ndarray]:
+    """Absolute error bounds of a correct one-pass reduction's mean and variance.
+
+    With rms² = M2/N + μ² (the mean square of the values) and relative errors γ on S = Σv,
+    SS = Σv² (each relative to the sum of the absolute values of its terms, Σ|v| ≤ N·rms
+    by Cauchy–Schwarz) and N:
+
+    * |δμ| ≤ 2γ·rms  (S/N: γ from S, the division and N's rounding folded into the +3 of γ);
+    * |δvar| ≤ 7γ·rms²·b, b = N/(N−1) under Bessel (N ≥ 2), else 1
+      (SS/N: 2γ·rms²; μ²: 2|μ|·2γ·rms + γμ² ≤ 5γ·rms²; the subtraction is exact to u).
+
+    Relative to the variance σ² = M2/N the second bound is 7γ(1 + μ²/σ²): the cancellation of
+    the one-pass form (Chan, Golub & LeVeque 1983, "Algorithms for computing the sample
+    variance", §2; Higham 2002, §1.9). Arrays of shape (k,) or floats; returns (mean_tol,
+    var_tol), same shape. A group with N = 0 gets (0, 0).
+    """
+    count = np.asarray(count, dtype=np.float64)
+    safe = np.where(count > 0, count, 1.0)
+    ms = np.where(count > 0, np.asarray(m2, dtype=np.float64) / safe + np.asarray(mean, dtype=np.float64) ** 2, 0.0)
+    bessel = np.where((count >= 2) & (convention == "sample"), count / np.maximum(count - 1.0, 1.0), 1.0)
+    return 2.0 * gamma * np.sqrt(ms), 7.0 * gamma * ms * bessel
+
+
 def whiten_tolerance(gamma: float, m: Moments, lo: float, hi: float) -> float:
     """Largest whitening error, in σ, that rounding of a correct one-pass reduction explains.
 
@@ -255,3 +286,12 @@ def one_pass_variance_error(gamma: float, m: Moments) -> float:
     if var == 0.0:
         return math.inf if m.mean != 0.0 else 0.0
     return 7.0 * gamma * (1.0 + m.mean * m.mean / var)
+
+
+def sum_tolerance(gamma: np.ndarray | float, abs_terms: np.ndarray | float) -> np.ndarray | float:
+    """Absolute error bound of a correct reduced sum: γ·Σ|terms| (Higham 2002, eq. 4.4).
+
+    ``abs_terms`` is Σ|sᵢ| over the summed partial values (for ``norm`` statistics, whose
+    terms are non-negative, the sum itself).
+    """
+    return gamma * abs_terms
