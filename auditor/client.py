@@ -1,18 +1,39 @@
-"""Trainer-side client: queue reports in memory, deliver them in batches from a daemon thread.
+"""Trainer-side client: enqueue reports in memory, deliver them from background threads.
 
-``AuditorClient.report`` is called inside the training step, so it only appends to a
-bounded in-memory queue: no I/O, no lock held while anything slow happens, no exception.
-A background thread drains the queue in batches of ``batch_size`` and POSTs
-``{"reports": [...]}`` to ``{url}/v1/reports`` (wire contract v1, DESIGN.md §3).
+The contract with the training loop
+-----------------------------------
+* :meth:`AuditorClient.report` only appends the report dict to an in-memory deque (a lock is
+  taken for a few counter updates, never across I/O) and never raises. Median cost ≈ 1 µs
+  (``benchmarks/client_overhead.py``). Do not mutate a dict after passing it in.
+* Memory is bounded: at most ``max_queue`` reports are held. A *spill* thread moves reports
+  from memory to an on-disk JSONL spool (:mod:`auditor.spool`, one file per rank and
+  process, fsync'd every ``fsync_interval`` s) when the queue passes half of ``max_queue``,
+  or once the service has been failing for ``spool_after`` s. Only if the queue is full
+  *and* the spill cannot keep up (or spooling is disabled, or the disk fails) is a report
+  dropped — and then counted in ``stats["dropped"]``, never silently.
+* A *sender* thread POSTs batches of ``batch_size`` to ``{url}/v1/reports`` (wire contract v1,
+  DESIGN.md §3): the spool's undelivered lines first, in file order, then memory, so
+  reports reach the service in the order they were made (except a batch in flight when the
+  process exits, which is appended to the spool after the ones spilled while it was in
+  flight). Transient failures (connection errors, timeouts, 408/429/5xx, and 401/403/404,
+  which are configuration errors the data must survive) are retried with capped exponential
+  backoff and full jitter, honouring ``Retry-After``. 409/422 naming report indices reject
+  just those reports and resend the rest; 413 splits the batch. Replays are safe because the
+  service treats an identical re-send as a no-op.
+* :meth:`flush` waits (bounded) until everything enqueued so far is sent or rejected;
+  :meth:`close` (also run by :mod:`atexit`) flushes for at most ``flush_timeout`` s, then
+  writes whatever is still undelivered to the spool and returns, without waiting for a
+  request in flight — so a process exits within ``flush_timeout`` (plus a local disk
+  write) even when the service is down or hangs. Undelivered spools are uploaded later
+  with ``auditor import SPOOL...`` or audited offline with ``auditor audit SPOOL...``.
+* File-only mode: ``url="file:///some/dir"`` (or ``AUDITOR_URL=file:///some/dir``) makes the
+  client write the spool only; ``flush`` then means "written to the spool".
 
-Delivery outcome of every report is exactly one of: ``sent`` (stored or an identical
-re-send), ``rejected`` (the service refused it: 409 conflicts, other 4xx) or ``dropped``
-(the queue was full, or the client closed before it could be delivered). Transient
-failures (connection errors, timeouts, 5xx, 429) are retried with capped exponential
-backoff and full jitter, honouring ``Retry-After``; they are counted in ``retries``.
-
-Reports the client gives up on pass through :meth:`AuditorClient._give_up`, the single
-place where an on-disk spool can take them over later.
+Counters (``stats``): ``enqueued`` (accepted by ``report``), ``sent`` (stored by the service,
+or an identical re-send), ``rejected`` (the service refused them: 409 conflicts, 422, other
+4xx; or not JSON-serialisable), ``spooled`` (written to the spool file; a spooled report is
+later also counted ``sent`` when replayed), ``replayed`` (of ``sent``: delivered from the
+spool), ``dropped`` (lost: counted, logged), ``retries`` (failed requests that were retried).
 """
 
 from __future__ import annotations
@@ -27,41 +48,119 @@ import os
 import random
 import threading
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 
+from auditor.spool import Spool, default_spool_name
+
 log = logging.getLogger("auditor.client")
 
-#: Upper bound of one backoff sleep, seconds.
-MAX_BACKOFF = 30.0
+#: Upper bound of one backoff sleep, seconds (the client notices a recovered service within it).
+MAX_BACKOFF = 10.0
 #: First backoff sleep, seconds; doubled on every consecutive transient failure.
 BASE_BACKOFF = 0.1
+#: Reports encoded and written per spill iteration (bounds how long the spill holds the GIL).
+SPILL_CHUNK = 500
+#: Statuses retried like a network error: the data is fine, the service or its configuration is not.
+TRANSIENT = frozenset({401, 403, 404, 405, 408, 425, 429})
+
+
+def default_spool_dir() -> Path:
+    """``$AUDITOR_SPOOL_DIR``, else ``~/.cache/auditor/spool``."""
+    return Path(os.environ.get("AUDITOR_SPOOL_DIR") or Path.home() / ".cache" / "auditor" / "spool")
+
+
+def encode(report: dict) -> bytes:
+    """One report as compact JSON bytes (``NaN``/``Infinity`` tokens for non-finite floats)."""
+    return json.dumps(report, separators=(",", ":")).encode()
+
+
+@dataclass
+class Outcome:
+    """What one POST of a batch of encoded reports came to (see :func:`post_lines`)."""
+
+    kind: str  # "sent" | "retry" | "partial" | "rejected" | "split"
+    delay: float = 0.0
+    rejected: frozenset[int] = field(default_factory=frozenset)
+    message: str = ""
+
+
+def post_lines(http: httpx.Client, url: str, lines: list[bytes]) -> Outcome:
+    """POST ``lines`` (encoded reports) as one ``{"reports": [...]}`` body and classify the answer.
+
+    ``sent``: all stored (or identical re-sends). ``retry``: transient, resend the same
+    batch after at least ``delay`` s. ``partial``: the reports at indices ``rejected`` were
+    refused (409 conflicts, 422 validation), resend the others. ``rejected``: the whole
+    batch was refused. ``split``: 413, resend in smaller requests.
+    """
+    body = b'{"reports":[' + b",".join(lines) + b"]}"
+    try:
+        response = http.post(f"{url}/v1/reports", content=body)
+    except httpx.TransportError as exc:
+        return Outcome("retry", 0.0, message=f"{type(exc).__name__}: {exc}")
+    status = response.status_code
+    if status < 300:
+        return Outcome("sent")
+    if status in TRANSIENT or status >= 500:
+        return Outcome("retry", _retry_after(response), message=f"HTTP {status}: {response.text[:200]}")
+    if status == 413 and len(lines) > 1:
+        return Outcome("split", message="HTTP 413")
+    if status in (409, 422):
+        bad = _named_indices(response, len(lines))
+        if bad:
+            return Outcome("partial", rejected=bad, message=f"HTTP {status}: {response.text[:500]}")
+    return Outcome("rejected", message=f"HTTP {status}: {response.text[:500]}")
+
+
+def _named_indices(response: httpx.Response, n: int) -> frozenset[int]:
+    """Report indices a 409 (``detail.conflicts[].index``) or 422 (``detail[].loc`` =
+    ``["reports", i, ...]``) names; empty when it names none or any is out of range."""
+    try:
+        detail = response.json()["detail"]
+        if isinstance(detail, dict):
+            bad = {int(c["index"]) for c in detail["conflicts"]}
+        else:
+            bad = {int(e["loc"][1]) for e in detail if list(e["loc"][:1]) == ["reports"] and len(e["loc"]) > 1}
+            if len(bad) != len(detail):
+                return frozenset()
+    except (ValueError, KeyError, TypeError, IndexError):
+        return frozenset()
+    return frozenset(bad) if bad and bad <= set(range(n)) else frozenset()
 
 
 class AuditorClient:
-    """Batching, retrying HTTP client for ``POST /v1/reports``.
+    """Batching, retrying, spooling client for ``POST /v1/reports`` (see the module docstring).
 
     Parameters
     ----------
     url:
-        Base URL of the auditor service, e.g. ``http://127.0.0.1:8000``.
+        Base URL of the service (``http://host:8000``), or ``file:///dir`` for file-only mode.
     batch_size:
         Most reports per request.
     flush_interval:
         Seconds the sender waits for a batch to fill before sending what it has.
     max_queue:
-        Most reports held in memory; ``report`` drops (and counts) reports beyond it.
+        Most reports held in memory (≈3 KB each); beyond it ``report`` drops and counts.
     timeout:
         Per-request HTTP timeout, seconds.
     token:
         Bearer token sent as ``Authorization: Bearer <token>`` if given.
-
-    Attributes
-    ----------
-    stats:
-        Counters ``enqueued``, ``sent``, ``rejected``, ``dropped``, ``retries`` (reports,
-        except ``retries``: failed requests that were retried).
+    spool_dir:
+        Directory of the spool file (default :func:`default_spool_dir`); ``spool=False``
+        disables spooling (undeliverable reports are then dropped and counted).
+    spool_after:
+        Seconds of consecutive delivery failures before memory is spilled to the spool.
+    fsync_interval:
+        Seconds between fsyncs of the spool while it is being written.
+    flush_timeout:
+        What :meth:`close` (and the atexit hook) waits for delivery at most, seconds.
+    max_backoff:
+        Upper bound of one retry sleep, seconds.
+    rank:
+        Used in the spool file name (default ``$RANK``).
     """
 
     def __init__(
@@ -70,29 +169,60 @@ class AuditorClient:
         *,
         batch_size: int = 1000,
         flush_interval: float = 0.2,
-        max_queue: int = 1_000_000,
+        max_queue: int = 10_000,
         timeout: float = 5.0,
         token: str | None = None,
+        spool_dir: str | os.PathLike | None = None,
+        spool: bool = True,
+        spool_after: float = 1.0,
+        fsync_interval: float = 1.0,
+        flush_timeout: float = 5.0,
+        max_backoff: float = MAX_BACKOFF,
+        rank: int | str | None = None,
     ) -> None:
+        self.file_only = url.startswith("file:")
+        if self.file_only:
+            spool_dir = url[len("file://"):] if url.startswith("file://") else url[len("file:"):]
+            spool = True
         self.url = url.rstrip("/")
         self.batch_size = batch_size
         self.flush_interval = flush_interval
         self.max_queue = max_queue
-        self.stats: dict[str, int] = dict.fromkeys(("enqueued", "sent", "rejected", "dropped", "retries"), 0)
-        headers = {"Content-Type": "application/json"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        self._http = httpx.Client(timeout=timeout, headers=headers)
+        self.spool_after = spool_after
+        self.fsync_interval = fsync_interval
+        self.flush_timeout = flush_timeout
+        self.max_backoff = max_backoff
+        self._high_water = max(1, max_queue // 2)
+        self._wake_at = min(batch_size, self._high_water)
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("enqueued", "sent", "rejected", "spooled", "replayed", "dropped", "retries"), 0)
+        self.spool: Spool | None = (
+            Spool(Path(spool_dir or default_spool_dir()) / default_spool_name(rank)) if spool else None)
+        self._http: httpx.Client | None = None
+        if not self.file_only:
+            headers = {"Content-Type": "application/json"}
+            if token:
+                headers["Authorization"] = f"Bearer {token}"
+            self._http = httpx.Client(timeout=timeout, headers=headers)
         self._queue: collections.deque[dict] = collections.deque()
-        self._lock = threading.Lock()  # guards stats and the settled counter; never held across I/O
+        self._lock = threading.Lock()  # guards counters, _inflight, _closed; never held across I/O
         self._settled_cond = threading.Condition(self._lock)
         self._accepted = 0  # reports ever accepted into the queue
-        self._settled = 0  # of those, reports whose outcome is final (sent/rejected/dropped)
+        self._settled = 0  # of those, reports whose outcome is final
+        self._inflight: list | None = None  # memory batch the sender is delivering (dicts or lines)
+        self._down_since: float | None = None  # monotonic time of the first failure of a streak
+        self._drops_logged = 0
         self._wake = threading.Event()
+        self._spill_wake = threading.Event()
         self._stop = threading.Event()
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="auditor-client", daemon=True)
-        self._thread.start()
+        self._threads = []
+        if self.spool is not None:
+            self._threads.append(threading.Thread(target=self._run_spill, name="auditor-spill", daemon=True))
+        if not self.file_only:
+            self._threads.append(threading.Thread(target=self._run_sender, name="auditor-sender", daemon=True))
+        for t in self._threads:
+            t.start()
         atexit.register(self.close)
 
     # ------------------------------------------------------------------ caller side
@@ -107,143 +237,238 @@ class AuditorClient:
                 self._queue.append(report)
                 self._accepted += 1
                 self.stats["enqueued"] += 1
-                full = len(self._queue) >= self.batch_size
-            if full:
-                self._wake.set()
+                n = len(self._queue)
+            if n >= self._wake_at:
+                if not self._wake.is_set():
+                    self._wake.set()
+                if n >= self._high_water and not self._spill_wake.is_set():
+                    self._spill_wake.set()
         except Exception:  # noqa: BLE001 - the training step must never see a client error
-            log.exception("auditor client: could not enqueue a report")
+            pass
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every report enqueued before this call has a final outcome.
 
-        Returns ``True`` when all of them were sent, rejected or dropped (see ``stats``),
-        ``False`` when ``timeout`` seconds passed first. ``None`` waits indefinitely (for as
-        long as the service keeps failing transiently).
+        Final: sent, rejected or dropped (in file-only mode: written to the spool). A report
+        spilled to the spool is final once it is replayed. Returns ``True`` when all are
+        final, ``False`` when ``timeout`` seconds passed first (``None``: no limit).
         """
         with self._lock:
             target = self._accepted
         self._wake.set()
+        self._spill_wake.set()
         with self._settled_cond:
             return self._settled_cond.wait_for(lambda: self._settled >= target, timeout)
 
-    def close(self, timeout: float = 5.0) -> None:
-        """Flush for up to ``timeout`` seconds, then stop the sender.
-
-        Reports still undelivered are given up (counted ``dropped``). Idempotent; also
-        registered with :mod:`atexit`.
-        """
+    def close(self, timeout: float | None = None) -> None:
+        """Flush for up to ``timeout`` (default ``flush_timeout``) seconds, then write what is
+        still undelivered to the spool and stop. Does not wait for a request in flight.
+        Idempotent; also registered with :mod:`atexit`."""
         if self._closed:
             return
+        timeout = self.flush_timeout if timeout is None else timeout
         atexit.unregister(self.close)
-        if not self.flush(timeout):
-            log.warning("auditor client: flush timed out after %.1fs; dropping undelivered reports", timeout)
-        with self._lock:
-            self._closed = True
+        delivered = self.flush(timeout)
         self._stop.set()
         self._wake.set()
-        self._thread.join(timeout=max(timeout, 1.0))
-        self._http.close()
+        self._spill_wake.set()
+        for t in self._threads:
+            if t.name == "auditor-spill":
+                t.join(timeout=max(timeout, 1.0))  # local disk only: bounded
+        with self._lock:
+            self._closed = True
+            leftover = list(self._inflight or []) + list(self._queue)
+            self._inflight = None
+            self._queue.clear()
+        self._give_up(leftover, "closed")
+        for t in self._threads:
+            if t.name == "auditor-sender":
+                t.join(timeout=0.2)  # it may be blocked in a request: it is a daemon, leave it
+                if not t.is_alive() and self._http is not None:
+                    self._http.close()
+        if self.spool is not None:
+            try:
+                if self.file_only:
+                    self.spool.close(remove_if_delivered=False)
+                    log.info("auditor client: %d reports in %s", self.spool.lines_written, self.spool.path)
+                elif not self.spool.close():
+                    log.warning(
+                        "auditor client: undelivered reports remain in %s; upload them with "
+                        "`auditor import %s` or audit offline with `auditor audit %s`",
+                        self.spool.path, self.spool.path, self.spool.path)
+            except OSError as exc:
+                log.error("auditor client: closing spool %s: %s", self.spool.path, exc)
+        if not delivered and self.stats["dropped"]:
+            log.warning("auditor client: %d reports dropped in total", self.stats["dropped"])
+
+    # ------------------------------------------------------------------ spill thread
+
+    def _should_spill(self) -> bool:
+        if self.file_only or len(self._queue) >= self._high_water:
+            return True
+        down = self._down_since
+        return down is not None and time.monotonic() - down >= self.spool_after
+
+    def _run_spill(self) -> None:
+        last_sync = time.monotonic()
+        while not self._stop.is_set():
+            self._spill_wake.wait(min(self.fsync_interval, 0.05 if self.file_only else 0.2))
+            self._spill_wake.clear()
+            try:
+                while self._queue and not self._stop.is_set() and self._should_spill():
+                    with self._lock:
+                        chunk = [self._queue.popleft() for _ in range(min(SPILL_CHUNK, len(self._queue)))]
+                    self._give_up(chunk, "spill")
+                if time.monotonic() - last_sync >= self.fsync_interval:
+                    self.spool.sync()
+                    last_sync = time.monotonic()
+                self._log_drops()
+            except Exception:  # noqa: BLE001 - the spill must survive anything
+                log.exception("auditor client: spill failed")
+
+    def _give_up(self, items: list, reason: str) -> None:
+        """The single place where reports the sender cannot deliver now go: the spool (or, if
+        there is none or the disk fails, ``dropped``). ``items`` are dicts or encoded lines."""
+        if not items:
+            return
+        lines, bad = [], 0
+        for item in items:
+            if isinstance(item, bytes):
+                lines.append(item)
+                continue
+            try:
+                lines.append(encode(item))
+            except (TypeError, ValueError):
+                bad += 1
+        if bad:
+            log.error("auditor client: %d reports are not JSON-serialisable; rejected", bad)
+            self._settle(bad, "rejected")
+        if not lines:
+            return
+        if self.spool is not None:
+            try:
+                self.spool.append(lines)
+                with self._settled_cond:
+                    self.stats["spooled"] += len(lines)
+                    if self.file_only or reason == "closed":
+                        self._settled += len(lines)
+                        self._settled_cond.notify_all()
+                return
+            except OSError as exc:
+                log.error("auditor client: cannot write spool %s: %s", self.spool.path, exc)
+        log.warning("auditor client: dropping %d reports (%s)", len(lines), reason)
+        self._settle(len(lines), "dropped")
+
+    def _log_drops(self) -> None:
+        dropped = self.stats["dropped"]
+        if dropped > self._drops_logged:
+            log.warning("auditor client: %d reports dropped so far (queue full: max_queue=%d)",
+                        dropped, self.max_queue)
+            self._drops_logged = dropped
 
     # ------------------------------------------------------------------ sender thread
 
-    def _run(self) -> None:
+    def _run_sender(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(self.flush_interval)
             self._wake.clear()
-            while self._queue and not self._stop.is_set():
-                batch = self._take(self.batch_size)
+            while not self._stop.is_set():
                 try:
-                    self._deliver(batch)
+                    if not self._send_one():
+                        break
                 except Exception:  # noqa: BLE001 - the sender must survive anything
-                    log.exception("auditor client: unexpected error delivering %d reports", len(batch))
-                    self._give_up(batch, "error")
-        self._give_up(self._take(len(self._queue)), "closed")
+                    log.exception("auditor client: unexpected error in the sender")
+                    with self._lock:
+                        batch, self._inflight = self._inflight, None
+                    self._give_up(batch or [], "error")
+                    self._stop.wait(1.0)
 
-    def _take(self, n: int) -> list[dict]:
-        batch = []
-        while self._queue and len(batch) < n:
-            batch.append(self._queue.popleft())
-        return batch
+    def _send_one(self) -> bool:
+        """Deliver one batch: from the spool if it holds undelivered lines, else from memory.
+        Returns False when there was nothing to send."""
+        spool = self.spool
+        if spool is not None and spool.pending():
+            lines, end = spool.read(self.batch_size)
+            if lines:
+                if self._deliver(lines, from_memory=False):
+                    with self._lock:
+                        self.stats["replayed"] += len(lines)
+                    if not self._closed:
+                        spool.commit(end)
+                return True
+            if end > spool._offset:  # only blank lines
+                spool.commit(end)
+                return True
+        with self._lock:
+            if not self._queue:
+                return False
+            batch = [self._queue.popleft() for _ in range(min(self.batch_size, len(self._queue)))]
+            self._inflight = batch
+        lines = []
+        for r in batch:
+            try:
+                lines.append(encode(r))
+            except (TypeError, ValueError):
+                log.error("auditor client: report not JSON-serialisable; rejected: %r", r)
+                self._settle(1, "rejected")
+        with self._lock:
+            if self._inflight is batch:
+                self._inflight = lines
+        self._deliver(lines, from_memory=True)
+        return True
 
-    def _deliver(self, batch: list[dict]) -> None:
-        """POST ``batch`` until every report in it has a final outcome or the client stops."""
+    def _deliver(self, lines: list[bytes], from_memory: bool) -> bool:
+        """POST ``lines`` until each has a final outcome (True) or the client stops (False)."""
+        pending = [lines]
         failures = 0
-        while batch:
+        while pending:
             if self._stop.is_set():
-                self._give_up(batch, "closed")
-                return
-            delay = self._post(batch)
-            if isinstance(delay, list):
-                batch = delay
-                failures = 0
+                return False
+            chunk = pending.pop()
+            out = post_lines(self._http, self.url, chunk)
+            if out.kind == "retry":
+                failures += 1
+                if self._down_since is None:
+                    self._down_since = time.monotonic()
+                    log.warning("auditor client: service unavailable (%s); retrying, spilling to %s after %.1fs",
+                                out.message, self.spool.path if self.spool else "nowhere", self.spool_after)
+                with self._lock:
+                    self.stats["retries"] += 1
+                pending.append(chunk)
+                self._stop.wait(max(out.delay, _backoff(failures, self.max_backoff)))
                 continue
-            if delay is None:
-                return
-            failures += 1
-            with self._lock:
-                self.stats["retries"] += 1
-            self._stop.wait(max(delay, _backoff(failures)))
+            failures = 0
+            self._down_since = None
+            if out.kind == "sent":
+                self._settle(len(chunk), "sent", from_memory, pending)
+            elif out.kind == "split":
+                half = len(chunk) // 2
+                pending += [chunk[half:], chunk[:half]]
+            elif out.kind == "partial":
+                log.warning("auditor client: %d of %d reports rejected: %s", len(out.rejected), len(chunk), out.message)
+                rest = [line for i, line in enumerate(chunk) if i not in out.rejected]
+                if rest:
+                    pending.append(rest)
+                self._settle(len(out.rejected), "rejected", from_memory, pending)
+            else:
+                log.warning("auditor client: %d reports rejected: %s", len(chunk), out.message)
+                self._settle(len(chunk), "rejected", from_memory, pending)
+        return True
 
-    def _post(self, batch: list[dict]) -> list[dict] | float | None:
-        """Send one request. Returns ``None`` when the batch is settled, a list of reports
-        to resend at once (after 409), or a float: retry after at least that many seconds."""
-        try:
-            body = json.dumps({"reports": batch}).encode()  # NaN/Infinity tokens allowed
-            response = self._http.post(f"{self.url}/v1/reports", content=body)
-        except httpx.TransportError as exc:
-            log.warning("auditor client: %s: %s", type(exc).__name__, exc)
-            return 0.0
-        status = response.status_code
-        if status < 300:
-            self._settle(len(batch), "sent")
-            return None
-        if status == 429 or status >= 500:
-            log.warning("auditor client: HTTP %d, will retry %d reports", status, len(batch))
-            return _retry_after(response)
-        if status == 409:
-            rest = self._drop_conflicts(batch, response)
-            if rest is not None:
-                return rest
-        log.warning("auditor client: HTTP %d rejected %d reports: %s", status, len(batch), response.text[:500])
-        self._settle(len(batch), "rejected")
-        return None
-
-    def _drop_conflicts(self, batch: list[dict], response: httpx.Response) -> list[dict] | None:
-        """Remove the reports a 409 names from ``batch``; return the rest to resend.
-
-        ``None`` when the response does not name valid indices (the whole batch is then
-        rejected, so a malformed 409 cannot loop forever).
-        """
-        try:
-            detail = response.json()["detail"]
-            bad = {int(c["index"]) for c in detail["conflicts"]}
-        except (ValueError, KeyError, TypeError):
-            return None
-        if not bad or not bad <= set(range(len(batch))):
-            return None
-        log.warning(
-            "auditor client: %s: %s (%d of %d reports rejected)",
-            detail.get("error"), detail.get("message"), len(bad), len(batch),
-        )
-        self._settle(len(bad), "rejected")
-        return [r for i, r in enumerate(batch) if i not in bad]
-
-    def _give_up(self, batch: list[dict], reason: str) -> None:
-        """Final outcome for reports the client cannot deliver (future spool hook)."""
-        if batch:
-            log.warning("auditor client: dropping %d reports (%s)", len(batch), reason)
-            self._settle(len(batch), "dropped")
-
-    def _settle(self, n: int, outcome: str) -> None:
+    def _settle(self, n: int, outcome: str, from_memory: bool = False, pending: list | None = None) -> None:
         with self._settled_cond:
+            if from_memory:
+                if self._closed:
+                    return  # close() already took the in-flight batch over
+                self._inflight = [line for c in pending for line in c] if pending else None
             self.stats[outcome] += n
             self._settled += n
             self._settled_cond.notify_all()
 
 
-def _backoff(failures: int) -> float:
-    """Full-jitter exponential backoff: uniform in [0, min(MAX, BASE·2^(failures−1))]."""
-    return random.uniform(0.0, min(MAX_BACKOFF, BASE_BACKOFF * 2.0 ** (failures - 1)))
+def _backoff(failures: int, cap: float = MAX_BACKOFF) -> float:
+    """Full-jitter exponential backoff: uniform in [0, min(cap, BASE·2^(failures−1))]."""
+    return random.uniform(0.0, min(cap, BASE_BACKOFF * 2.0 ** (failures - 1)))
 
 
 def _retry_after(response: httpx.Response) -> float:
@@ -262,9 +487,19 @@ def _retry_after(response: httpx.Response) -> float:
 
 
 def client_from_env(**kwargs: Any) -> AuditorClient | None:
-    """An :class:`AuditorClient` for ``$AUDITOR_URL`` (token ``$AUDITOR_TOKEN``), or ``None``
-    when ``AUDITOR_URL`` is unset or empty. ``kwargs`` go to the constructor."""
+    """An :class:`AuditorClient` configured from the environment, or ``None`` when
+    ``AUDITOR_URL`` is unset or empty.
+
+    ``AUDITOR_URL`` (``http(s)://...`` or ``file:///dir``), ``AUDITOR_TOKEN``,
+    ``AUDITOR_SPOOL_DIR``, ``AUDITOR_FLUSH_TIMEOUT`` (s), ``AUDITOR_MAX_QUEUE``.
+    ``kwargs`` override them.
+    """
     url = os.environ.get("AUDITOR_URL")
     if not url:
         return None
-    return AuditorClient(url, token=os.environ.get("AUDITOR_TOKEN") or None, **kwargs)
+    conf: dict[str, Any] = {"token": os.environ.get("AUDITOR_TOKEN") or None}
+    if os.environ.get("AUDITOR_FLUSH_TIMEOUT"):
+        conf["flush_timeout"] = float(os.environ["AUDITOR_FLUSH_TIMEOUT"])
+    if os.environ.get("AUDITOR_MAX_QUEUE"):
+        conf["max_queue"] = int(os.environ["AUDITOR_MAX_QUEUE"])
+    return AuditorClient(url, **{**conf, **kwargs})

@@ -153,3 +153,125 @@ def _report(client: AuditorClient, run_id, statistic, step, microbatch, num_micr
     except Exception:  # noqa: BLE001
         log.exception("auditor: could not build the report for %s step %s", statistic, step)
 
+
+
+# ------------------------------------------------------------- sum and norm statistics
+# (DESIGN.md §3 table, kinds ``sum`` and ``norm``.)
+
+
+def report_statistic(
+    client,
+    *,
+    run_id: str,
+    statistic: str,
+    step: int,
+    kind: str,
+    local: dict,
+    applied: dict | None,
+    process_group: dist.ProcessGroup | None,
+    microbatch: int = 0,
+    num_microbatches: int = 1,
+    spec: dict | None = None,
+    dtype: str = "float32",
+) -> None:
+    """Enqueue one report of any kind (wire contract §3) for this rank; never raises.
+
+    ``local``/``applied``: the report's blocks (``applied=None``: the rank skipped the
+    collective). ``process_group``: the group the rank reduced over (its ranks become
+    ``group_ranks``; ``None`` = WORLD). Coordinates come from Megatron-core when initialised.
+    """
+    try:
+        coords, sizes = coords_and_sizes()
+        body = {
+            "run_id": run_id, "statistic": statistic, "step": step, "microbatch": microbatch,
+            "num_microbatches": num_microbatches, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
+            "coords": coords, "sizes": sizes, "local": local, "applied": applied,
+            "group_ranks": dist.get_process_group_ranks(process_group or dist.group.WORLD),
+            "dtype": dtype, "kind": kind,
+        }
+        if spec is not None:
+            body["spec"] = spec
+        client.report(body)
+    except Exception:  # noqa: BLE001
+        log.exception("auditor: could not build the report for %s step %s", statistic, step)
+
+
+def audited_sum(
+    local_sums,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    client=None,
+    run_id: str | None = None,
+    statistic: str = "loss_tokens",
+    step: int = 0,
+    dtype: torch.dtype = torch.float32,
+    spec: dict | None = None,
+) -> torch.Tensor:
+    """All-reduce SUM of a per-rank total (e.g. the loss-token count, the denominator of a
+    token-mean loss) and report it as a ``sum`` statistic.
+
+    Parameters
+    ----------
+    local_sums:
+        A float (or 0-d tensor): this rank's value for one microbatch; or a sequence of them,
+        one per microbatch of the step (gradient accumulation): they are added locally and
+        the step total is all-reduced once; one report per microbatch is sent with
+        ``spec.over_microbatches = true``.
+    process_group:
+        Group to reduce over (``None`` = WORLD); for CP use the DP group *with* CP.
+    dtype:
+        Precision of the all-reduce (reported as ``dtype``).
+
+    Returns
+    -------
+    0-d tensor of ``dtype``: the reduced total every rank should divide by.
+    """
+    parts = list(local_sums) if isinstance(local_sums, (list, tuple)) else [local_sums]
+    values = [float(p) for p in parts]
+    total = torch.tensor(sum(values) if len(values) > 1 else values[0], dtype=dtype)
+    dist.all_reduce(total, group=process_group)
+    if client is not None:
+        if len(values) > 1:
+            spec = {**(spec or {"reduce_over": ["dp", "cp"], "replicas": ["tp"]}), "over_microbatches": True}
+        for mb, v in enumerate(values):
+            report_statistic(client, run_id=run_id, statistic=statistic, step=step, kind="sum",
+                             local={"sum": v}, applied={"sum": float(total)}, process_group=process_group,
+                             microbatch=mb, num_microbatches=len(values), spec=spec, dtype=_dtype_name(dtype))
+    return total
+
+
+def audited_norm_sq(
+    sum_sq,
+    replicated_sum_sq=0.0,
+    process_group: dist.ProcessGroup | None = None,
+    *,
+    client=None,
+    run_id: str | None = None,
+    statistic: str = "grad_norm_sq",
+    step: int = 0,
+    dtype: torch.dtype = torch.float32,
+    spec: dict | None = None,
+) -> torch.Tensor:
+    """Squared global gradient norm over the model-parallel ``process_group``, reported as a
+    ``norm`` statistic.
+
+    ``sum_sq``: Σg² of the gradient shards this rank holds (tensor-/pipeline-parallel
+    partitions). ``replicated_sum_sq``: Σg² of parameters duplicated on every rank of the
+    group (e.g. TP-replicated layer norms): equal on every rank, so it is added once, after
+    the all-reduce — adding it before would count it group-size times
+    (``replica_overcount``). Returns a 0-d tensor of ``dtype``: the squared norm to clip with.
+    """
+    local = torch.tensor(float(sum_sq), dtype=dtype)
+    dist.all_reduce(local, group=process_group)
+    total = local + torch.tensor(float(replicated_sum_sq), dtype=dtype)
+    if client is not None:
+        report_statistic(client, run_id=run_id, statistic=statistic, step=step, kind="norm",
+                         local={"sum_sq": float(sum_sq), "replicated_sum_sq": float(replicated_sum_sq)},
+                         applied={"sum_sq": float(total)}, process_group=process_group, spec=spec,
+                         dtype=_dtype_name(dtype))
+    return total
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.float64: "float64", torch.float32: "float32", torch.float16: "float16",
+            torch.bfloat16: "bfloat16"}.get(dtype, "float32")

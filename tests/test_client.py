@@ -59,6 +59,14 @@ class RecordingServer:
         self.httpd.server_close()
 
 
+@pytest.fixture(autouse=True)
+def spool_dir(tmp_path, monkeypatch):
+    """Every client of this module spools under the test's tmp dir."""
+    d = tmp_path / "spool"
+    monkeypatch.setenv("AUDITOR_SPOOL_DIR", str(d))
+    return d
+
+
 @pytest.fixture
 def server():
     s = RecordingServer()
@@ -80,7 +88,8 @@ def test_batches_flush_and_token(server):
     assert [r["step"] for r in server.reports()] == list(range(2500))
     assert all(len(body["reports"]) <= 1000 for _, _, body in server.requests)
     assert all(h["Authorization"] == "Bearer s3cret" for h, _, _ in server.requests)
-    assert client.stats == {"enqueued": 2500, "sent": 2500, "rejected": 0, "dropped": 0, "retries": 0}
+    assert client.stats == {"enqueued": 2500, "sent": 2500, "rejected": 0, "spooled": 0, "replayed": 0,
+                            "dropped": 0, "retries": 0}
     client.close()
 
 
@@ -129,13 +138,15 @@ def test_other_4xx_rejects_the_batch_and_continues(server):
     assert client.flush(timeout=10)
     client.report(_reports(1, start=9)[0])
     assert client.flush(timeout=10)
-    assert client.stats == {"enqueued": 5, "sent": 1, "rejected": 4, "dropped": 0, "retries": 0}
+    assert client.stats == {"enqueued": 5, "sent": 1, "rejected": 4, "spooled": 0, "replayed": 0,
+                            "dropped": 0, "retries": 0}
     client.close()
 
 
-def test_unreachable_service_never_raises_and_close_drops():
+def test_unreachable_service_never_raises_and_close_spools(spool_dir):
     """With nothing listening, report() never raises, flush times out (False), retries are
-    counted, and close() gives the undelivered reports up as dropped."""
+    counted, and close() writes the undelivered reports to the spool (nothing dropped); a
+    report after close is counted dropped, not raised."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{s.getsockname()[1]}"
@@ -145,14 +156,17 @@ def test_unreachable_service_never_raises_and_close_drops():
     assert client.flush(timeout=0.5) is False
     client.close(timeout=0.1)
     assert client.stats["retries"] >= 1
-    assert client.stats["dropped"] == 3 and client.stats["sent"] == 0
+    assert client.stats["spooled"] == 3 and client.stats["sent"] == client.stats["dropped"] == 0
+    (spool,) = spool_dir.glob("*.jsonl")
+    assert sorted(json.loads(line)["step"] for line in spool.read_text().splitlines()) == [0, 1, 2]
     client.report(_reports(1)[0])  # after close: counted, not raised
-    assert client.stats["dropped"] == 4
+    assert client.stats["dropped"] == 1
 
 
-def test_full_queue_drops_new_reports(server):
-    """Beyond max_queue, report() drops (and counts) instead of growing memory."""
-    client = AuditorClient(server.url, max_queue=2, flush_interval=30.0)
+def test_full_queue_without_spool_drops_and_counts(server):
+    """With spooling disabled, report() beyond max_queue drops (and counts) instead of
+    growing memory; what was held is still delivered."""
+    client = AuditorClient(server.url, max_queue=2, flush_interval=30.0, spool=False)
     for r in _reports(5):
         client.report(r)
     assert client.stats["enqueued"] == 2 and client.stats["dropped"] == 3
