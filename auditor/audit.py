@@ -968,6 +968,22 @@ def _check_replicas(st: _Step, acc: _Accumulator, faults_of) -> None:
                 {"fields": names, "reference_rank": ref_rank, "along": along})
 
 
+def _applied_tolerances(st: _Step, exp: _Part) -> list[np.ndarray]:
+    """Rounding bounds from each element's own applied statistic (count, mean, var or the
+    value), for comparing peers whose correct group is not known; ``inf`` where unknown."""
+    ranks = exp.size[exp.inv].astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        if st.kind == "moments":
+            n = np.where(np.isfinite(st.a_n), st.a_n, np.nan)
+            g = stats.reduction_gamma_array(st.u, np.nan_to_num(n, nan=2.0), ranks)
+            m2 = np.maximum(st.a_var, 0.0) * np.maximum(n - 1.0, 1.0)
+            tm, tv = stats.mean_var_tolerance(g, n, st.a_mean, m2, st.spec.variance)
+            unknown = ~np.isfinite(n) | ~st.a_ok
+            return [np.where(unknown, np.inf, g * n), np.where(unknown, np.inf, tm), np.where(unknown, np.inf, tv)]
+        g = stats.reduction_gamma_array(st.u, np.full(st.n, 2.0), ranks)
+        return [np.where(st.a_ok, stats.sum_tolerance(g, np.abs(st.a_val)), np.inf)]
+
+
 def _cp_disagreement(st: _Step, exp: _Part, e_vals, e_tol, judged, acc: _Accumulator, faults_of) -> float | None:
     """Max difference between CP peers (same dp, tp, pp, microbatch) — they must agree when
     cp is reduced over or is a replica dim. For ``moments`` the figure is the whitening
@@ -980,7 +996,9 @@ def _cp_disagreement(st: _Step, exp: _Part, e_vals, e_tol, judged, acc: _Accumul
     order = np.argsort(peers.inv, kind="stable")
     bounds = np.flatnonzero(np.diff(peers.inv[order])) + 1
     worst: float | None = None
-    tol = [np.where(judged, t, np.inf) for t in e_tol]
+    # Peers must agree whether or not their group is complete: where the correct group
+    # cannot be judged (a report is missing), bound the rounding by the applied values.
+    tol = [np.where(judged, t, f) for t, f in zip(e_tol, _applied_tolerances(st, exp))]
     flagged: set[int] = set()
     ev = {}
     for grp in np.split(order, bounds):

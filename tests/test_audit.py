@@ -388,3 +388,24 @@ def test_gamma_formula_numbers():
     assert g == pytest.approx(2.228755e-06, rel=1e-6)
     assert 7 * g * (1 + 1e4) == pytest.approx(0.156028, abs=1e-6)
     assert stats.one_pass_variance_error(g, stats.Moments(1e7, 1e3, 1e7)) == pytest.approx(7 * g * (1 + 1e6), rel=1e-12)
+
+
+def test_cp_disagreement_is_judged_on_an_incomplete_step():
+    """A missing rank elsewhere does not hide CP peers that applied different statistics:
+    the step is inconsistent with cp_disagreement (and missing_report), not merely incomplete."""
+
+    def rank_report(rep: dict) -> audit.RankReport:
+        loc, app = rep["local"], rep["applied"]
+        return audit.RankReport(
+            rank=rep["rank"], microbatch=0, dtype="float32", **rep["coords"],
+            local_count=loc["count"], local_sum=loc["sum"], local_sum_sq=loc["sum_sq"],
+            local_min=loc["min"], local_max=loc["max"],
+            applied_count=app["count"], applied_sum=app["sum"], applied_sum_sq=app["sum_sq"],
+            applied_mean=app["mean"], applied_var=app["var"])
+
+    # world 4 = dp 2 × cp 2: the ranks of dp=1 never report; dp=0 has the CP bug
+    reps = [rank_report(r) for r in reference_reports("x", buggy=True)]
+    v = audit.audit_step(reps, (2, 2, 1, 1), StatisticSpec())
+    assert v.verdict == "inconsistent"
+    assert {f.kind for f in v.faults} >= {"missing_report", "cp_disagreement"}
+    assert v.cp_disagreement_sigma == pytest.approx(0.433154, abs=1e-6)
