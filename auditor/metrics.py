@@ -7,8 +7,15 @@ Two sources, chosen so that ``/metrics`` stays true with several workers and rep
   the audit transaction maintains. Every replica exports the same values, whichever
   process audited the step, and nothing is lost when a worker restarts. Series idle for
   longer than ``metrics_retention_seconds`` are not exported.
-* Ingest counters and the latency histogram describe the process that served the request;
-  they are ordinary prometheus-client metrics (aggregate over instances in PromQL).
+* Ingest counters and the latency histogram describe the process that served the request.
+  With one process they are ordinary prometheus-client metrics. With several uvicorn
+  workers (``auditor serve --workers N``) a scrape reaches one worker at random, so they use
+  prometheus-client's multiprocess mode: ``serve`` points ``PROMETHEUS_MULTIPROC_DIR`` at a
+  directory it wipes at start (:func:`prepare_multiprocess_dir`), every worker writes its
+  values to its own mmap files there, and ``/metrics`` merges all files
+  (``MultiProcessCollector``), so every worker exports the sum over all workers, including
+  workers that have died (a counter must never go down). Across replicas (separate hosts)
+  aggregate over instances in PromQL.
 
 Labels are bounded: run, statistic, kind, verdict, reason. Per-rank detail lives in the
 report, never in a label.
@@ -16,11 +23,19 @@ report, never in a label.
 
 from __future__ import annotations
 
+import os
+import re
 import time
+from pathlib import Path
 from typing import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+#: prometheus-client's multiprocess switch: set (before prometheus_client is imported) in
+#: every process that serves, it makes metric values live in mmap files in that directory.
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+_DB_FILE = re.compile(r"^(counter|gauge_[a-z]+|histogram|summary)_(\d+)\.db$")
 
 #: Metric family names the service exports (histogram without its _bucket/_sum/_count).
 EXPORTED_METRICS: tuple[str, ...] = (
@@ -35,10 +50,86 @@ EXPORTED_METRICS: tuple[str, ...] = (
 )
 
 
-class ServiceMetrics:
-    """The process-local metrics, registered in ``registry``."""
+def multiprocess_dir() -> str | None:
+    """The multiprocess directory of this process, or None (single-process mode)."""
+    return os.environ.get(MULTIPROC_ENV) or None
 
-    def __init__(self, registry: CollectorRegistry):
+
+def prepare_multiprocess_dir(path: str | os.PathLike) -> Path:
+    """Create ``path`` and delete the metric files a previous run left there, so counters
+    start at zero with the service. Only prometheus-client's own ``*_<pid>.db`` files are
+    removed. Call it in the parent, before any worker starts."""
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    for f in p.iterdir():
+        if _DB_FILE.match(f.name):
+            f.unlink(missing_ok=True)
+    return p
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def reap_dead_workers(path: str | os.PathLike) -> list[int]:
+    """``multiprocess.mark_process_dead`` for every pid that left files in ``path`` and no
+    longer runs (uvicorn has no child-exit hook, so each worker checks at start-up and at
+    every scrape). It drops the dead process's live-gauge files; its counter and histogram
+    files stay, so the totals keep the work it did. Returns the dead pids."""
+    from prometheus_client import multiprocess
+
+    pids = {int(m.group(2)) for f in os.listdir(path) if (m := _DB_FILE.match(f))}
+    dead = sorted(pid for pid in pids if not _alive(pid))
+    for pid in dead:
+        multiprocess.mark_process_dead(pid, str(path))
+    return dead
+
+
+class _Reaping:
+    """Collector wrapper: reap dead workers' files, then merge every worker's files."""
+
+    def __init__(self, path: str):
+        from prometheus_client import multiprocess
+
+        self._path = path
+        self._merge = multiprocess.MultiProcessCollector(None, path=path)
+
+    def collect(self) -> Iterable[Metric]:
+        reap_dead_workers(self._path)
+        return self._merge.collect()
+
+
+def scrape_registry(load: Callable[[float], list[dict]], retention_seconds: float
+                    ) -> tuple[CollectorRegistry, "ServiceMetrics"]:
+    """The registry ``/metrics`` exports and the process-local metrics to update.
+
+    Single process: the ingest metrics are registered in the registry. Multiprocess
+    (``PROMETHEUS_MULTIPROC_DIR`` set): they are registered nowhere (their values go to this
+    worker's mmap files) and the registry merges all workers' files instead. Either way the
+    DB-derived :class:`AuditCollector` is added."""
+    registry = CollectorRegistry()
+    path = multiprocess_dir()
+    if path is None:
+        metrics = ServiceMetrics(registry)
+    else:
+        metrics = ServiceMetrics(None)
+        reap_dead_workers(path)
+        registry.register(_Reaping(path))
+    registry.register(AuditCollector(load, retention_seconds))
+    return registry, metrics
+
+
+class ServiceMetrics:
+    """The process-local metrics, registered in ``registry`` (None: in none, for
+    multiprocess mode, where :func:`scrape_registry` merges the workers' files)."""
+
+    def __init__(self, registry: CollectorRegistry | None):
         self.received = Counter(
             "auditor_reports_received", "Reports stored (duplicates excluded).", registry=registry
         )

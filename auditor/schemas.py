@@ -143,6 +143,8 @@ def _check_cauchy_schwarz(where: str, count, total, total_sq, dtype: str) -> Non
     if not (_finite(count) and _finite(total) and _finite(total_sq)) or count <= 0:
         return
     floor = total * total / count
+    if total_sq >= floor:  # the common case; the slack below is >= 0
+        return
     slack = 64.0 * UNIT_ROUNDOFF[dtype] * max(math.log2(max(count, 2.0)), 1.0) * max(floor, total_sq)
     if floor - total_sq > slack:
         raise ValueError(
@@ -184,24 +186,30 @@ class Report(_Strict):
 
     @model_validator(mode="after")
     def _topology(self) -> "Report":
-        if self.sizes.world_size != self.world_size:
+        # Runs once per report on the ingest hot path: plain attribute tests first, the
+        # messages only when a rule fails.
+        s, c = self.sizes, self.coords
+        if s.dp * s.cp * s.tp * s.pp != self.world_size:
             raise ValueError(
                 f"world_size ({self.world_size}) must equal the product of sizes "
                 f"dp*cp*tp*pp = {self.sizes.world_size}"
             )
         if self.rank >= self.world_size:
             raise ValueError(f"rank ({self.rank}) must be < world_size ({self.world_size})")
-        for dim, c, s in zip(DIMS, self.coords.as_tuple(), self.sizes.as_tuple()):
-            if c >= s:
-                raise ValueError(f"coords.{dim} ({c}) must be < sizes.{dim} ({s})")
+        if c.dp >= s.dp or c.cp >= s.cp or c.tp >= s.tp or c.pp >= s.pp:
+            for dim, ci, si in zip(DIMS, c.as_tuple(), s.as_tuple()):
+                if ci >= si:
+                    raise ValueError(f"coords.{dim} ({ci}) must be < sizes.{dim} ({si})")
         if self.microbatch >= self.num_microbatches:
             raise ValueError(
                 f"microbatch ({self.microbatch}) must be < num_microbatches ({self.num_microbatches}); "
                 "send num_microbatches with every report of a step that has several microbatches"
             )
-        missing = [f"local.{f}" for f in _REQUIRED_LOCAL[self.kind] if getattr(self.local, f) is None]
-        if missing:
-            raise ValueError(f"{', '.join(missing)} required for kind '{self.kind}'")
+        loc = self.local
+        if not (self.kind == "moments" and loc.count is not None and loc.sum is not None and loc.sum_sq is not None):
+            missing = [f"local.{f}" for f in _REQUIRED_LOCAL[self.kind] if getattr(loc, f) is None]
+            if missing:
+                raise ValueError(f"{', '.join(missing)} required for kind '{self.kind}'")
         if self.group_ranks is not None:
             bad = [r for r in self.group_ranks if r >= self.world_size]
             if bad:

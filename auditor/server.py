@@ -6,6 +6,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Callable
 
 import httpx
 import uvicorn
@@ -21,11 +22,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def wait_healthy(url: str, timeout: float = 30.0) -> None:
-    """Poll ``{url}/healthz`` until it answers 200; raise ``TimeoutError`` after ``timeout`` s."""
+def wait_healthy(url: str, timeout: float = 30.0, alive: Callable[[], bool] | None = None) -> None:
+    """Poll ``{url}/healthz`` until it answers 200; raise ``TimeoutError`` after ``timeout`` s,
+    or at once if ``alive()`` (e.g. "the server process still runs") turns false."""
     deadline = time.monotonic() + timeout
     last: Exception | str | None = None
     while time.monotonic() < deadline:
+        if alive is not None and not alive():
+            raise TimeoutError(f"auditor at {url} exited before it became healthy")
         try:
             r = httpx.get(f"{url}/healthz", timeout=2.0)
             if r.status_code == 200:

@@ -19,9 +19,10 @@ from auditor.server import free_port, wait_healthy
 class ServerProcess:
     """`python -m auditor serve` in a subprocess; `start()`/`stop()` may be repeated."""
 
-    def __init__(self, database_url: str, log_path: Path, **env: str):
+    def __init__(self, database_url: str, log_path: Path, *, args: tuple[str, ...] = (), **env: str):
         self.database_url = database_url
         self.log_path = log_path
+        self.args = tuple(args)  # extra `auditor serve` options, e.g. ("--workers", "2")
         self.env = {**os.environ, "AUDITOR_DATABASE_URL": database_url, **env}
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -30,11 +31,12 @@ class ServerProcess:
     def start(self, timeout: float = 60.0) -> "ServerProcess":
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "auditor", "serve", "--port", str(self.port), "--log-level", "warning"],
+            [sys.executable, "-m", "auditor", "serve", "--port", str(self.port), "--log-level", "warning",
+             *self.args],
             env=self.env, stdout=log, stderr=subprocess.STDOUT,
         )
         try:
-            wait_healthy(self.url, timeout)
+            wait_healthy(self.url, timeout, alive=lambda: self.proc is not None and self.proc.poll() is None)
         except TimeoutError:
             self.stop()
             raise RuntimeError(f"server did not start; log:\n{self.log_path.read_text()[-4000:]}") from None

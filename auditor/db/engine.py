@@ -8,6 +8,7 @@ not on snapshot isolation).
 
 from __future__ import annotations
 
+import contextlib
 import sqlite3
 from importlib import resources
 from pathlib import Path
@@ -85,14 +86,43 @@ def current_revision(engine: sa.Engine) -> str | None:
         return MigrationContext.configure(conn).get_current_revision()
 
 
+#: Key of the PostgreSQL advisory lock that serializes schema changes ("auditor" in ASCII).
+MIGRATION_LOCK_KEY = 0x61756469746F72
+
+
+@contextlib.contextmanager
+def migration_lock(url: str):
+    """Serialize schema changes between processes: on PostgreSQL, a session-level advisory
+    lock (``pg_advisory_lock``) held on a dedicated connection for the duration of the
+    block, so replicas that start at once on an empty database migrate one after the other
+    instead of colliding on ``CREATE TABLE``. The lock is released on exit, and by the
+    server if the process dies. On SQLite (one file, one host) it does nothing."""
+    u = sa.make_url(url)
+    if u.get_backend_name() != "postgresql":
+        yield
+        return
+    engine = sa.create_engine(u, poolclass=sa.pool.NullPool)
+    try:
+        with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+            conn.execute(sa.text("SELECT pg_advisory_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
+            try:
+                yield
+            finally:
+                conn.execute(sa.text("SELECT pg_advisory_unlock(:k)"), {"k": MIGRATION_LOCK_KEY})
+    finally:
+        engine.dispose()
+
+
 def upgrade(url: str, revision: str = "head") -> None:
-    """Apply migrations up to ``revision`` (``auditor db upgrade``)."""
-    command.upgrade(alembic_config(url), revision)
+    """Apply migrations up to ``revision`` (``auditor db upgrade``), under :func:`migration_lock`."""
+    with migration_lock(url):
+        command.upgrade(alembic_config(url), revision)
 
 
 def downgrade(url: str, revision: str) -> None:
-    """Revert migrations down to ``revision`` (``base`` empties the schema)."""
-    command.downgrade(alembic_config(url), revision)
+    """Revert migrations down to ``revision`` (``base`` empties the schema), under :func:`migration_lock`."""
+    with migration_lock(url):
+        command.downgrade(alembic_config(url), revision)
 
 
 def ensure_schema(engine: sa.Engine, url: str) -> None:
@@ -107,15 +137,22 @@ def ensure_schema(engine: sa.Engine, url: str) -> None:
     if current == head:
         return
     if current is None:
-        with engine.connect() as conn:
-            tables = sa.inspect(conn).get_table_names()
-        if tables:
-            raise SchemaError(
-                f"database {engine.url.render_as_string(hide_password=True)} has tables {tables[:5]} but no "
-                "auditor schema version; refusing to touch it"
-            )
-        upgrade(url)
-        return
+        # Several replicas may start at once on an empty database: the first to take the
+        # lock migrates, the others wait, then find the schema at head.
+        with migration_lock(url):
+            current = current_revision(engine)
+            if current == head:
+                return
+            if current is None:
+                with engine.connect() as conn:
+                    tables = sa.inspect(conn).get_table_names()
+                if tables:
+                    raise SchemaError(
+                        f"database {engine.url.render_as_string(hide_password=True)} has tables {tables[:5]} "
+                        "but no auditor schema version; refusing to touch it"
+                    )
+                command.upgrade(alembic_config(url), "head")
+                return
     known = {rev.revision for rev in ScriptDirectory.from_config(alembic_config(url)).walk_revisions()}
     if current not in known:
         raise SchemaError(

@@ -14,8 +14,9 @@ and an ingest can never both record a verdict. On SQLite, write transactions are
 from __future__ import annotations
 
 import math
+import operator
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
@@ -31,6 +32,22 @@ VERDICTS = ("consistent", "inconsistent", "incomplete")
 _KEY = ("series_id", "step", "microbatch", "rank")
 _COMPARED = tuple(c.name for c in reports.columns if c.name not in ("received_at",))
 _REPORT_FIELDS = tuple(f for f in audit.RankReport.__dataclass_fields__)
+#: Column order of ``reports`` (and of the tuples :func:`report_values` builds). The key
+#: comes first and ``received_at`` last, so ``row[:4]`` is the key and ``row[:-1]`` is what
+#: an identical re-send must match.
+_COLUMNS = tuple(c.name for c in reports.columns)
+assert _COLUMNS[:4] == _KEY and _COLUMNS[-1] == "received_at" and _COLUMNS[:-1] == _COMPARED
+_LOCAL_FIELDS = ("count", "sum", "sum_sq", "min", "max", "replicated_sum_sq")
+_APPLIED_FIELDS = ("count", "sum", "sum_sq", "mean", "var")
+_FLOAT_NAMES = tuple(f"local_{f}" for f in _LOCAL_FIELDS) + tuple(f"applied_{f}" for f in _APPLIED_FIELDS)
+_NO_APPLIED = (None,) * len(_APPLIED_FIELDS)
+#: Picks the RankReport fields (in dataclass order) out of a ``reports`` row tuple.
+_AUDIT_FIELDS = operator.itemgetter(*(_COLUMNS.index(f) for f in _REPORT_FIELDS))
+_GROUP_RANKS = _REPORT_FIELDS.index("group_ranks")
+_APPLIED = _REPORT_FIELDS.index("applied")
+#: Below this many rows a PostgreSQL batch is inserted with one ``INSERT ... RETURNING``.
+_PG_COPY_MIN_ROWS = 32
+_PG_COPY_TYPES = {"BIGINT": "int8", "INTEGER": "int4", "FLOAT": "float8", "BOOLEAN": "bool", "TEXT": "text"}
 
 
 class ConflictError(Exception):
@@ -86,32 +103,44 @@ def _json_safe(obj: Any) -> Any:
     return obj
 
 
+def report_values(r: Report, series_id: int, now: float) -> tuple:
+    """Flatten one wire report into a ``reports`` row, a tuple in :data:`_COLUMNS` order (the
+    ingest hot path: no dict per report). NaN becomes NULL (SQLite cannot store NaN) and the
+    names of all non-finite fields go to ``non_finite``."""
+    loc, app, c = r.local, r.applied, r.coords
+    vals = (loc.count, loc.sum, loc.sum_sq, loc.min, loc.max, loc.replicated_sum_sq) + (
+        _NO_APPLIED if app is None else (app.count, app.sum, app.sum_sq, app.mean, app.var))
+    non_finite = None
+    try:  # one C-level pass for the common all-finite case
+        finite = math.isfinite(math.fsum([v for v in vals if v is not None]))
+    except OverflowError:  # finite values whose sum overflows: decide field by field
+        finite = False
+    if not finite:
+        bad = [n for n, v in zip(_FLOAT_NAMES, vals) if v is not None and not math.isfinite(v)]
+        if bad:
+            non_finite = ",".join(bad)
+            vals = tuple(None if v is not None and math.isnan(v) else v for v in vals)
+    return (series_id, r.step, r.microbatch, r.rank, c.dp, c.cp, c.tp, c.pp, r.dtype, *vals[:6],
+            app is not None, *vals[6:], non_finite,
+            audit.compress_ranks(r.group_ranks) if r.group_ranks is not None else None, now)
+
+
 def report_row(r: Report, series_id: int, now: float) -> dict[str, Any]:
-    """Flatten one wire report into a ``reports`` row. NaN becomes NULL (SQLite cannot store
-    NaN) and the names of all non-finite fields go to ``non_finite``."""
-    loc, app = r.local, r.applied
-    row: dict[str, Any] = {
-        "series_id": series_id, "step": r.step, "microbatch": r.microbatch, "rank": r.rank,
-        "dp": r.coords.dp, "cp": r.coords.cp, "tp": r.coords.tp, "pp": r.coords.pp, "dtype": r.dtype,
-        "local_count": loc.count, "local_sum": loc.sum, "local_sum_sq": loc.sum_sq,
-        "local_min": loc.min, "local_max": loc.max, "local_replicated_sum_sq": loc.replicated_sum_sq,
-        "applied": app is not None,
-        "applied_count": app.count if app else None, "applied_sum": app.sum if app else None,
-        "applied_sum_sq": app.sum_sq if app else None, "applied_mean": app.mean if app else None,
-        "applied_var": app.var if app else None,
-        "group_ranks": audit.compress_ranks(r.group_ranks) if r.group_ranks is not None else None,
-        "received_at": now,
-    }
-    bad = [k for k, v in row.items() if isinstance(v, float) and not math.isfinite(v)]
-    for k in bad:
-        if math.isnan(row[k]):
-            row[k] = None
-    row["non_finite"] = ",".join(bad) or None
-    return row
+    """:func:`report_values` as a ``{column: value}`` dict."""
+    return dict(zip(_COLUMNS, report_values(r, series_id, now)))
 
 
-def _comparable(row: dict[str, Any]) -> tuple:
-    return tuple(row[c] for c in _COMPARED)
+def _comparable(row: tuple) -> tuple:
+    """What two reports with the same key must agree on (every column but ``received_at``)."""
+    return row[:-1]
+
+
+def _rank_report(row: Sequence) -> audit.RankReport:
+    """An :class:`audit.RankReport` from a ``reports`` row tuple (:data:`_COLUMNS` order)."""
+    v = list(_AUDIT_FIELDS(row))
+    if v[_GROUP_RANKS] is not None:
+        v[_GROUP_RANKS] = audit.expand_ranks(v[_GROUP_RANKS])
+    return audit.RankReport(*v)
 
 
 class Store:
@@ -124,6 +153,17 @@ class Store:
         self._insert = postgresql.insert if self.dialect == "postgresql" else sqlite.insert
         self._topology: dict[str, Topology] = {}
         self._series: dict[tuple[str, str], SeriesInfo] = {}
+        names = ", ".join(f'"{c}"' for c in _COLUMNS)
+        self._insert_sql = (f"INSERT INTO reports ({names}) VALUES ({', '.join('?' * len(_COLUMNS))}) "
+                            "ON CONFLICT DO NOTHING")
+        self._copy_sql = f"COPY reports ({names}) FROM STDIN (FORMAT BINARY)"
+        mark = "%s" if self.dialect == "postgresql" else "?"
+        self._step_sql = (f"SELECT {', '.join(f'{chr(34)}{f}{chr(34)}' for f in _REPORT_FIELDS)} FROM reports "
+                          f"WHERE series_id = {mark} AND step = {mark}")
+        self._copy_types = [
+            _PG_COPY_TYPES["TEXT" if isinstance(c.type, sa.String) else c.type.compile(postgresql.dialect())]
+            for c in reports.columns
+        ] if self.dialect == "postgresql" else []
 
     # ------------------------------------------------------------------ runs and series
     def register_run(self, run_id: str, reg: RunRegistration, now: float | None = None) -> dict:
@@ -198,8 +238,14 @@ class Store:
         new_series: dict[tuple[str, str], SeriesInfo] = {}
         with write_begin(self.engine) as conn:
             series_of: dict[tuple[str, str], SeriesInfo] = {}
+            last = None
             for i, r in enumerate(batch):
-                topo = Topology(r.world_size, r.sizes.as_tuple())
+                sz = r.sizes
+                same = (r.run_id, r.statistic, r.kind, r.world_size, sz.dp, sz.cp, sz.tp, sz.pp)
+                if same == last and r.spec is None:
+                    continue  # same run, topology and series as the report before: checked
+                last = same
+                topo = Topology(r.world_size, sz.as_tuple())
                 if (self._topology.get(r.run_id) or new_topology.get(r.run_id)) != topo:
                     self._ensure_run(conn, r.run_id, topo, now, i)  # creates it, or raises
                     new_topology[r.run_id] = topo
@@ -211,46 +257,54 @@ class Store:
                     if skey not in self._series:
                         new_series[skey] = info
 
-            rows: dict[tuple, dict] = {}
+            rows: dict[tuple, tuple] = {}
             index_of: dict[tuple, int] = {}
             expected: dict[tuple[int, int], int] = {}
             for i, r in enumerate(batch):
                 info = series_of[(r.run_id, r.statistic)]
-                row = report_row(r, info.id, now)
-                key = (info.id, r.step, r.microbatch, r.rank)
-                if key in rows:
-                    if _comparable(rows[key]) != _comparable(row):
-                        raise self._conflict([(i, key, rows[key], row)], batch)
+                row = report_values(r, info.id, now)
+                key = row[:4]
+                prev = rows.get(key)
+                if prev is not None:
+                    if _comparable(prev) != _comparable(row):
+                        raise self._conflict([(i, key, prev, row)], batch)
                     out.duplicates += 1
                     continue
                 rows[key] = row
                 index_of[key] = i
-                sk = (info.id, r.step)
-                expected[sk] = max(expected.get(sk, 0), r.world_size * r.num_microbatches)
+                sk = key[:2]
+                n = r.world_size * r.num_microbatches
+                if expected.get(sk, 0) < n:
+                    expected[sk] = n
 
+            # Key order: concurrent transactions take index locks in one order (no deadlocks).
             ordered = [rows[k] for k in sorted(rows)]
-            inserted = conn.execute(
-                self._insert(reports).on_conflict_do_nothing().returning(
-                    reports.c.series_id, reports.c.step, reports.c.microbatch, reports.c.rank
-                ),
-                ordered,
-            ).all() if ordered else []
-            inserted_keys = {tuple(k) for k in inserted}
-            leftover = [k for k in rows if k not in inserted_keys]
-            if leftover:
-                stored = self._fetch_reports(conn, leftover)
-                clashes = [
-                    (index_of[k], k, stored[k], rows[k])
-                    for k in leftover if _comparable(stored[k]) != _comparable(rows[k])
-                ]
-                if clashes:
-                    raise self._conflict(clashes, batch)
-                out.duplicates += len(leftover)
+            # Fast path: one bulk statement that stores every row, or nothing if any key exists.
+            all_new = bool(ordered) and self._insert_all_new(conn, ordered)
+            if all_new:
+                inserted_keys: Any = rows.keys()
+            else:  # re-sends: find out row by row what is stored, and whether it is identical
+                inserted = conn.execute(
+                    self._insert(reports).on_conflict_do_nothing().returning(
+                        reports.c.series_id, reports.c.step, reports.c.microbatch, reports.c.rank
+                    ),
+                    [dict(zip(_COLUMNS, row)) for row in ordered],
+                ).all() if ordered else []
+                inserted_keys = {tuple(k) for k in inserted}
+                leftover = [k for k in rows if k not in inserted_keys]
+                if leftover:
+                    stored = self._fetch_reports(conn, leftover)
+                    clashes = [
+                        (index_of[k], k, stored[k], rows[k])
+                        for k in leftover if _comparable(stored[k]) != _comparable(rows[k])
+                    ]
+                    if clashes:
+                        raise self._conflict(clashes, batch)
+                    out.duplicates += len(leftover)
             out.accepted = len(inserted_keys)
 
-            added: dict[tuple[int, int], int] = defaultdict(int)
-            for k in inserted_keys:
-                added[(k[0], k[1])] += 1
+            added = Counter(k[:2] for k in inserted_keys)
+            by_step: dict[tuple[int, int], list[tuple]] | None = None
             if added:
                 stmt = self._insert(step_audits)
                 stmt = stmt.on_conflict_do_update(
@@ -274,17 +328,62 @@ class Store:
                 for p in sorted(progress, key=lambda p: (p.series_id, p.step)):
                     if p.verdict is None and p.received >= p.expected:
                         info = by_id[p.series_id]
+                        mine = None
+                        if all_new and p.received == added[(p.series_id, p.step)]:
+                            # Every stored report of the step is one this transaction just
+                            # wrote: audit the rows in hand instead of reading them back.
+                            if by_step is None:
+                                by_step = defaultdict(list)
+                                for row in ordered:
+                                    by_step[row[:2]].append(row)
+                            mine = [_rank_report(row) for row in by_step[(p.series_id, p.step)]]
                         v = self._audit(conn, info, self._topology.get(info.run_id) or new_topology[info.run_id],
-                                        p.step, p.expected, now)
+                                        p.step, p.expected, now, mine)
                         if v is not None:
                             out.audited.append((p.series_id, p.step, v))
         self._topology.update(new_topology)
         self._series.update(new_series)
         return out
 
-    def _conflict(self, clashes: list[tuple[int, tuple, dict, dict]], batch: Sequence[Report]) -> ConflictError:
+    def _insert_all_new(self, conn: sa.Connection, rows: list[tuple]) -> bool:
+        """Insert ``rows`` (tuples in :data:`_COLUMNS` order) with one bulk driver call inside
+        a savepoint. True if every row was stored; False, with nothing stored, if any key
+        already exists (the caller then takes the row-by-row ``RETURNING`` path).
+
+        PostgreSQL: binary ``COPY`` (a duplicate key fails it with a unique violation, after
+        waiting for a concurrent writer of that key like any insert). SQLite: ``executemany``
+        of ``INSERT ... ON CONFLICT DO NOTHING``, all rows stored iff the change count matches.
+        """
+        if self.dialect == "postgresql" and len(rows) < _PG_COPY_MIN_ROWS:
+            return False  # SAVEPOINT + COPY + RELEASE cost more round trips than they save
+        savepoint = conn.begin_nested()
+        cur = conn.connection.driver_connection.cursor()
+        try:
+            if self.dialect == "postgresql":
+                import psycopg
+
+                try:
+                    with cur.copy(self._copy_sql) as copy:
+                        copy.set_types(self._copy_types)
+                        for row in rows:
+                            copy.write_row(row)
+                except psycopg.errors.UniqueViolation:
+                    savepoint.rollback()
+                    return False
+            else:
+                cur.executemany(self._insert_sql, rows)
+                if cur.rowcount != len(rows):
+                    savepoint.rollback()
+                    return False
+        finally:
+            cur.close()
+        savepoint.commit()
+        return True
+
+    def _conflict(self, clashes: list[tuple[int, tuple, tuple, tuple]], batch: Sequence[Report]) -> ConflictError:
         conflicts = []
         for i, _key, stored, sent in clashes:
+            stored, sent = dict(zip(_COLUMNS, stored)), dict(zip(_COLUMNS, sent))
             fields = [c for c in _COMPARED if stored[c] != sent[c]]
             r = batch[i]
             conflicts.append({
@@ -300,7 +399,7 @@ class Store:
             conflicts,
         )
 
-    def _fetch_reports(self, conn: sa.Connection, keys: Iterable[tuple]) -> dict[tuple, dict]:
+    def _fetch_reports(self, conn: sa.Connection, keys: Iterable[tuple]) -> dict[tuple, tuple]:
         wanted = set(keys)
         by_series: dict[int, set[int]] = defaultdict(set)
         for s, st, _, _ in wanted:
@@ -312,19 +411,32 @@ class Store:
             ).mappings():
                 k = tuple(row[c] for c in _KEY)
                 if k in wanted:
-                    out[k] = dict(row)
+                    out[k] = tuple(row[c] for c in _COLUMNS)
         return out
 
     # -------------------------------------------------------------------------- audit
     def _step_reports(self, conn: sa.Connection, series_id: int, step: int) -> list[audit.RankReport]:
-        cols = [reports.c[f] for f in _REPORT_FIELDS]
+        """Every stored report of one step. Read with the driver's cursor (one step can hold
+        thousands of rows and this is on the verdict-latency path); SQLite's 0/1 ``applied``
+        becomes a bool as SQLAlchemy would make it."""
+        cur = conn.connection.driver_connection.cursor()
+        try:
+            cur.execute(self._step_sql, (series_id, step))
+            rows = cur.fetchall()
+        finally:
+            cur.close()
         out = []
-        for row in conn.execute(
-            sa.select(*cols).where(reports.c.series_id == series_id, reports.c.step == step)
-        ).mappings():
-            d = dict(row)
-            d["group_ranks"] = audit.expand_ranks(d["group_ranks"])
-            out.append(audit.RankReport(**d))
+        fix_bool = self.dialect == "sqlite"
+        for row in rows:
+            if row[_GROUP_RANKS] is None and not fix_bool:
+                out.append(audit.RankReport(*row))
+                continue
+            v = list(row)
+            if fix_bool:
+                v[_APPLIED] = bool(v[_APPLIED])
+            if v[_GROUP_RANKS] is not None:
+                v[_GROUP_RANKS] = audit.expand_ranks(v[_GROUP_RANKS])
+            out.append(audit.RankReport(*v))
         return out
 
     def _history(self, conn: sa.Connection, series_id: int, step: int):
@@ -342,14 +454,16 @@ class Store:
         return load
 
     def _audit(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, step: int, expected: int,
-               now: float) -> str | None:
+               now: float, rank_reports: list[audit.RankReport] | None = None) -> str | None:
         """Audit one step inside the caller's transaction; return the verdict, or None if
-        another transaction recorded it first."""
-        rank_reports = self._step_reports(conn, info.id, step)
+        another transaction recorded it first. ``rank_reports``: every stored report of the
+        step, if the caller holds them (else they are read)."""
+        if rank_reports is None:
+            rank_reports = self._step_reports(conn, info.id, step)
         v = audit.audit_step(
             rank_reports, topo.sizes, info.spec,
             num_microbatches=max(1, expected // topo.world_size),
-            history=self._history(conn, info.id, step),
+            history=self._history(conn, info.id, step), kind=info.kind,
         )
         groups = [[list(g.key), g.microbatch, g.count, g.mean, g.var] for g in v.groups]
         done = conn.execute(
@@ -364,23 +478,10 @@ class Store:
         ).rowcount
         if done != 1:
             return None
-        if v.faults:
-            conn.execute(faults.insert(), [
-                {"series_id": info.id, "step": step, "kind": f.kind, "ranks": audit.compress_ranks(f.ranks),
-                 "message": f.message, "evidence": _json_safe(f.evidence)}
-                for f in v.faults
-            ])
-            counts: dict[str, int] = defaultdict(int)
-            for f in v.faults:
-                counts[f.kind] += 1
-            stmt = self._insert(series_faults)
-            conn.execute(
-                stmt.on_conflict_do_update(
-                    index_elements=["series_id", "kind"],
-                    set_={"count": series_faults.c.count + stmt.excluded.count},
-                ),
-                [{"series_id": info.id, "kind": k, "count": n} for k, n in sorted(counts.items())],
-            )
+        # Lock order: step_audits row (above), then the series row, then series_faults rows.
+        # The series row is updated before series_faults so that every auditing transaction
+        # takes these locks in one order; the other way round, a transaction auditing two
+        # steps with different fault kinds deadlocked with one auditing a third (PostgreSQL).
         bad = v.verdict == "inconsistent"
         latest = sa.or_(series.c.last_audited_step.is_(None), series.c.last_audited_step <= step)
         conn.execute(
@@ -402,6 +503,23 @@ class Store:
                 last_audited_step=sa.case((latest, step), else_=series.c.last_audited_step),
             )
         )
+        if v.faults:
+            conn.execute(faults.insert(), [
+                {"series_id": info.id, "step": step, "kind": f.kind, "ranks": audit.compress_ranks(f.ranks),
+                 "message": f.message, "evidence": _json_safe(f.evidence)}
+                for f in v.faults
+            ])
+            counts: dict[str, int] = defaultdict(int)
+            for f in v.faults:
+                counts[f.kind] += 1
+            stmt = self._insert(series_faults)
+            conn.execute(
+                stmt.on_conflict_do_update(
+                    index_elements=["series_id", "kind"],
+                    set_={"count": series_faults.c.count + stmt.excluded.count},
+                ),
+                [{"series_id": info.id, "kind": k, "count": n} for k, n in sorted(counts.items())],
+            )
         return v.verdict
 
     def sweep(self, grace_seconds: float, now: float | None = None, limit: int = 1000) -> int:
@@ -522,7 +640,7 @@ class Store:
         ).mappings().all()
         recomputed = audit.audit_step(
             self._step_reports(conn, info.id, row["step"]), topo.sizes, info.spec,
-            num_microbatches=max(1, row["expected"] // topo.world_size),
+            num_microbatches=max(1, row["expected"] // topo.world_size), kind=info.kind,
         )
         return {
             "step": row["step"], "verdict": row["verdict"], "audited_at": row["audited_at"],
