@@ -343,6 +343,7 @@ class _Step:
             np.minimum.at(lo, inv, self.l_lo)
             np.maximum.at(hi, inv, self.l_hi)
             vals.update(count=n_g, mean=mean_g, m2=m2_g, lo=lo, hi=hi)
+            finite &= np.isfinite(n_g) & np.isfinite(mean_g) & np.isfinite(m2_g)  # float64 overflow
         else:
             v = np.where(self.bad_local, 0.0, self.l_val)
             rep = np.where(self.bad_local, 0.0, self.l_rep)
@@ -357,6 +358,7 @@ class _Step:
                 total = total + rep_mean
                 absum = absum + rep_mean
             vals.update(value=total, abs=absum, terms=terms)
+            finite &= np.isfinite(total) & np.isfinite(absum)  # float64 overflow
         p = _Part(axes, dedupe, inv, size, complete, finite, vals)
         self._parts[ck] = p
         return p
@@ -469,8 +471,9 @@ def audit_step(
     groups_out: list[GroupStat] = []
     cp_sigma = err_sigma = None
     if reports:
-        st = _Step(reports, sizes, spec, kind, num_microbatches)
-        rows, groups_out, cp_sigma, err_sigma = _audit(st, _Lazy(history), acc)
+        with np.errstate(all="ignore"):  # NaN/Inf/overflow are findings, not warnings
+            st = _Step(reports, sizes, spec, kind, num_microbatches)
+            rows, groups_out, cp_sigma, err_sigma = _audit(st, _Lazy(history), acc)
     faults.extend(acc.faults())
     if any(f.kind != "missing_report" for f in faults):
         verdict = "inconsistent"
@@ -559,6 +562,19 @@ def _audit(st: _Step, history: _Lazy, acc: _Accumulator):
                               "local tensor contributes zeros",
                 {"empty_local_mask": empty})
 
+    # Finite inputs whose merge overflows float64 (|values| near 1e308): the group cannot be
+    # judged, which must not pass for consistent.
+    flagged = np.array([bool(nf) for nf in st.nonfinite], dtype=np.float64)
+    clean_group = np.bincount(exp.inv, flagged, minlength=len(exp.size)) == 0
+    overflow = ~exp.finite[exp.inv] & clean_group[exp.inv]
+    if overflow.any():
+        for i in np.flatnonzero(overflow):
+            faults_of[i].append("non_finite")
+        acc.add("non_finite", ("overflow",), st.rank[overflow],
+                lambda ranks: f"the statistics of ranks {compress_ranks(ranks)} overflow float64 when their group "
+                              f"is merged (|values| near 1e308): the {what} is Inf/NaN in any precision",
+                {"fields": ["overflow"]})
+
     _check_replicas(st, acc, faults_of)
 
     # ---- the expected group: empty_global, precision_loss, the verdict per element
@@ -617,7 +633,7 @@ def _audit(st: _Step, history: _Lazy, acc: _Accumulator):
             a_mean, a_var = st.a_mean[i], st.a_var[i]
             row = RankRow(
                 r.rank, r.microbatch, dict(zip(DIMS, (r.dp, r.cp, r.tp, r.pp))), r.local_count,
-                float(st.l_mean[i]) if m > 0 and math.isfinite(st.l_mean[i]) else None,
+                float(st.l_mean[i]) if m > 0 and not st.bad_local[i] else None,
                 float(a_mean) if math.isfinite(a_mean) else None,
                 math.sqrt(a_var) if math.isfinite(a_var) and a_var >= 0 else None,
                 None, None, None, faults_of[i],

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+from enum import Enum
 from typing import Optional
 
 import typer
@@ -26,8 +28,71 @@ ServiceUrl = typer.Option(
 )
 
 
+class Format(str, Enum):
+    table = "table"
+    json = "json"
+
+
+class UsageError(Exception):
+    """A user-facing error: printed as one line, exit code 2."""
+
+
 def _db_url(url: str | None) -> str:
     return url or DEFAULT_DATABASE_URL
+
+
+def _errors_as_exit_2(fn):
+    """Turn the errors a user can cause (bad URL, unreachable service or database, unknown
+    revision, missing driver) into one line on stderr and exit code 2 — never a traceback,
+    and never exit 1, which `check` reserves for "inconsistent"."""
+    import httpx
+    import sqlalchemy as sa
+    from alembic.util.exc import CommandError
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UsageError as e:
+            msg = str(e)
+        except httpx.HTTPStatusError as e:
+            msg = f"{e.request.url} answered HTTP {e.response.status_code}: {e.response.text[:300]}"
+        except (httpx.HTTPError, httpx.InvalidURL) as e:
+            msg = f"cannot reach the auditor service: {e}"
+        except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ModuleNotFoundError) as e:
+            msg = f"bad database URL: {e}"
+        except sa.exc.OperationalError as e:
+            msg = f"cannot reach the database: {str(e.orig or e).strip().splitlines()[0]}"
+        except CommandError as e:
+            msg = f"migration: {e}"
+        typer.echo(f"error: {msg}", err=True)
+        raise typer.Exit(2)
+
+    return wrapper
+
+
+def _service_url(url: str | None) -> str | None:
+    """``--url``/``AUDITOR_URL`` as a service base URL; a ``file://`` spool is not a service."""
+    url = (url or "").strip()
+    if not url:
+        return None
+    if url.startswith("file:"):
+        raise UsageError(f"AUDITOR_URL={url} is a spool directory, not a service: audit it with "
+                         f"`auditor audit {url.removeprefix('file://')} --check`, or pass --database-url")
+    return url.rstrip("/")
+
+
+def _store(database_url: str | None):
+    """A Store on an existing auditor database (never creates one)."""
+    from auditor.db.engine import current_revision, make_engine
+    from auditor.db.store import Store
+
+    engine = make_engine(_db_url(database_url))
+    if current_revision(engine) is None:
+        where = engine.url.render_as_string(hide_password=True)
+        engine.dispose()
+        raise UsageError(f"no auditor database at {where} (pass --database-url or --url)")
+    return Store(engine)
 
 
 def _console() -> Console:
@@ -37,16 +102,24 @@ def _console() -> Console:
 
 
 @app.command()
+@_errors_as_exit_2
 def serve(
     host: str = typer.Option("127.0.0.1", help="Interface to bind."),
-    port: int = typer.Option(8000, help="TCP port."),
+    port: int = typer.Option(8000, min=1, max=65535, help="TCP port."),
     database_url: Optional[str] = DatabaseUrl,
-    workers: int = typer.Option(1, min=1, help="uvicorn worker processes."),
+    workers: int = typer.Option(
+        1, min=1, help="uvicorn worker processes. With more than one, the ingest metrics use prometheus-client's "
+                       "multiprocess mode in $PROMETHEUS_MULTIPROC_DIR (wiped at start; a fresh temporary "
+                       "directory if unset)."),
     grace_seconds: Optional[float] = typer.Option(None, help="Grace period before missing_report [default: 60]."),
     log_level: str = typer.Option("info"),
 ) -> None:
-    """Run the HTTP service. Migrates an empty database first; refuses a database whose schema
-    is at another revision (run `auditor db upgrade`)."""
+    """Run the HTTP service. Migrates an empty database first (under a PostgreSQL advisory lock,
+    so replicas may start at once); refuses a database whose schema is at another revision
+    (run `auditor db upgrade`)."""
+    import shutil
+    import tempfile
+
     import uvicorn
 
     if database_url:
@@ -60,15 +133,31 @@ def serve(
     try:
         ensure_schema(engine, settings.database_url)
     except SchemaError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
+        raise UsageError(str(e)) from None
     finally:
         engine.dispose()
-    uvicorn.run("auditor.api:create_app", factory=True, host=host, port=port, workers=workers,
-                log_level=log_level)
+    # Several workers: each keeps its ingest counters in mmap files of one shared directory
+    # and /metrics merges them (docs/deploy.md, "Metrics with several workers and replicas").
+    # The variable must be set before the workers import prometheus_client.
+    from auditor.metrics import MULTIPROC_ENV
+
+    own_dir = None
+    if workers > 1 and not os.environ.get(MULTIPROC_ENV):
+        own_dir = os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="auditor-metrics-")
+    if os.environ.get(MULTIPROC_ENV):
+        from auditor.metrics import prepare_multiprocess_dir
+
+        prepare_multiprocess_dir(os.environ[MULTIPROC_ENV])
+    try:
+        uvicorn.run("auditor.api:create_app", factory=True, host=host, port=port, workers=workers,
+                    log_level=log_level)
+    finally:
+        if own_dir:
+            shutil.rmtree(own_dir, ignore_errors=True)
 
 
 @db_app.command("upgrade")
+@_errors_as_exit_2
 def db_upgrade(database_url: Optional[str] = DatabaseUrl, revision: str = typer.Argument("head")) -> None:
     """Apply migrations up to REVISION (default: head)."""
     from auditor.db.engine import upgrade
@@ -78,6 +167,7 @@ def db_upgrade(database_url: Optional[str] = DatabaseUrl, revision: str = typer.
 
 
 @db_app.command("downgrade")
+@_errors_as_exit_2
 def db_downgrade(revision: str = typer.Argument(..., help="Target revision, or 'base'."),
                  database_url: Optional[str] = DatabaseUrl) -> None:
     """Revert migrations down to REVISION ('base' drops every auditor table)."""
@@ -88,6 +178,7 @@ def db_downgrade(revision: str = typer.Argument(..., help="Target revision, or '
 
 
 @db_app.command("current")
+@_errors_as_exit_2
 def db_current(database_url: Optional[str] = DatabaseUrl) -> None:
     """Print the database's schema revision and the code's head."""
     from auditor.db.engine import current_revision, head_revision, make_engine
@@ -98,44 +189,39 @@ def db_current(database_url: Optional[str] = DatabaseUrl) -> None:
 
 
 def _fetch_report(run_id: str, url: str | None, database_url: str | None, bad_steps: int) -> dict:
-    """The report of RUN_ID from a service (``--url``) or straight from the database."""
+    """The report of RUN_ID from a service (``--url``) or straight from the database.
+    Raises :class:`UsageError` when the run does not exist."""
+    url = _service_url(url)
     if url:
         import httpx
 
-        r = httpx.get(f"{url.rstrip('/')}/v1/runs/{run_id}/report", params={"bad_steps": bad_steps}, timeout=60)
+        r = httpx.get(f"{url}/v1/runs/{run_id}/report", params={"bad_steps": bad_steps}, timeout=60)
         if r.status_code == 404:
-            raise LookupError(f"run {run_id!r} not found at {url}")
-        r.raise_for_status()
-        return r.json()
-    from auditor.db.engine import current_revision, make_engine
-    from auditor.db.store import NotFound, Store
+            raise UsageError(f"run {run_id!r} not found at {url}")
+        return r.raise_for_status().json()
+    from auditor.db.store import NotFound
 
-    engine = make_engine(_db_url(database_url))
+    store = _store(database_url)
     try:
-        if current_revision(engine) is None:
-            raise LookupError(f"no auditor database at {engine.url.render_as_string(hide_password=True)}")
-        return Store(engine).report(run_id, bad_steps_limit=bad_steps)
+        return store.report(run_id, bad_steps_limit=bad_steps)
     except NotFound:
-        raise LookupError(f"run {run_id!r} not found") from None
+        raise UsageError(f"run {run_id!r} not found") from None
     finally:
-        engine.dispose()
+        store.engine.dispose()
 
 
 @app.command()
+@_errors_as_exit_2
 def report(
     run_id: str,
     url: Optional[str] = ServiceUrl,
     database_url: Optional[str] = DatabaseUrl,
-    format: str = typer.Option("table", "--format", "-f", help="table or json."),
-    bad_steps: int = typer.Option(20, help="Bad steps shown per statistic."),
+    format: Format = typer.Option(Format.table, "--format", "-f"),
+    bad_steps: int = typer.Option(20, min=0, help="Bad steps shown per statistic."),
 ) -> None:
-    """Print the consistency report of RUN_ID."""
-    try:
-        data = _fetch_report(run_id, url, database_url, bad_steps)
-    except LookupError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    if format == "json":
+    """Print the consistency report of RUN_ID (exit 2: run, service or database not found)."""
+    data = _fetch_report(run_id, url, database_url, bad_steps)
+    if format is Format.json:
         typer.echo(json.dumps(data, indent=2))
         return
     from auditor.render import render_report
@@ -144,42 +230,44 @@ def report(
 
 
 @app.command()
+@_errors_as_exit_2
 def check(
     run_id: str,
     url: Optional[str] = ServiceUrl,
     database_url: Optional[str] = DatabaseUrl,
+    min_steps: int = typer.Option(0, min=0, help="Also fail when fewer steps than this were audited "
+                                                  "(a CI job whose trainer reported nothing)."),
 ) -> None:
-    """Exit 1 if any audited step of RUN_ID is inconsistent, 0 if none (2: run not found).
-    For the CI job of a training framework."""
-    try:
-        data = _fetch_report(run_id, url, database_url, bad_steps=0)
-    except LookupError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from None
-    bad = {s["statistic"]: s["steps_inconsistent"] for s in data["statistics"] if s["steps_inconsistent"]}
+    """For the CI job of a training framework: exit 1 if any audited step of RUN_ID is
+    inconsistent (or fewer than --min-steps were audited), 0 otherwise, 2 if the run, the
+    service or the database cannot be found."""
+    data = _fetch_report(run_id, url, database_url, bad_steps=0)
+    bad = [s for s in data["statistics"] if s["steps_inconsistent"]]
     audited = sum(s["steps_audited"] for s in data["statistics"])
     if bad:
-        detail = ", ".join(f"{k}: {v} step(s) ({', '.join(sorted(s['faults']))})"
-                           for k, v in bad.items() for s in data["statistics"] if s["statistic"] == k)
+        detail = ", ".join(f"{s['statistic']}: {s['steps_inconsistent']} step(s) ({', '.join(sorted(s['faults']))})"
+                           for s in bad)
         typer.echo(f"{run_id}: INCONSISTENT — {detail}")
+        raise typer.Exit(1)
+    if audited < min_steps:
+        typer.echo(f"{run_id}: only {audited} step(s) audited, fewer than --min-steps {min_steps}")
         raise typer.Exit(1)
     typer.echo(f"{run_id}: consistent ({audited} step(s) audited)")
 
 
 @app.command()
+@_errors_as_exit_2
 def runs(url: Optional[str] = ServiceUrl, database_url: Optional[str] = DatabaseUrl) -> None:
     """List runs with their topology and audit counts."""
+    url = _service_url(url)
     if url:
         import httpx
 
-        data = httpx.get(f"{url.rstrip('/')}/v1/runs", timeout=30).raise_for_status().json()
+        data = httpx.get(f"{url}/v1/runs", timeout=30).raise_for_status().json()
     else:
-        from auditor.db.engine import make_engine
-        from auditor.db.store import Store
-
-        engine = make_engine(_db_url(database_url))
-        data = Store(engine).list_runs()
-        engine.dispose()
+        store = _store(database_url)
+        data = store.list_runs()
+        store.engine.dispose()
     from rich.table import Table
 
     t = Table("run", "world", "dp×cp×tp×pp", "statistics", "steps audited", "inconsistent")
@@ -191,6 +279,7 @@ def runs(url: Optional[str] = ServiceUrl, database_url: Optional[str] = Database
 
 
 @app.command()
+@_errors_as_exit_2
 def demo(
     dp: int = typer.Option(1, min=1, help="Data-parallel size."),
     cp: int = typer.Option(2, min=1, help="Context-parallel size."),
@@ -204,7 +293,13 @@ def demo(
 
     console = _console()
     if url:
-        run_demo(url, dp=dp, cp=cp, console=console)
+        from auditor.server import wait_healthy
+
+        try:
+            wait_healthy(url.rstrip("/"), timeout=10)
+        except TimeoutError as e:
+            raise UsageError(str(e)) from None
+        run_demo(url.rstrip("/"), dp=dp, cp=cp, console=console)
         return
     from auditor.server import BackgroundServer
 
@@ -213,3 +308,87 @@ def demo(
     with BackgroundServer(settings) as base:
         run_demo(base, dp=dp, cp=cp, console=console)
 
+
+
+SpoolPaths = typer.Argument(..., help="Spool files (*.jsonl) or directories holding them.", show_default=False)
+
+
+@app.command("import")
+@_errors_as_exit_2
+def import_spools(
+    spools: list[str] = SpoolPaths,
+    url: str = typer.Option(..., "--url", envvar="AUDITOR_URL", help="Base URL of the auditor service."),
+    token: Optional[str] = typer.Option(None, "--token", envvar="AUDITOR_TOKEN", help="Bearer token."),
+    batch_size: int = typer.Option(1000, min=1, help="Reports per request."),
+    restart: bool = typer.Option(False, help="Ignore the .offset sidecars and upload from the start."),
+) -> None:
+    """Upload trainer spools to a service. Resumable (each file's `.offset` sidecar records what
+    was delivered) and idempotent (the service ignores identical re-sends)."""
+    if not url.startswith(("http://", "https://")):
+        raise UsageError(f"--url must be an http(s) URL, got {url!r}")
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from auditor.spool import spool_files, upload
+
+    files = spool_files(spools)
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing or not files:
+        raise UsageError(f"no such spool file: {', '.join(missing)}" if missing
+                         else f"no spool files (*.jsonl) in {' '.join(spools)}")
+    total = sum(p.stat().st_size for p in files)
+    done: dict[str, int] = {}
+    with Progress(TextColumn("[bold]import"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                  console=Console(stderr=True), transient=False) as progress:
+        task = progress.add_task("import", total=total)
+
+        def on_progress(path, offset, _size):
+            done[str(path)] = offset
+            progress.update(task, completed=sum(done.values()))
+
+        try:
+            counts = upload(files, url, token=token, batch_size=batch_size, restart=restart, on_progress=on_progress)
+        except ConnectionError as e:
+            typer.echo(f"error: {e}", err=True)
+            raise typer.Exit(1) from None
+    typer.echo(f"imported {counts['sent']} report(s) from {counts['files']} file(s); "
+               f"{counts['rejected']} rejected, {counts['retries']} retried request(s)")
+    if counts["rejected"]:
+        raise typer.Exit(1)
+
+
+@app.command("audit")
+@_errors_as_exit_2
+def audit_spools(
+    spools: list[str] = SpoolPaths,
+    run_id: Optional[str] = typer.Option(None, "--run-id", help="Audit only this run."),
+    format: Format = typer.Option(Format.table, "--format", "-f", help="table, or json (a list of run reports)."),
+    bad_steps: int = typer.Option(20, help="Bad steps shown per statistic."),
+    keep_database: Optional[str] = typer.Option(
+        None, "--database-url", help="Store into this database instead of a temporary SQLite file."),
+    check: bool = typer.Option(False, "--check", help="Exit 1 if any audited run is inconsistent."),
+) -> None:
+    """Audit trainer spools offline, with no service: the same engine and report as the service
+    (steps still incomplete at the end are audited as after the grace period)."""
+    from auditor.spool import audit_offline, spool_files
+
+    files = spool_files(spools)
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing or not files:
+        raise UsageError(f"no such spool file: {', '.join(missing)}" if missing
+                         else f"no spool files (*.jsonl) in {' '.join(spools)}")
+    reports, counts = audit_offline(files, keep_database, run_id=run_id, bad_steps=bad_steps)
+    typer.echo(f"read {counts['reports']} report(s) from {counts['files']} file(s): {counts['stored']} stored, "
+               f"{counts['duplicates']} duplicate(s), {counts['invalid']} invalid, "
+               f"{counts['conflicting']} conflicting", err=True)
+    if format is Format.json:
+        typer.echo(json.dumps(reports, indent=2))
+    else:
+        from auditor.render import render_report
+
+        console = _console()
+        for data in reports:
+            render_report(data, console)
+    if not reports:
+        raise UsageError("no valid reports in the spools" + (f" for run {run_id!r}" if run_id else ""))
+    if check and any(not r["consistent"] for r in reports):
+        raise typer.Exit(1)

@@ -494,12 +494,16 @@ def client_from_env(**kwargs: Any) -> AuditorClient | None:
     ``AUDITOR_SPOOL_DIR``, ``AUDITOR_FLUSH_TIMEOUT`` (s), ``AUDITOR_MAX_QUEUE``.
     ``kwargs`` override them.
     """
-    url = os.environ.get("AUDITOR_URL")
+    url = (os.environ.get("AUDITOR_URL") or "").strip()
     if not url:
         return None
     conf: dict[str, Any] = {"token": os.environ.get("AUDITOR_TOKEN") or None}
-    if os.environ.get("AUDITOR_FLUSH_TIMEOUT"):
-        conf["flush_timeout"] = float(os.environ["AUDITOR_FLUSH_TIMEOUT"])
-    if os.environ.get("AUDITOR_MAX_QUEUE"):
-        conf["max_queue"] = int(os.environ["AUDITOR_MAX_QUEUE"])
+    for var, key, cast in (("AUDITOR_FLUSH_TIMEOUT", "flush_timeout", float),
+                           ("AUDITOR_MAX_QUEUE", "max_queue", lambda v: int(float(v)))):
+        raw = os.environ.get(var)
+        if raw:
+            try:  # a typo in the environment must not stop the trainer: keep the default
+                conf[key] = cast(raw)
+            except ValueError:
+                log.warning("auditor client: ignoring %s=%r (not a number)", var, raw)
     return AuditorClient(url, **{**conf, **kwargs})

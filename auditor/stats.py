@@ -106,7 +106,9 @@ def moments_from_sums(
         return Moments(0.0, 0.0, 0.0, lo, hi)
     mean = total / count
     m2 = total_sq - total * mean
-    if m2 < 0.0:
+    if not math.isfinite(m2):
+        m2 = math.nan  # overflow: the caller reports non_finite
+    elif m2 < 0.0:
         m2 = 0.0
     return Moments(float(count), mean, m2, lo, hi)
 

@@ -409,3 +409,18 @@ def test_cp_disagreement_is_judged_on_an_incomplete_step():
     assert v.verdict == "inconsistent"
     assert {f.kind for f in v.faults} >= {"missing_report", "cp_disagreement"}
     assert v.cp_disagreement_sigma == pytest.approx(0.433154, abs=1e-6)
+
+
+def test_float64_overflow_is_non_finite_not_consistent():
+    """Finite reports whose moments overflow float64 cannot be judged: non_finite, never
+    a silent 'consistent'."""
+    big = audit.RankReport(rank=0, microbatch=0, dp=0, cp=0, tp=0, pp=0, dtype="float32",
+                           local_count=5.0, local_sum=1e308, local_sum_sq=1.7e308,
+                           applied_count=10.0, applied_sum=15.0, applied_sum_sq=50.0)
+    small = audit.RankReport(rank=1, microbatch=0, dp=0, cp=1, tp=0, pp=0, dtype="float32",
+                             local_count=5.0, local_sum=5.0, local_sum_sq=10.0,
+                             applied_count=10.0, applied_sum=15.0, applied_sum_sq=50.0)
+    v = audit.audit_step([big, small], (1, 2, 1, 1), StatisticSpec())
+    assert v.verdict == "inconsistent"
+    (f,) = [f for f in v.faults if f.kind == "non_finite"]
+    assert f.ranks == [0, 1] and f.evidence == {"fields": ["overflow"]}
