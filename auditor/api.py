@@ -22,6 +22,7 @@ from typing import Any
 import sqlalchemy as sa
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
@@ -105,6 +106,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse(status_code=409, content={
             "detail": {"error": exc.error, "message": exc.message, "conflicts": exc.conflicts}})
 
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        """Body, path and query errors in the same shape as ``POST /v1/reports``'s."""
+        detail = [{"field": _field(tuple(e["loc"][1:] if e["loc"][:1] == ("body",) else e["loc"])),
+                   "loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
+        return JSONResponse(status_code=422, content={"detail": detail})
+
     @app.exception_handler(NotFound)
     async def _not_found(request: Request, exc: NotFound):
         return JSONResponse(status_code=404, content={"detail": f"not found: {exc}"})
@@ -177,7 +185,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return s.store.report(run_id, bad_steps_limit=bad_steps, statistic=statistic)
 
     @app.get("/v1/runs/{run_id}/statistics/{statistic}/steps/{step}")
-    def get_step(run_id: str, statistic: str, step: int, s: Service = Depends(svc)) -> dict:
+    def get_step(run_id: str, statistic: str, step: int = Path(ge=0, le=2**62),
+                 s: Service = Depends(svc)) -> dict:
         """One step's verdict, faults and per-rank table; 404 if not seen."""
         return s.store.step(run_id, statistic, step)
 

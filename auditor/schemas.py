@@ -23,12 +23,15 @@ assert set(DType.__args__) == set(UNIT_ROUNDOFF)  # type: ignore[attr-defined]
 RUN_ID_PATTERN = r"^[A-Za-z0-9._:-]+$"
 RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=RUN_ID_PATTERN)]
 StatisticName = Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._:/-]+$")]
-NonNegInt = Annotated[int, Field(ge=0)]
+NonNegInt = Annotated[int, Field(ge=0, le=2**31 - 1)]
+#: Steps are BIGINT in the database; 2^62 leaves room and is exact in float64 JSON parsers.
+Step = Annotated[int, Field(ge=0, le=2**62)]
 PosInt = Annotated[int, Field(ge=1, le=1 << 20)]
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: "1" or true is not a step, 2.5 is not a rank (floats still accept integers)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class Coords(_Strict):
@@ -170,7 +173,7 @@ class Report(_Strict):
 
     run_id: RunId
     statistic: StatisticName
-    step: NonNegInt
+    step: Step
     microbatch: NonNegInt = 0
     num_microbatches: PosInt = 1
     rank: NonNegInt
@@ -211,6 +214,8 @@ class Report(_Strict):
             if missing:
                 raise ValueError(f"{', '.join(missing)} required for kind '{self.kind}'")
         if self.group_ranks is not None:
+            if len(set(self.group_ranks)) != len(self.group_ranks):
+                raise ValueError("group_ranks lists a rank twice")
             bad = [r for r in self.group_ranks if r >= self.world_size]
             if bad:
                 raise ValueError(f"group_ranks holds ranks >= world_size ({self.world_size}): {bad[:5]}")

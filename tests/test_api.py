@@ -217,3 +217,26 @@ def test_runs_listing_and_health(live_server, run_id):
     h = live_server.get("/healthz").json()
     assert h["status"] == "ok" and h["schema_revision"] == "0001"
     assert live_server.get("/v1/runs/no-such-run/report").status_code == 404
+
+
+def test_out_of_range_and_lax_types_are_422_not_500(live_server, run_id):
+    """Steps beyond BIGINT, strings or booleans for integers, and repeated group ranks are
+    client errors naming the field; PUT and path errors use the same error shape."""
+    cases = [
+        (lambda r: r.update(step=2**63), "reports[0].step"),
+        (lambda r: r.update(step="1"), "reports[0].step"),
+        (lambda r: r.update(rank=True), "reports[0].rank"),
+        (lambda r: r.update(group_ranks=[0, 0]), "reports[0]"),
+    ]
+    for mutate, field in cases:
+        good, other = reference_reports(run_id, buggy=False)
+        mutate(good)
+        r = post(live_server, [good, other])
+        assert r.status_code == 422, (field, r.text)
+        assert any(d["field"] == field for d in r.json()["detail"]), r.json()
+    r = live_server.put(f"/v1/runs/{run_id}", json={"world_size": 2, "sizes": {"dp": 1, "cp": 2}, "extra": 1})
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "extra"
+    r = live_server.get(f"/v1/runs/{run_id}/statistics/advantages/steps/{2**70}")
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "path.step"
+    post(live_server, reference_reports(run_id, buggy=False))
+    assert live_server.get(f"/v1/runs/{run_id}/report", params={"statistic": "nope"}).status_code == 404
