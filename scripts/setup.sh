@@ -26,8 +26,6 @@ command -v docker-compose >/dev/null || missing+=(docker-compose)
 if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-  # the Debian package starts a Prometheus on :9090 that the tests do not need
-  pkill -x prometheus 2>/dev/null || true
 fi
 
 if ! pg_isready -q -h 127.0.0.1 -p 5432; then
