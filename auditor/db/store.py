@@ -599,6 +599,8 @@ class Store:
                 q = q.where(series.c.statistic == statistic)
             for s in conn.execute(q).mappings().all():
                 out["statistics"].append(self._series_report(conn, s, run, bad_steps_limit))
+        if statistic is not None and not out["statistics"]:
+            raise NotFound(f"{run_id}/{statistic}")
         out["consistent"] = all(s["steps_inconsistent"] == 0 for s in out["statistics"])
         return out
 
