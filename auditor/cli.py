@@ -149,8 +149,10 @@ def serve(
 
         prepare_multiprocess_dir(os.environ[MULTIPROC_ENV])
     try:
+        from auditor.server import NoDelayH11
+
         uvicorn.run("auditor.api:create_app", factory=True, host=host, port=port, workers=workers,
-                    log_level=log_level)
+                    log_level=log_level, http=NoDelayH11)
     finally:
         if own_dir:
             shutil.rmtree(own_dir, ignore_errors=True)

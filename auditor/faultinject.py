@@ -16,7 +16,6 @@ so a rank stuck in a collective fails the run instead of hanging it.
 
 from __future__ import annotations
 
-import math
 import os
 import queue
 import socket

@@ -10,9 +10,27 @@ from typing import Callable
 
 import httpx
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from auditor.api import create_app
 from auditor.config import Settings
+
+
+class NoDelayH11(H11Protocol):
+    """uvicorn's h11 protocol with TCP_NODELAY on every accepted connection.
+
+    With ``--workers N`` uvicorn listens on a socket it created with protocol number 0, so
+    asyncio's ``_set_nodelay`` (which requires ``proto == IPPROTO_TCP``) skips the accepted
+    connections; a response's header and body writes then meet Nagle's algorithm and the
+    client's delayed ACK: +40 ms on every request (docs/performance.md). One process gets
+    TCP_NODELAY from asyncio already; setting it again is harmless.
+    """
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        super().connection_made(transport)
 
 
 def free_port() -> int:

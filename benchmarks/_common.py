@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from auditor.server import free_port, wait_healthy
+from auditor.server import free_port
 
 PG_ADMIN_URL = os.environ.get("AUDITOR_BENCH_PG", "postgresql://127.0.0.1:5432/postgres")
 
@@ -132,13 +132,11 @@ class Service:
                 self.proc.wait(5)
 
 
-def auditor_service(database_url: str, workers: int = 1, nodelay_fix: bool = False, **env: str) -> Service:
-    """``python -m auditor serve``; ``nodelay_fix``: through ``_serve_nodelay.py`` (TCP_NODELAY
-    on accepted connections, the proposed fix for ``--workers N``)."""
+def auditor_service(database_url: str, workers: int = 1, **env: str) -> Service:
+    """``python -m auditor serve`` with ``workers`` processes on ``database_url``."""
     port = free_port()
-    entry = [str(Path(__file__).with_name("_serve_nodelay.py"))] if nodelay_fix else ["-m", "auditor"]
     return Service(
-        [sys.executable, *entry, "serve", "--port", str(port), "--log-level", "warning",
+        [sys.executable, "-m", "auditor", "serve", "--port", str(port), "--log-level", "warning",
          "--workers", str(workers)],
         f"http://127.0.0.1:{port}", "/healthz",
         env={"AUDITOR_DATABASE_URL": database_url, "AUDITOR_GRACE_SECONDS": "3600", **env},

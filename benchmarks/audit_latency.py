@@ -63,20 +63,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="sqlite,postgresql")
     ap.add_argument("--worlds", default="64,1024,4096")
     ap.add_argument("--steps", type=int, default=100, help="measured steps per world size")
-    ap.add_argument("--nodelay-fix", action="store_true",
-                    help="serve through benchmarks/_serve_nodelay.py (TCP_NODELAY; see there)")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--load-clients", type=int, default=0, help="background ingest clients")
     a = ap.parse_args(argv)
     if a.quick:
         a.steps = 20
     m = machine()
-    fix = " + TCP_NODELAY fix" if a.nodelay_fix else ""
-    print(f"machine: {m['nproc']} × {m['cpu']}, load {m['load']}; workers {a.workers}{fix}, "
+    print(f"machine: {m['nproc']} × {m['cpu']}, load {m['load']}; workers {a.workers}, "
           f"background ingest clients {a.load_clients}")
     rows = []
     for kind in a.backends.split(","):
-        with database(kind, "bench_latency") as (url, _), auditor_service(url, workers=a.workers, nodelay_fix=a.nodelay_fix) as svc:
+        with database(kind, "bench_latency") as (url, _), auditor_service(url, workers=a.workers) as svc:
             ctx = mp.get_context("fork")
             stop = ctx.Event()
             bg = [ctx.Process(target=_background, args=(svc.url, f"bg{i}", 256, stop), daemon=True)
@@ -96,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                 for p in bg:
                     p.join(60)
     print()
-    print(f"| database | ranks/step | steps | p50 ms | p99 ms | max ms | workers | background clients | load |")
+    print("| database | ranks/step | steps | p50 ms | p99 ms | max ms | workers | background clients | load |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---|")
     for kind, world, n, p50, p99, mx, ld in rows:
         print(f"| {kind} | {world:,} | {n} | {p50:.1f} | {p99:.1f} | {mx:.1f} | {a.workers} | {a.load_clients} | {ld} |")

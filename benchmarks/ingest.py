@@ -151,8 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reports", type=int, default=200_000, help="reports per case (auditor)")
     ap.add_argument("--mlflow-reports", type=int, default=20_000, help="metrics per case (MLflow)")
     ap.add_argument("--world", type=int, default=256, help="ranks per step")
-    ap.add_argument("--nodelay-fix", action="store_true",
-                    help="serve through benchmarks/_serve_nodelay.py (TCP_NODELAY; see there)")
     ap.add_argument("--workers", type=int, default=1, help="auditor server processes (uvicorn --workers)")
     ap.add_argument("--repeat", type=int, default=1, help="median of this many auditor runs per case")
     ap.add_argument("--group-ranks", action="store_true", help="send group_ranks (all world ranks) too")
@@ -172,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [(int(c), int(b)) for c in a.clients.split(",") for b in a.batches.split(",")]
         ours: dict = {}
         with database(kind, "bench_ingest") as (url, _):
-            with auditor_service(url, workers=a.workers, nodelay_fix=a.nodelay_fix) as svc:
+            with auditor_service(url, workers=a.workers) as svc:
                 auditor_case(svc.url, "warmup", 1, 1000, 5000, a.world, a.group_ranks)
                 with RssSampler(svc.pids) as rss:
                     for c, b in cases:
