@@ -240,3 +240,24 @@ def test_out_of_range_and_lax_types_are_422_not_500(live_server, run_id):
     assert r.status_code == 422 and r.json()["detail"][0]["field"] == "path.step"
     post(live_server, reference_reports(run_id, buggy=False))
     assert live_server.get(f"/v1/runs/{run_id}/report", params={"statistic": "nope"}).status_code == 404
+
+
+def test_num_microbatches_must_agree_within_a_step(live_server, run_id):
+    """Two reports of one step that disagree on num_microbatches are a 409 (in one batch or
+    against what is stored), so a step can never wait for reports that will not come."""
+    a, b = reference_reports(run_id, buggy=False)
+    a.update(num_microbatches=2)
+    b.update(num_microbatches=3)
+    r = post(live_server, [a, b])
+    assert r.status_code == 409 and r.json()["detail"]["conflicts"][0]["fields"] == ["num_microbatches"]
+    assert post(live_server, [a]).status_code == 200
+    r = post(live_server, [b])
+    assert r.status_code == 409 and "num_microbatches=3" in r.json()["detail"]["message"]
+
+
+def test_same_key_twice_in_one_batch_names_both_indices(live_server, run_id):
+    a, b = reference_reports(run_id, buggy=False)
+    r = post(live_server, [a, b, dict(a, local=dict(a["local"], sum=0.0))])
+    assert r.status_code == 409
+    assert r.json()["detail"]["message"].startswith("reports[0] and reports[2] have the same")
+    assert live_server.get(f"/v1/runs/{run_id}").status_code == 404

@@ -267,15 +267,15 @@ class Store:
                 prev = rows.get(key)
                 if prev is not None:
                     if _comparable(prev) != _comparable(row):
-                        raise self._conflict([(i, key, prev, row)], batch)
+                        raise self._conflict([(i, key, prev, row)], batch, within=index_of[key])
                     out.duplicates += 1
                     continue
                 rows[key] = row
                 index_of[key] = i
                 sk = key[:2]
                 n = r.world_size * r.num_microbatches
-                if expected.get(sk, 0) < n:
-                    expected[sk] = n
+                if expected.setdefault(sk, n) != n:
+                    raise self._microbatch_conflict(i, r, expected[sk] // r.world_size)
 
             # Key order: concurrent transactions take index locks in one order (no deadlocks).
             ordered = [rows[k] for k in sorted(rows)]
@@ -309,13 +309,7 @@ class Store:
                 stmt = self._insert(step_audits)
                 stmt = stmt.on_conflict_do_update(
                     index_elements=["series_id", "step"],
-                    set_={
-                        "received": step_audits.c.received + stmt.excluded.received,
-                        "expected": sa.case(
-                            (stmt.excluded.expected > step_audits.c.expected, stmt.excluded.expected),
-                            else_=step_audits.c.expected,
-                        ),
-                    },
+                    set_={"received": step_audits.c.received + stmt.excluded.received},
                 ).returning(
                     step_audits.c.series_id, step_audits.c.step, step_audits.c.received,
                     step_audits.c.expected, step_audits.c.verdict,
@@ -324,6 +318,11 @@ class Store:
                     {"series_id": s, "step": st, "received": n, "expected": expected[(s, st)], "first_seen": now}
                     for (s, st), n in sorted(added.items())
                 ]).all()
+                for p in progress:
+                    if p.expected != expected[(p.series_id, p.step)]:
+                        i = next(index_of[k] for k in sorted(rows) if k[:2] == (p.series_id, p.step))
+                        world = batch[i].world_size
+                        raise self._microbatch_conflict(i, batch[i], p.expected // world)
                 by_id = {info.id: info for info in series_of.values()}
                 for p in sorted(progress, key=lambda p: (p.series_id, p.step)):
                     if p.verdict is None and p.received >= p.expected:
@@ -380,7 +379,21 @@ class Store:
         savepoint.commit()
         return True
 
-    def _conflict(self, clashes: list[tuple[int, tuple, tuple, tuple]], batch: Sequence[Report]) -> ConflictError:
+    @staticmethod
+    def _microbatch_conflict(i: int, r: Report, other: int) -> ConflictError:
+        return ConflictError(
+            "conflicting_report",
+            f"reports[{i}] (step {r.step}, rank {r.rank}) says num_microbatches={r.num_microbatches}, but other "
+            f"reports of that step say {other}: every report of a step must give the same num_microbatches; "
+            "nothing of this batch was stored",
+            [{"index": i, "run_id": r.run_id, "statistic": r.statistic, "step": r.step,
+              "microbatch": r.microbatch, "rank": r.rank, "fields": ["num_microbatches"]}],
+        )
+
+    def _conflict(self, clashes: list[tuple[int, tuple, tuple, tuple]], batch: Sequence[Report],
+                  within: int | None = None) -> ConflictError:
+        """409 for reports that differ from one with the same key: the stored one, or (``within``:
+        its index) an earlier one of the same batch."""
         conflicts = []
         for i, _key, stored, sent in clashes:
             stored, sent = dict(zip(_COLUMNS, stored)), dict(zip(_COLUMNS, sent))
@@ -391,13 +404,16 @@ class Store:
                 "microbatch": r.microbatch, "rank": r.rank, "fields": fields,
             })
         first = conflicts[0]
-        return ConflictError(
-            "conflicting_report",
-            f"{len(conflicts)} report(s) differ from the stored report with the same (run, statistic, step, "
-            f"microbatch, rank), e.g. reports[{first['index']}] (step {first['step']}, rank {first['rank']}) "
-            f"differs in {', '.join(first['fields'])}; the stored report stays, nothing of this batch was stored",
-            conflicts,
-        )
+        if within is not None:
+            message = (f"reports[{within}] and reports[{first['index']}] have the same (run, statistic, step, "
+                       f"microbatch, rank) but differ in {', '.join(first['fields'])}; nothing of this batch "
+                       "was stored")
+        else:
+            message = (f"{len(conflicts)} report(s) differ from the stored report with the same (run, statistic, "
+                       f"step, microbatch, rank), e.g. reports[{first['index']}] (step {first['step']}, rank "
+                       f"{first['rank']}) differs in {', '.join(first['fields'])}; the stored report stays, "
+                       "nothing of this batch was stored")
+        return ConflictError("conflicting_report", message, conflicts)
 
     def _fetch_reports(self, conn: sa.Connection, keys: Iterable[tuple]) -> dict[tuple, tuple]:
         wanted = set(keys)
