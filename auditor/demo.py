@@ -17,13 +17,12 @@ from __future__ import annotations
 import math
 import os
 import queue
-import socket
 import time
 import traceback
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Sequence
+from typing import Any, Sequence
 
 import httpx
 import numpy as np
@@ -32,6 +31,7 @@ from rich.table import Table
 
 from auditor import stats
 from auditor.render import render_report
+from auditor.server import free_port
 
 #: Default bound on the whole multi-process run, seconds: a rank stuck in a collective
 #: another rank skipped turns into an error instead of a hang.
@@ -185,12 +185,6 @@ class RankResult:
     delivered: bool = True
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _whiten_on_rank(rank, world, port, dp, cp, samples, url, run_ids, timeout) -> RankResult:
     """Body of one worker process: join the gloo world, build Megatron groups, whiten twice."""
     import torch
@@ -252,29 +246,31 @@ def run_workers(
     """Spawn dp·cp gloo workers that whiten ``samples`` for the (buggy, fixed) ``run_ids``.
 
     Each worker reports to ``url`` (none when ``None``) and flushes before exiting.
+    Returns RankResults sorted by global rank; raises as :func:`spawn_world`.
+    """
+    return spawn_world(_worker, dp * cp, (dp, cp, tuple(samples), url, run_ids, timeout), timeout)
 
-    Returns
-    -------
-    RankResults sorted by global rank.
+
+def spawn_world(target, world: int, args: tuple, timeout: float) -> list:
+    """Run ``target(rank, world, master_port, *args, out)`` in ``world`` spawned processes
+    and return what each put on ``out`` as ``("ok", rank, payload)``, sorted by rank.
+
+    The join is bounded: a rank blocked in a collective another rank skipped fails the call
+    instead of hanging it.
 
     Raises
     ------
     RuntimeError
-        A worker failed (its traceback is in the message).
+        A worker put ``("error", rank, traceback)`` or died (its message/exit code).
     TimeoutError
-        Not every worker finished within ``timeout`` seconds (e.g. a rank blocked in a
-        collective another rank skipped); all workers are killed first.
+        Not every worker finished within ``timeout`` seconds; all workers are killed first.
     """
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    world, port = dp * cp, _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, dp, cp, tuple(samples), url, run_ids, timeout, out),
-                    daemon=True)
-        for r in range(world)
-    ]
+    port = free_port()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, out), daemon=True) for r in range(world)]
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout
@@ -288,8 +284,8 @@ def run_workers(
                 p.join()
 
 
-def _collect(procs, out, deadline: float, timeout: float) -> list[RankResult]:
-    results: dict[int, RankResult] = {}
+def _collect(procs, out, deadline: float, timeout: float) -> list:
+    results: dict[int, Any] = {}
     while len(results) < len(procs):
         remaining = deadline - time.monotonic()
         if remaining <= 0:

@@ -17,8 +17,6 @@ so a rank stuck in a collective fails the run instead of hanging it.
 from __future__ import annotations
 
 import os
-import queue
-import socket
 import time
 import traceback
 import warnings
@@ -27,6 +25,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
+from auditor.demo import spawn_world
 
 #: Topology of the injection world: dp=2, cp=2, tp=2 (pp=1), 8 ranks.
 DP, CP, TP = 2, 2, 2
@@ -102,12 +101,6 @@ def shard_data(scenario: int, step: int, dp: int, cp: int, tp: int, name: str) -
 
 
 # ----------------------------------------------------------------------------- workers
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _inject_all(rank: int, world: int, port: int, url: str, prefix: str, timeout: float) -> dict:
@@ -260,40 +253,7 @@ def run_injection(url: str, prefix: str, timeout: float = DEFAULT_TIMEOUT) -> li
     Raises ``RuntimeError`` if a worker failed and ``TimeoutError`` if the world did not
     finish within ``timeout`` seconds (all workers are killed first).
     """
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    world, port = DP * CP * TP, _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, url, prefix, timeout, out), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    results: dict[int, dict] = {}
-    try:
-        while len(results) < world:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(f"ranks {sorted(set(range(world)) - set(results))} did not finish within "
-                                   f"{timeout:.0f}s; all workers were killed")
-            try:
-                status, rank, payload = out.get(timeout=min(remaining, 1.0))
-            except queue.Empty:
-                dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"worker rank {dead[0][0]} died with exit code {dead[0][1]}") from None
-                continue
-            if status == "error":
-                raise RuntimeError(f"worker rank {rank} failed:\n{payload}")
-            results[rank] = payload
-    finally:
-        for p in procs:
-            p.join(timeout=max(deadline - time.monotonic(), 1.0))
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    return [results[r] for r in sorted(results)]
+    return spawn_world(_worker, DP * CP * TP, (url, prefix, timeout), timeout)
 
 
 # ---------------------------------------------------------------------------- evaluation

@@ -12,7 +12,6 @@ import httpx
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from auditor.api import create_app
 from auditor.config import Settings
 
 
@@ -65,6 +64,8 @@ class BackgroundServer:
     def __init__(self, settings: Settings, port: int | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        from auditor.api import create_app  # not at import: workers of the demo need only free_port
+
         config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=self.port,
                                 log_level="warning", lifespan="on")
         self._server = uvicorn.Server(config)
