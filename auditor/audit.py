@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping, Sequence
@@ -227,6 +228,18 @@ def _f(x: float | None) -> float:
     return math.nan if x is None else float(x)
 
 
+_MB_RANK = operator.attrgetter("microbatch", "rank")
+_INT_FIELDS = operator.attrgetter("dp", "cp", "tp", "pp", "microbatch", "rank")
+_VALS: tuple[str, ...] = ("local_count", "local_sum", "local_sum_sq", "local_min", "local_max",
+                          "local_replicated_sum_sq", "applied_count", "applied_sum", "applied_sum_sq",
+                          "applied_mean", "applied_var")
+_VAL_FIELDS = operator.attrgetter(*_VALS)
+#: Columns :meth:`RankReport.non_finite_fields` inspects (applied ones only when applied).
+_NONFINITE_COLS = [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]
+_APPLIED_COLS = [6, 7, 8, 9, 10]
+_NO_FIELDS: list[str] = []
+
+
 @dataclass(slots=True)
 class _Part:
     """The groups a reduction over ``axes`` forms. Per element: ``inv`` (group index);
@@ -245,12 +258,16 @@ class _Part:
         """Sorted global ranks of the group of ``element``."""
         if self._members is None:
             self._members = {}
-        g = int(self.inv[element])
-        hit = self._members.get(g)
-        if hit is None:
-            hit = sorted(set(step.rank[self.inv == g].tolist()))
-            self._members[g] = hit
-        return hit
+            order = np.lexsort((step.rank, self.inv))
+            inv, rank = self.inv[order], step.rank[order]
+            keep = np.ones(len(order), dtype=bool)
+            keep[1:] = (inv[1:] != inv[:-1]) | (rank[1:] != rank[:-1])
+            inv, rank = inv[keep], rank[keep]
+            cuts = np.flatnonzero(inv[1:] != inv[:-1]) + 1
+            for g, part in zip(inv[np.concatenate(([0], cuts))].tolist() if len(inv) else [],
+                               np.split(rank, cuts)):
+                self._members[g] = part.tolist()
+        return self._members[int(self.inv[element])]
 
 
 class _Step:
@@ -258,46 +275,117 @@ class _Step:
 
     def __init__(self, reports: Sequence[RankReport], sizes: Coord, spec: StatisticSpec, kind: str,
                  num_microbatches: int):
-        self.reports = sorted(reports, key=lambda r: (r.dp, r.cp, r.tp, r.pp, r.microbatch, r.rank))
-        rs = self.reports
+        # One pass over the reports into tuples, then numpy: the same values the per-report
+        # helpers (local_moments, applied_stat, non_finite_fields) give, computed per column.
+        rs = reports if isinstance(reports, list) else list(reports)
+        self.n = n = len(rs)
+        int_rows = [_INT_FIELDS(r) for r in rs]
+        ints = np.array(int_rows, dtype=np.int64).reshape(-1, 6)
+        order = np.lexsort((ints[:, 5], ints[:, 4], ints[:, 3], ints[:, 2], ints[:, 1], ints[:, 0]))
+        if n and not (order[1:] > order[:-1]).all():
+            ol = order.tolist()
+            rs = [rs[k] for k in ol]
+            int_rows = [int_rows[k] for k in ol]
+            ints = ints[order]
+        self.int_rows = int_rows
+        self.reports = rs
         self.kind, self.spec = kind, spec
-        self.n = len(rs)
-        self.coords = np.array([[r.dp, r.cp, r.tp, r.pp, r.microbatch] for r in rs], dtype=np.int64).reshape(-1, 5)
+        self.coords = np.ascontiguousarray(ints[:, [0, 1, 2, 3, 4]])
         want = np.array(list(sizes) + [max(num_microbatches, 1)], dtype=np.int64)
         self.expected_sizes = want
         seen = self.coords.max(axis=0) + 1 if self.n else want
         self.radix = np.maximum(want, seen)
-        self.rank = np.array([r.rank for r in rs], dtype=np.int64)
-        self.u = np.array([stats.UNIT_ROUNDOFF.get(r.dtype, stats.UNIT_ROUNDOFF["float32"]) for r in rs])
-        self.nonfinite = [r.non_finite_fields() for r in rs]
-        self.bad_local = np.array([any(x.startswith("local_") for x in nf) for nf in self.nonfinite], dtype=bool)
-        self.applied = np.array([r.applied for r in rs], dtype=bool)
-        self._parts: dict[tuple, _Part] = {}
-        if kind == "moments":
-            ms = [r.local_moments() for r in rs]
-            self.l_n = np.array([m.count for m in ms], dtype=np.float64)
-            self.l_mean = np.array([m.mean for m in ms], dtype=np.float64)
-            self.l_m2 = np.array([m.m2 for m in ms], dtype=np.float64)
-            self.l_lo = np.array([m.min if m.count > 0 and math.isfinite(m.min) else np.inf for m in ms])
-            self.l_hi = np.array([m.max if m.count > 0 and math.isfinite(m.max) else -np.inf for m in ms])
-            conv = spec.variance
-            ap = [applied_stat(r, conv) for r in rs]
-            self.a_n = np.array([_f(a.count) if a else math.nan for a in ap])
-            self.a_mean = np.array([a.mean if a else math.nan for a in ap])
-            self.a_var = np.array([a.var if a else math.nan for a in ap])
-            self.a_ok = np.isfinite(self.a_mean) & np.isfinite(self.a_var)
-            self.bad_local |= ~(np.isfinite(self.l_n) & np.isfinite(self.l_mean) & np.isfinite(self.l_m2))
+        self.rank = np.ascontiguousarray(ints[:, 5])
+        raw = [_VAL_FIELDS(r) for r in rs]
+        self.raw = raw
+        F = np.array(raw, dtype=np.float64).reshape(-1, len(_VALS))
+        isnan = np.isnan(F)
+        none = np.zeros_like(isnan)
+        if isnan.any():
+            cols = None
+            for k in np.flatnonzero(isnan.any(axis=0)).tolist():
+                if cols is None:
+                    cols = list(zip(*raw))
+                col = cols[k]
+                if col.count(None) == int(isnan[:, k].sum()):
+                    none[:, k] = isnan[:, k]
+                else:
+                    none[:, k] = np.fromiter((v is None for v in col), dtype=bool, count=n)
+        self.F, self.none = F, none
+        dtypes = [r.dtype for r in rs]
+        kinds = set(dtypes)
+        default_u = stats.UNIT_ROUNDOFF["float32"]
+        if len(kinds) == 1:
+            self.u = np.full(n, stats.UNIT_ROUNDOFF.get(dtypes[0], default_u) if n else default_u)
         else:
-            field_ = "local_sum" if kind == "sum" else "local_sum_sq"
-            self.l_val = np.array([_f(getattr(r, field_)) for r in rs])
-            self.l_rep = np.array([_f(r.local_replicated_sum_sq) if r.local_replicated_sum_sq is not None else 0.0
-                                   for r in rs])
-            self.l_terms = np.array([r.local_count if r.local_count and math.isfinite(r.local_count)
-                                     else DEFAULT_LOCAL_TERMS for r in rs], dtype=np.float64)
-            afield = "applied_sum" if kind == "sum" else "applied_sum_sq"
-            self.a_val = np.array([_f(getattr(r, afield)) if r.applied else math.nan for r in rs])
-            self.a_ok = np.isfinite(self.a_val)
-            self.bad_local |= ~(np.isfinite(self.l_val) & np.isfinite(self.l_rep))
+            self.u = np.array([stats.UNIT_ROUNDOFF.get(d, default_u) for d in dtypes], dtype=np.float64)
+        self.applied = np.array([r.applied for r in rs], dtype=bool).reshape(-1)
+        # non_finite_fields(): a stored value that is not None and not finite (local fields
+        # always, applied ones when applied), or a name the store kept in ``non_finite``
+        with np.errstate(invalid="ignore"):
+            odd = ~none & ~np.isfinite(F)
+        odd[:, _APPLIED_COLS] &= self.applied[:, None]
+        suspect = odd[:, _NONFINITE_COLS].any(axis=1)
+        noted = [i for i, r in enumerate(rs) if r.non_finite]
+        if noted:
+            suspect[noted] = True
+        self.nonfinite: list[list[str]] = [_NO_FIELDS] * n
+        self.nf_mask = np.zeros(n, dtype=bool)
+        self.bad_local = np.zeros(n, dtype=bool)
+        for i in np.flatnonzero(suspect).tolist():
+            nf = rs[i].non_finite_fields()
+            self.nonfinite[i] = nf
+            self.nf_mask[i] = bool(nf)
+            self.bad_local[i] = any(x.startswith("local_") for x in nf)
+        self._parts: dict[tuple, _Part] = {}
+        col = {name: F[:, k] for k, name in enumerate(_VALS)}
+        nul = {name: none[:, k] for k, name in enumerate(_VALS)}
+        self.col, self.nul = col, nul
+        with np.errstate(all="ignore"):
+            if kind == "moments":
+                # local_moments(): (x or 0.0) for count/sum/sum_sq, then moments_from_sums
+                c, t, tq = ((np.where(nul[k] | (col[k] == 0), 0.0, col[k]))
+                            for k in ("local_count", "local_sum", "local_sum_sq"))
+                empty = c == 0
+                safe_c = np.where(empty, 1.0, c)
+                mean = t / safe_c
+                m2 = tq - t * mean
+                m2 = np.where(~np.isfinite(m2), np.nan, np.where(m2 < 0.0, 0.0, m2))
+                self.l_n = c
+                self.l_mean = np.where(empty, 0.0, mean)
+                self.l_m2 = np.where(empty, 0.0, m2)
+                lo, hi = col["local_min"], col["local_max"]
+                self.l_lo = np.where((c > 0) & np.isfinite(lo), lo, np.inf)
+                self.l_hi = np.where((c > 0) & np.isfinite(hi), hi, -np.inf)
+                # applied_stat(): the reported mean/var, else one-pass from (count, sum, sum_sq)
+                have_mv = self.applied & ~nul["applied_mean"] & ~nul["applied_var"]
+                have_s = (self.applied & ~have_mv & ~nul["applied_count"] & ~nul["applied_sum"]
+                          & ~nul["applied_sum_sq"])
+                ac, asum, asq = col["applied_count"], col["applied_sum"], col["applied_sum_sq"]
+                zero = ac == 0
+                safe_ac = np.where(zero, 1.0, ac)
+                om = asum / safe_ac
+                ov = asq / safe_ac - om * om
+                if spec.variance == "sample":
+                    ov = np.where(ac >= 2, ov * ac / (ac - 1.0), ov)
+                om = np.where(zero, np.nan, om)
+                ov = np.where(zero, np.nan, ov)
+                known = have_mv | have_s
+                self.a_n = np.where(known, ac, np.nan)
+                self.a_mean = np.where(have_mv, col["applied_mean"], np.where(have_s, om, np.nan))
+                self.a_var = np.where(have_mv, col["applied_var"], np.where(have_s, ov, np.nan))
+                self.a_ok = np.isfinite(self.a_mean) & np.isfinite(self.a_var)
+                self.bad_local |= ~(np.isfinite(self.l_n) & np.isfinite(self.l_mean) & np.isfinite(self.l_m2))
+            else:
+                field_ = "local_sum" if kind == "sum" else "local_sum_sq"
+                self.l_val = col[field_].copy()
+                self.l_rep = np.where(nul["local_replicated_sum_sq"], 0.0, col["local_replicated_sum_sq"])
+                lc = col["local_count"]
+                self.l_terms = np.where(np.isfinite(lc) & (lc != 0), lc, DEFAULT_LOCAL_TERMS)
+                afield = "applied_sum" if kind == "sum" else "applied_sum_sq"
+                self.a_val = np.where(self.applied, col[afield], np.nan)
+                self.a_ok = np.isfinite(self.a_val)
+                self.bad_local |= ~(np.isfinite(self.l_val) & np.isfinite(self.l_rep))
 
     # ------------------------------------------------------------------ partitions
     def _key(self, axes: Iterable[str]) -> np.ndarray:
@@ -452,11 +540,11 @@ def audit_step(
         raise ValueError(f"unknown statistic kind {kind!r}; expected one of {sorted(_VERB)}")
     world = math.prod(sizes)
     faults: list[Fault] = []
-    by_mb: dict[int, set[int]] = defaultdict(set)
-    for r in reports:
-        by_mb[r.microbatch].add(r.rank)
-    missing = [(rank, mb) for mb in range(num_microbatches)
-               for rank in sorted(set(range(world)) - by_mb.get(mb, set()))]
+    mr = np.array([_MB_RANK(r) for r in reports], dtype=np.int64).reshape(-1, 2)
+    missing = []
+    for mb in range(num_microbatches):
+        absent = np.setdiff1d(np.arange(world, dtype=np.int64), mr[mr[:, 0] == mb, 1])
+        missing.extend((rank, mb) for rank in absent.tolist())
     if missing:
         mranks = sorted({rank for rank, _ in missing})
         faults.append(Fault(
@@ -542,7 +630,7 @@ def _audit(st: _Step, history: _Lazy, acc: _Accumulator):
     faults_of: list[list[str]] = [[] for _ in range(st.n)]
 
     # ---- per element, independent of groups: non_finite, skipped_collective
-    nf_idx = [i for i in range(st.n) if st.nonfinite[i]]
+    nf_idx = np.flatnonzero(st.nf_mask).tolist()
     for i in nf_idx:
         faults_of[i].append("non_finite")
     if nf_idx:
@@ -564,7 +652,7 @@ def _audit(st: _Step, history: _Lazy, acc: _Accumulator):
 
     # Finite inputs whose merge overflows float64 (|values| near 1e308): the group cannot be
     # judged, which must not pass for consistent.
-    flagged = np.array([bool(nf) for nf in st.nonfinite], dtype=np.float64)
+    flagged = st.nf_mask.astype(np.float64)
     clean_group = np.bincount(exp.inv, flagged, minlength=len(exp.size)) == 0
     overflow = ~exp.finite[exp.inv] & clean_group[exp.inv]
     if overflow.any():
@@ -616,59 +704,89 @@ def _audit(st: _Step, history: _Lazy, acc: _Accumulator):
     _check_membership(st, exp, reduce_over, acc, faults_of)
 
     # ---- rows and sigma figures
-    rows: list[RankRow] = []
+    rows, groups_out, err_sigma = _rows(st, exp, e_vals, judged, reduce_over, over_mb, faults_of)
+    cp_sigma = _cp_disagreement(st, exp, e_vals, e_tol, judged, acc, faults_of)
+    return rows, groups_out, cp_sigma, err_sigma
+
+
+def _opt(values: np.ndarray, mask: np.ndarray) -> list:
+    """Python floats where ``mask``, None elsewhere."""
+    out = values.astype(object)
+    out[~mask] = None
+    return out.tolist()
+
+
+def _rows(st: _Step, exp: _Part, e_vals, judged: np.ndarray, reduce_over, over_mb: bool, faults_of):
+    """The per-rank table, the correct statistic of each judged group (in element order) and,
+    for ``moments``, the largest finite applied-error gap in σ. Vectorised per column."""
+    kind = st.kind
+    n = st.n
     groups_out: list[GroupStat] = []
     err_sigma = None
     if kind == "moments":
         n_e, mean_e, var_e = e_vals
-        lo_g, hi_g = exp.vals["lo"], exp.vals["hi"]
-    done_groups: set[int] = set()
-    for i, r in enumerate(st.reports):
-        g = int(exp.inv[i])
-        ok_group = bool(judged[i])
-        gkey = tuple(int(st.coords[i, _AXES.index(a)]) for a in DIMS if a not in reduce_over)
-        mbi = 0 if over_mb else r.microbatch
-        if kind == "moments":
-            m = st.l_n[i]
-            a_mean, a_var = st.a_mean[i], st.a_var[i]
-            row = RankRow(
-                r.rank, r.microbatch, dict(zip(DIMS, (r.dp, r.cp, r.tp, r.pp))), r.local_count,
-                float(st.l_mean[i]) if m > 0 and not st.bad_local[i] else None,
-                float(a_mean) if math.isfinite(a_mean) else None,
-                math.sqrt(a_var) if math.isfinite(a_var) and a_var >= 0 else None,
-                None, None, None, faults_of[i],
-            )
-            if ok_group and n_e[i] > 0:
-                row.correct_mean = float(mean_e[i])
-                row.correct_std = math.sqrt(var_e[i]) if var_e[i] >= 0 else None
-                if g not in done_groups:
-                    done_groups.add(g)
-                    groups_out.append(GroupStat(gkey, mbi, exp.members(st, i), float(n_e[i]), float(mean_e[i]),
-                                                float(var_e[i])))
-                if st.a_ok[i]:
-                    lo, hi = _range(lo_g[g], hi_g[g], mean_e[i], var_e[i])
-                    gap = stats.transform_gap(a_mean, a_var, mean_e[i], var_e[i], lo, hi)
-                    row.error_sigma = gap if math.isfinite(gap) else None
-                    err_sigma = _max_opt(err_sigma, gap)
-        else:
-            value = float(e_vals[0][i])
-            row = RankRow(
-                r.rank, r.microbatch, dict(zip(DIMS, (r.dp, r.cp, r.tp, r.pp))), r.local_count,
-                float(st.l_val[i]) if math.isfinite(st.l_val[i]) else None,
-                float(st.a_val[i]) if st.a_ok[i] else None, None,
-                value if ok_group else None, None, None, faults_of[i],
-            )
-            if ok_group:
-                if g not in done_groups:
-                    done_groups.add(g)
-                    groups_out.append(GroupStat(gkey, mbi, exp.members(st, i), value, value, 0.0))
-                if st.a_ok[i]:
-                    row.relative_error = abs(float(st.a_val[i]) - value) / abs(value) if value else (
-                        0.0 if st.a_val[i] == 0 else math.inf)
-        rows.append(row)
+        show = judged & (n_e > 0)
+        local_mean = _opt(st.l_mean, (st.l_n > 0) & ~st.bad_local)
+        applied_mean = _opt(st.a_mean, np.isfinite(st.a_mean))
+        applied_std = _opt(np.sqrt(st.a_var), np.isfinite(st.a_var) & (st.a_var >= 0))
+        correct_mean = _opt(mean_e, show)
+        correct_std = _opt(np.sqrt(var_e), show & (var_e >= 0))
+        gap_at = show & st.a_ok
+        gaps = np.full(n, np.nan)
+        if gap_at.any():
+            idx = np.flatnonzero(gap_at)
+            g = exp.inv[idx]
+            lo, hi = _range_arrays(exp.vals["lo"][g], exp.vals["hi"][g], mean_e[idx], var_e[idx])
+            gaps[idx] = stats.transform_gap_array(st.a_mean[idx], st.a_var[idx], mean_e[idx], var_e[idx], lo, hi)
+            finite = np.isfinite(gaps)
+            if finite.any():
+                err_sigma = gaps[finite].max()  # np.float64, as stats.transform_gap returns
+        error_sigma = list(gaps)  # np.float64 scalars, as stats.transform_gap returns
+        for i in np.flatnonzero(~np.isfinite(gaps)).tolist():
+            error_sigma[i] = None
+        relative_error = itertools.repeat(None)
+        values = (n_e, mean_e, var_e)
+    else:
+        value = e_vals[0]
+        show = judged
+        local_mean = _opt(st.l_val, np.isfinite(st.l_val))
+        applied_mean = _opt(st.a_val, st.a_ok)
+        applied_std = correct_std = error_sigma = itertools.repeat(None)
+        correct_mean = _opt(value, show)
+        rel_at = show & st.a_ok
+        nz = value != 0
+        rel = np.where(nz, np.abs(st.a_val - value) / np.where(nz, np.abs(value), 1.0),
+                       np.where(st.a_val == 0, 0.0, np.inf))
+        relative_error = _opt(rel, rel_at)
+        values = (value, value, np.zeros(n))
+    # groups, in order of their first shown element
+    if show.any():
+        idx = np.flatnonzero(show)
+        _, first = np.unique(exp.inv[idx], return_index=True)
+        for i in idx[np.sort(first)].tolist():
+            gkey = tuple(int(st.coords[i, _AXES.index(a)]) for a in DIMS if a not in reduce_over)
+            mbi = 0 if over_mb else st.int_rows[i][4]
+            groups_out.append(GroupStat(gkey, mbi, exp.members(st, i), float(values[0][i]), float(values[1][i]),
+                                        float(values[2][i])))
+    rows = [
+        RankRow(ir[5], ir[4], {"dp": ir[0], "cp": ir[1], "tp": ir[2], "pp": ir[3]}, rw[0], lm, am, asd, cm, cs, es,
+                fo, re)
+        for ir, rw, lm, am, asd, cm, cs, es, fo, re in zip(
+            st.int_rows, st.raw, local_mean, applied_mean, applied_std, correct_mean, correct_std, error_sigma,
+            faults_of, relative_error)
+    ]
+    return rows, groups_out, err_sigma
 
-    cp_sigma = _cp_disagreement(st, exp, e_vals, e_tol, judged, acc, faults_of)
-    return rows, groups_out, cp_sigma, err_sigma
+
+def _range_arrays(lo: np.ndarray, hi: np.ndarray, mean: np.ndarray, var: np.ndarray):
+    """Vectorised :func:`_range` (same operations, element by element)."""
+    known = np.isfinite(lo) & np.isfinite(hi)
+    if known.all():
+        return lo, hi
+    with np.errstate(invalid="ignore"):
+        sd = np.where(np.isfinite(var), np.sqrt(np.where(0.0 > var, 0.0, var)), 0.0)
+        return (np.where(known, lo, mean - stats.DEFAULT_RANGE_SIGMA * sd),
+                np.where(known, hi, mean + stats.DEFAULT_RANGE_SIGMA * sd))
 
 
 def _gap(st: _Step, exp: _Part, e_vals, i: int) -> float:
@@ -760,7 +878,6 @@ def _diagnose(st: _Step, exp: _Part, bad: np.ndarray, reduce_over, over_mb: bool
     kind, spec = st.kind, st.spec
     what, verb = _WHAT[kind], _VERB[kind]
     todo = bad.copy()
-    exp_axes = reduce_over + (("mb",) if over_mb else ())
 
     if kind == "moments":
         other = "population" if spec.variance == "sample" else "sample"
@@ -831,7 +948,7 @@ def _diagnose(st: _Step, exp: _Part, bad: np.ndarray, reduce_over, over_mb: bool
 def _wrong_group(st: _Step, exp: _Part, p: _Part, hit, first: int, dims, mb: bool, reduce_over, over_mb: bool,
                  acc: _Accumulator, faults_of) -> None:
     kind = st.kind
-    what, verb = _WHAT[kind], _VERB[kind]
+    what = _WHAT[kind]
     sizes = dict(zip(_AXES, st.expected_sizes.tolist()))
     for i in np.flatnonzero(hit):
         faults_of[i].append("wrong_group")
@@ -914,11 +1031,20 @@ def _check_membership(st: _Step, exp: _Part, reduce_over, acc: _Accumulator, fau
     (skipped for ranks already diagnosed ``wrong_group`` from their values). Memoised per
     (group, group_ranks)."""
     memo: dict[tuple, tuple[list[int], list[int]]] = {}
+    want_t: dict[int, tuple[int, ...]] = {}
+    complete = exp.complete[exp.inv].tolist()
+    inv = exp.inv.tolist()
     for i, r in enumerate(st.reports):
         if (r.group_ranks is None or "wrong_group" in faults_of[i] or "replica_overcount" in faults_of[i]
-                or not exp.complete[exp.inv[i]]):
+                or not complete[i]):
             continue
-        key = (int(exp.inv[i]), r.group_ranks)
+        g = inv[i]
+        w = want_t.get(g)
+        if w is None:
+            w = want_t[g] = tuple(exp.members(st, i))
+        if r.group_ranks == w:
+            continue  # the same set: nothing left out, nothing extra
+        key = (g, r.group_ranks)
         if key not in memo:
             want, got = set(exp.members(st, i)), set(r.group_ranks)
             memo[key] = (sorted(want - got), sorted(got - want))
@@ -949,18 +1075,25 @@ def _check_replicas(st: _Step, acc: _Accumulator, faults_of) -> None:
         checks.append((tuple(spec.replicas), fields))
     if st.kind == "norm":
         checks.append((tuple(spec.reduce_over) + tuple(spec.replicas), ["local_replicated_sum_sq"]))
-    gamma = stats.reduction_gamma_array(
-        st.u, st.l_n if st.kind == "moments" else st.l_terms, np.ones(st.n))
+    gamma = None
     for axes, fields in checks:
         p = st.part(axes, dedupe=False)
+        if not st.n or p.size.max() <= 1:
+            continue  # every element is its own reference: nothing can differ
+        if gamma is None:
+            gamma = stats.reduction_gamma_array(
+                st.u, st.l_n if st.kind == "moments" else st.l_terms, np.ones(st.n))
         _, first = np.unique(p.inv, return_index=True)
         ref = first[p.inv]
         diverged: dict[int, list[str]] = defaultdict(list)
         for name in fields:
             # NaN is stored as NULL: a missing value is NaN (skipped) except an absent replicated part (0)
-            v = np.array([_f(getattr(r, name)) if getattr(r, name) is not None else
-                          (0.0 if name == "local_replicated_sum_sq" and name not in st.nonfinite[k] else math.nan)
-                          for k, r in enumerate(st.reports)])
+            v = st.col[name].copy()
+            if name == "local_replicated_sum_sq":
+                absent = st.nul[name].copy()
+                for k in np.flatnonzero(absent & st.nf_mask).tolist():
+                    absent[k] = name not in st.nonfinite[k]
+                v[absent] = 0.0
             a, b = v, v[ref]
             with np.errstate(invalid="ignore"):
                 differ = np.isfinite(a) & np.isfinite(b) & (np.abs(a - b) > 4 * gamma * np.maximum(np.abs(a), np.abs(b)) + 1e-300)
@@ -1009,36 +1142,51 @@ def _cp_disagreement(st: _Step, exp: _Part, e_vals, e_tol, judged, acc: _Accumul
     if st.expected_sizes[1] <= 1 or not ("cp" in spec.reduce_over or "cp" in spec.replicas):
         return None
     peers = st.part(("cp",), dedupe=False)
-    order = np.argsort(peers.inv, kind="stable")
-    bounds = np.flatnonzero(np.diff(peers.inv[order])) + 1
     worst: float | None = None
     # Peers must agree whether or not their group is complete: where the correct group
     # cannot be judged (a report is missing), bound the rounding by the applied values.
-    tol = [np.where(judged, t, f) for t, f in zip(e_tol, _applied_tolerances(st, exp))]
+    tol = e_tol if judged.all() else [np.where(judged, t, f) for t, f in zip(e_tol, _applied_tolerances(st, exp))]
+    # every pair (i, j) of peers with a known applied statistic, i before j in element order
+    order = np.argsort(peers.inv, kind="stable")
+    order = order[st.a_ok[order]]
+    gi = peers.inv[order]
+    I_, J_ = [], []
+    for d in range(1, int(peers.size.max()) if len(peers.size) else 0):
+        same = gi[:-d] == gi[d:]
+        if not same.any():
+            break
+        I_.append(order[:-d][same])
+        J_.append(order[d:][same])
     flagged: set[int] = set()
     ev = {}
-    for grp in np.split(order, bounds):
-        grp = [int(i) for i in grp if st.a_ok[i]]
-        for i, j in itertools.combinations(grp, 2):
+    if I_:
+        I, J = np.concatenate(I_), np.concatenate(J_)
+        with np.errstate(all="ignore"):
             if st.kind == "moments":
-                lo_i, hi_i = _range(exp.vals["lo"][exp.inv[i]], exp.vals["hi"][exp.inv[i]], e_vals[1][i], e_vals[2][i])
-                lo_j, hi_j = _range(exp.vals["lo"][exp.inv[j]], exp.vals["hi"][exp.inv[j]], e_vals[1][j], e_vals[2][j])
-                gap = stats.transform_gap(st.a_mean[i], st.a_var[i], st.a_mean[j], st.a_var[j],
-                                          min(lo_i, lo_j), max(hi_i, hi_j))
-                if math.isfinite(gap):
-                    worst = gap if worst is None else max(worst, gap)
-                differ = (abs(st.a_mean[i] - st.a_mean[j]) > tol[1][i] + tol[1][j]
-                          or abs(st.a_var[i] - st.a_var[j]) > tol[2][i] + tol[2][j])
-                figure = {"max_gap_sigma": float(gap)}
+                e_mean, e_var = e_vals[1], e_vals[2]
+                lo_i, hi_i = _range_arrays(exp.vals["lo"][exp.inv[I]], exp.vals["hi"][exp.inv[I]], e_mean[I], e_var[I])
+                lo_j, hi_j = _range_arrays(exp.vals["lo"][exp.inv[J]], exp.vals["hi"][exp.inv[J]], e_mean[J], e_var[J])
+                gap = stats.transform_gap_array(st.a_mean[I], st.a_var[I], st.a_mean[J], st.a_var[J],
+                                                np.where(lo_j < lo_i, lo_j, lo_i), np.where(hi_j > hi_i, hi_j, hi_i))
+                fin = np.isfinite(gap)
+                if fin.any():
+                    worst = gap[fin].max()  # np.float64, as stats.transform_gap returns
+                differ = ((np.abs(st.a_mean[I] - st.a_mean[J]) > tol[1][I] + tol[1][J])
+                          | (np.abs(st.a_var[I] - st.a_var[J]) > tol[2][I] + tol[2][J]))
+                figure_key, figure = "max_gap_sigma", gap
             else:
-                differ = abs(st.a_val[i] - st.a_val[j]) > tol[0][i] + tol[0][j]
-                ref = max(abs(st.a_val[i]), abs(st.a_val[j]))
-                figure = {"max_relative_gap": float(abs(st.a_val[i] - st.a_val[j]) / ref) if ref else 0.0}
-            if differ:
-                flagged.update((i, j))
-                for k, v in figure.items():
-                    if math.isfinite(v) and v > ev.get(k, -1.0):
-                        ev[k] = v
+                diff = np.abs(st.a_val[I] - st.a_val[J])
+                differ = diff > tol[0][I] + tol[0][J]
+                ai, aj = np.abs(st.a_val[I]), np.abs(st.a_val[J])
+                ref = np.where(aj > ai, aj, ai)
+                figure_key, figure = "max_relative_gap", np.where(ref != 0, diff / np.where(ref != 0, ref, 1.0), 0.0)
+        if differ.any():
+            flagged.update(I[differ].tolist())
+            flagged.update(J[differ].tolist())
+            f = figure[differ]
+            f = f[np.isfinite(f) & (f > -1.0)]
+            if len(f):
+                ev[figure_key] = float(f.max())
     if flagged:
         for i in flagged:
             if "cp_disagreement" not in faults_of[i]:
