@@ -30,7 +30,6 @@ import numpy as np
 
 from auditor import stats
 from auditor.schemas import DIMS, StatisticSpec
-from auditor.stats import Moments
 
 #: ``precision_loss`` is reported when the predicted relative error of the trainer's
 #: one-pass variance, 7γ(1 + μ²/σ²) (:func:`auditor.stats.one_pass_variance_error`),
@@ -73,12 +72,6 @@ class RankReport:
     def coords(self) -> Coord:
         return (self.dp, self.cp, self.tp, self.pp)
 
-    def local_moments(self) -> Moments:
-        return stats.moments_from_sums(
-            self.local_count or 0.0, self.local_sum or 0.0, self.local_sum_sq or 0.0,
-            self.local_min, self.local_max,
-        )
-
     def non_finite_fields(self) -> list[str]:
         """Fields that were NaN or Inf on the wire (NaN is stored as NULL, so the store keeps
         their names in ``non_finite``)."""
@@ -88,28 +81,6 @@ class RankReport:
         found = {n for n in names if (v := getattr(self, n)) is not None and not math.isfinite(v)}
         found.update(filter(None, (self.non_finite or "").split(",")))
         return sorted(found)
-
-
-@dataclass(frozen=True, slots=True)
-class AppliedStat:
-    """What one rank whitened with: count (if known), mean and variance."""
-
-    count: float | None
-    mean: float
-    var: float
-
-
-def applied_stat(r: RankReport, convention: stats.VarianceConvention) -> AppliedStat | None:
-    """The (count, mean, var) a rank applied: its reported mean/var, else derived one-pass
-    from its reduced (count, sum, sum_sq) with the spec's convention. None if unknown."""
-    if not r.applied:
-        return None
-    if r.applied_mean is not None and r.applied_var is not None:
-        return AppliedStat(r.applied_count, r.applied_mean, r.applied_var)
-    if None not in (r.applied_count, r.applied_sum, r.applied_sum_sq):
-        mean, var = stats.one_pass_mean_var(r.applied_count, r.applied_sum, r.applied_sum_sq, convention)
-        return AppliedStat(r.applied_count, mean, var)
-    return None
 
 
 @dataclass(slots=True)
@@ -343,33 +314,19 @@ class _Step:
         self.col, self.nul = col, nul
         with np.errstate(all="ignore"):
             if kind == "moments":
-                # local_moments(): (x or 0.0) for count/sum/sum_sq, then moments_from_sums
+                # a missing (None) local count/sum/sum_sq counts as 0
                 c, t, tq = ((np.where(nul[k] | (col[k] == 0), 0.0, col[k]))
                             for k in ("local_count", "local_sum", "local_sum_sq"))
-                empty = c == 0
-                safe_c = np.where(empty, 1.0, c)
-                mean = t / safe_c
-                m2 = tq - t * mean
-                m2 = np.where(~np.isfinite(m2), np.nan, np.where(m2 < 0.0, 0.0, m2))
-                self.l_n = c
-                self.l_mean = np.where(empty, 0.0, mean)
-                self.l_m2 = np.where(empty, 0.0, m2)
+                self.l_n, self.l_mean, self.l_m2 = stats.moments_from_sums_array(c, t, tq)
                 lo, hi = col["local_min"], col["local_max"]
                 self.l_lo = np.where((c > 0) & np.isfinite(lo), lo, np.inf)
                 self.l_hi = np.where((c > 0) & np.isfinite(hi), hi, -np.inf)
-                # applied_stat(): the reported mean/var, else one-pass from (count, sum, sum_sq)
+                # what a rank applied: its reported mean/var, else one-pass from (count, sum, sum_sq)
                 have_mv = self.applied & ~nul["applied_mean"] & ~nul["applied_var"]
                 have_s = (self.applied & ~have_mv & ~nul["applied_count"] & ~nul["applied_sum"]
                           & ~nul["applied_sum_sq"])
-                ac, asum, asq = col["applied_count"], col["applied_sum"], col["applied_sum_sq"]
-                zero = ac == 0
-                safe_ac = np.where(zero, 1.0, ac)
-                om = asum / safe_ac
-                ov = asq / safe_ac - om * om
-                if spec.variance == "sample":
-                    ov = np.where(ac >= 2, ov * ac / (ac - 1.0), ov)
-                om = np.where(zero, np.nan, om)
-                ov = np.where(zero, np.nan, ov)
+                ac = col["applied_count"]
+                om, ov = stats.one_pass_mean_var_array(ac, col["applied_sum"], col["applied_sum_sq"], spec.variance)
                 known = have_mv | have_s
                 self.a_n = np.where(known, ac, np.nan)
                 self.a_mean = np.where(have_mv, col["applied_mean"], np.where(have_s, om, np.nan))
@@ -420,12 +377,11 @@ class _Step:
         finite = np.bincount(inv, self.bad_local.astype(np.float64), minlength=ng) == 0
         vals: dict[str, np.ndarray] = {}
         if self.kind == "moments":
-            n_g = np.bincount(inv, w * self.l_n, minlength=ng)
-            s_g = np.bincount(inv, w * self.l_n * np.where(self.bad_local, 0.0, self.l_mean), minlength=ng)
-            mean_g = np.divide(s_g, n_g, out=np.zeros(ng), where=n_g > 0)
-            dev = np.where(self.bad_local, 0.0, self.l_mean - mean_g[inv])
-            m2_g = np.bincount(inv, w * np.where(self.bad_local, 0.0, self.l_m2), minlength=ng) + np.bincount(
-                inv, w * self.l_n * dev * dev, minlength=ng)
+            # non-finite members make their group unjudgeable (``finite``); zero them so the
+            # other groups' merge stays clean
+            bad = self.bad_local
+            n_g, mean_g, m2_g = stats.merge_groups(inv, ng, np.where(bad, 0.0, w * self.l_n),
+                                                   np.where(bad, 0.0, self.l_mean), np.where(bad, 0.0, w * self.l_m2))
             lo = np.full(ng, np.inf)
             hi = np.full(ng, -np.inf)
             np.minimum.at(lo, inv, self.l_lo)
@@ -690,7 +646,7 @@ def _audit(st: _Step, history: _Lazy, acc: _Accumulator):
         faults_of[i].append("group_mismatch")
     if bad.any():
         if kind == "moments":
-            gaps = [_gap(st, exp, e_vals, i) for i in np.flatnonzero(bad)]
+            gaps = _gaps(st, exp, e_vals, np.flatnonzero(bad)).tolist()
             ev = {"max_error_sigma": float(max((g for g in gaps if math.isfinite(g)), default=math.inf))}
         else:
             ref = np.abs(e_vals[0][bad])
@@ -736,7 +692,7 @@ def _rows(st: _Step, exp: _Part, e_vals, judged: np.ndarray, reduce_over, over_m
         if gap_at.any():
             idx = np.flatnonzero(gap_at)
             g = exp.inv[idx]
-            lo, hi = _range_arrays(exp.vals["lo"][g], exp.vals["hi"][g], mean_e[idx], var_e[idx])
+            lo, hi = stats.value_range(exp.vals["lo"][g], exp.vals["hi"][g], mean_e[idx], var_e[idx])
             gaps[idx] = stats.transform_gap_array(st.a_mean[idx], st.a_var[idx], mean_e[idx], var_e[idx], lo, hi)
             finite = np.isfinite(gaps)
             if finite.any():
@@ -778,34 +734,15 @@ def _rows(st: _Step, exp: _Part, e_vals, judged: np.ndarray, reduce_over, over_m
     return rows, groups_out, err_sigma
 
 
-def _range_arrays(lo: np.ndarray, hi: np.ndarray, mean: np.ndarray, var: np.ndarray):
-    """Vectorised :func:`_range` (same operations, element by element)."""
-    known = np.isfinite(lo) & np.isfinite(hi)
-    if known.all():
-        return lo, hi
-    with np.errstate(invalid="ignore"):
-        sd = np.where(np.isfinite(var), np.sqrt(np.where(0.0 > var, 0.0, var)), 0.0)
-        return (np.where(known, lo, mean - stats.DEFAULT_RANGE_SIGMA * sd),
-                np.where(known, hi, mean + stats.DEFAULT_RANGE_SIGMA * sd))
-
-
-def _gap(st: _Step, exp: _Part, e_vals, i: int) -> float:
-    """Whitening gap (σ) of element ``i``'s applied statistic vs its expected group's."""
-    g = exp.inv[i]
-    lo, hi = _range(exp.vals["lo"][g], exp.vals["hi"][g], e_vals[1][i], e_vals[2][i])
-    return stats.transform_gap(float(st.a_mean[i]), float(st.a_var[i]), float(e_vals[1][i]), float(e_vals[2][i]), lo, hi)
+def _gaps(st: _Step, exp: _Part, e_vals, idx: np.ndarray) -> np.ndarray:
+    """Whitening gaps (σ) of the elements ``idx``'s applied statistic vs their expected group's."""
+    g = exp.inv[idx]
+    lo, hi = stats.value_range(exp.vals["lo"][g], exp.vals["hi"][g], e_vals[1][idx], e_vals[2][idx])
+    return stats.transform_gap_array(st.a_mean[idx], st.a_var[idx], e_vals[1][idx], e_vals[2][idx], lo, hi)
 
 
 def _dtypes(st: _Step) -> str:
     return "/".join(sorted({r.dtype for r in st.reports}))
-
-
-def _range(lo: float, hi: float, mean: float, var: float) -> tuple[float, float]:
-    """The observed value range of a group, or μ ± 3σ when min/max were not reported."""
-    if math.isfinite(lo) and math.isfinite(hi):
-        return lo, hi
-    sd = math.sqrt(max(var, 0.0)) if math.isfinite(var) else 0.0
-    return mean - stats.DEFAULT_RANGE_SIGMA * sd, mean + stats.DEFAULT_RANGE_SIGMA * sd
 
 
 def _precision_loss(st: _Step, exp: _Part, judged: np.ndarray, acc: _Accumulator, faults_of) -> None:
@@ -816,9 +753,8 @@ def _precision_loss(st: _Step, exp: _Part, judged: np.ndarray, acc: _Accumulator
     mean, so whitening maps them to 0 whatever the variance."""
     g = st.gamma(exp)
     n, mean, m2 = (exp.vals[k][exp.inv] for k in ("count", "mean", "m2"))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        var = np.where(n > 0, m2 / np.where(n > 0, n, 1.0), 0.0)
-        predicted = np.where(var > 0, 7.0 * g * (1.0 + mean * mean / np.where(var > 0, var, 1.0)), 0.0)
+    predicted = stats.one_pass_variance_error(g, n, mean, m2)
+    var = np.where(n > 0, m2 / np.where(n > 0, n, 1.0), 0.0)
     any_applied = np.bincount(exp.inv, st.applied.astype(np.float64), minlength=len(exp.size)) > 0
     flag = judged & (n > 0) & (predicted > PRECISION_LOSS_THRESHOLD) & any_applied[exp.inv]
     if not flag.any():
@@ -1164,8 +1100,8 @@ def _cp_disagreement(st: _Step, exp: _Part, e_vals, e_tol, judged, acc: _Accumul
         with np.errstate(all="ignore"):
             if st.kind == "moments":
                 e_mean, e_var = e_vals[1], e_vals[2]
-                lo_i, hi_i = _range_arrays(exp.vals["lo"][exp.inv[I]], exp.vals["hi"][exp.inv[I]], e_mean[I], e_var[I])
-                lo_j, hi_j = _range_arrays(exp.vals["lo"][exp.inv[J]], exp.vals["hi"][exp.inv[J]], e_mean[J], e_var[J])
+                lo_i, hi_i = stats.value_range(exp.vals["lo"][exp.inv[I]], exp.vals["hi"][exp.inv[I]], e_mean[I], e_var[I])
+                lo_j, hi_j = stats.value_range(exp.vals["lo"][exp.inv[J]], exp.vals["hi"][exp.inv[J]], e_mean[J], e_var[J])
                 gap = stats.transform_gap_array(st.a_mean[I], st.a_var[I], st.a_mean[J], st.a_var[J],
                                                 np.where(lo_j < lo_i, lo_j, lo_i), np.where(hi_j > hi_i, hi_j, hi_i))
                 fin = np.isfinite(gap)

@@ -102,15 +102,19 @@ def moments_from_sums(
     """
     lo = math.nan if minimum is None else float(minimum)
     hi = math.nan if maximum is None else float(maximum)
-    if count == 0:
-        return Moments(0.0, 0.0, 0.0, lo, hi)
-    mean = total / count
-    m2 = total_sq - total * mean
-    if not math.isfinite(m2):
-        m2 = math.nan  # overflow: the caller reports non_finite
-    elif m2 < 0.0:
-        m2 = 0.0
-    return Moments(float(count), mean, m2, lo, hi)
+    n, mean, m2 = moments_from_sums_array(np.float64(count), np.float64(total), np.float64(total_sq))
+    return Moments(float(n), float(mean), float(m2), lo, hi)
+
+
+def moments_from_sums_array(count, total, total_sq) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`moments_from_sums` over float64 arrays of shape (k,): (N, μ, M2), with μ = M2 = 0
+    where N == 0, M2 clamped at 0, and ``nan`` where M2 overflows."""
+    with np.errstate(all="ignore"):
+        empty = count == 0
+        mean = total / np.where(empty, 1.0, count)
+        m2 = total_sq - total * mean
+        m2 = np.where(~np.isfinite(m2), np.nan, np.where(m2 < 0.0, 0.0, m2))
+        return count, np.where(empty, 0.0, mean), np.where(empty, 0.0, m2)
 
 
 def merge(parts: Sequence[Moments]) -> Moments:
@@ -133,13 +137,22 @@ def merge(parts: Sequence[Moments]) -> Moments:
 
 
 def merge_arrays(counts: np.ndarray, means: np.ndarray, m2s: np.ndarray) -> tuple[float, float, float]:
-    """Vectorised :func:`merge` over float64 arrays of shape (k,); returns (N, μ, M2)."""
-    n = float(counts.sum())
-    if n == 0.0:
-        return 0.0, 0.0, 0.0
-    mean = float(np.dot(counts, means) / n)
-    dev = means - mean
-    m2 = float(m2s.sum() + np.dot(counts, dev * dev))
+    """:func:`merge` over float64 arrays of shape (k,); returns (N, μ, M2)."""
+    n, mean, m2 = merge_groups(np.zeros(len(counts), dtype=np.int64), 1, counts, means, m2s)
+    return float(n[0]), float(mean[0]), float(m2[0])
+
+
+def merge_groups(group: np.ndarray, ngroups: int, counts: np.ndarray, means: np.ndarray,
+                 m2s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The k-way Chan merge of :func:`merge` for many groups at once.
+
+    ``group`` (int, shape (k,)) assigns each part to one of ``ngroups`` groups; returns
+    float64 arrays (N, μ, M2) of shape (ngroups,). Empty groups get (0, 0, 0).
+    """
+    n = np.bincount(group, counts, minlength=ngroups)
+    mean = np.divide(np.bincount(group, counts * means, minlength=ngroups), n, out=np.zeros(ngroups), where=n > 0)
+    dev = means - mean[group]
+    m2 = np.bincount(group, m2s, minlength=ngroups) + np.bincount(group, counts * dev * dev, minlength=ngroups)
     return n, mean, m2
 
 
@@ -152,13 +165,20 @@ def one_pass_mean_var(
     Evaluated in float64 here; the trainer did it in its own dtype. Returns (nan, nan) for
     N == 0 (slime raises ``ValueError`` there).
     """
-    if count == 0:
-        return math.nan, math.nan
-    mean = total / count
-    var = total_sq / count - mean * mean
-    if convention == "sample" and count >= 2:
-        var = var * count / (count - 1.0)
-    return mean, var
+    mean, var = one_pass_mean_var_array(np.float64(count), np.float64(total), np.float64(total_sq), convention)
+    return float(mean), float(var)
+
+
+def one_pass_mean_var_array(count, total, total_sq, convention: VarianceConvention = "sample"):
+    """:func:`one_pass_mean_var` over float64 arrays of shape (k,): ``nan`` where N == 0."""
+    with np.errstate(all="ignore"):
+        zero = count == 0
+        safe = np.where(zero, 1.0, count)
+        mean = total / safe
+        var = total_sq / safe - mean * mean
+        if convention == "sample":
+            var = np.where(count >= 2, var * count / (count - 1.0), var)
+        return np.where(zero, np.nan, mean), np.where(zero, np.nan, var)
 
 
 def whiten(
@@ -192,22 +212,19 @@ def transform_gap(
     statistic (the figure behind ``auditor_cp_disagreement_sigma`` and
     ``auditor_applied_error_sigma``). ``nan`` if any input is not finite.
     """
-    if not all(math.isfinite(v) for v in (mean_a, var_a, mean_b, var_b, lo, hi)):
-        return math.nan
-    if var_a + epsilon <= 0 or var_b + epsilon <= 0:
-        return math.inf
-    sa = math.sqrt(var_a + epsilon)
-    sb = math.sqrt(var_b + epsilon)
-    return max(abs((x - mean_a) / sa - (x - mean_b) / sb) for x in (lo, hi))
+    return float(transform_gap_array(mean_a, var_a, mean_b, var_b, lo, hi, epsilon))
 
 
-def value_range(m: Moments, convention: VarianceConvention = "sample") -> tuple[float, float]:
-    """The observed range [min, max] of a group, or μ ± 3σ when min/max were not reported."""
-    if math.isfinite(m.min) and math.isfinite(m.max):
-        return m.min, m.max
-    sd = math.sqrt(max(m.variance(convention), 0.0)) if m.count > 0 else 0.0
-    return m.mean - DEFAULT_RANGE_SIGMA * sd, m.mean + DEFAULT_RANGE_SIGMA * sd
-
+def value_range(lo: np.ndarray, hi: np.ndarray, mean: np.ndarray, var: np.ndarray):
+    """The observed value range [min, max] of each group (float64 arrays of shape (k,)), or
+    μ ± 3σ (:data:`DEFAULT_RANGE_SIGMA`) where min/max were not reported."""
+    known = np.isfinite(lo) & np.isfinite(hi)
+    if known.all():
+        return lo, hi
+    with np.errstate(invalid="ignore"):
+        sd = np.where(np.isfinite(var), np.sqrt(np.where(0.0 > var, 0.0, var)), 0.0)
+        return (np.where(known, lo, mean - DEFAULT_RANGE_SIGMA * sd),
+                np.where(known, hi, mean + DEFAULT_RANGE_SIGMA * sd))
 
 def reduction_gamma(dtype: str, count: float, ranks: int) -> float:
     """Relative error bound γ of a sum the trainer reduced in ``dtype``.
@@ -222,9 +239,7 @@ def reduction_gamma(dtype: str, count: float, ranks: int) -> float:
     Raises ``KeyError`` for an unknown dtype (the wire schema admits only
     :data:`UNIT_ROUNDOFF`'s keys).
     """
-    u = UNIT_ROUNDOFF[dtype]
-    depth = math.ceil(math.log2(max(count, 2.0))) + 3
-    return u * (depth + PROBABILISTIC_LAMBDA * math.sqrt(max(ranks - 1, 0)))
+    return float(reduction_gamma_array(np.float64(UNIT_ROUNDOFF[dtype]), np.float64(count), np.float64(ranks)))
 
 
 def reduction_gamma_array(unit_roundoff: np.ndarray, terms: np.ndarray, ranks: np.ndarray) -> np.ndarray:
@@ -258,37 +273,18 @@ def mean_var_tolerance(
     return 2.0 * gamma * np.sqrt(ms), 7.0 * gamma * ms * bessel
 
 
-def whiten_tolerance(gamma: float, m: Moments, lo: float, hi: float) -> float:
-    """Largest whitening error, in σ, that rounding of a correct one-pass reduction explains.
-
-    With ρ = rms/σ = √(1 + μ²/σ²) and relative errors γ on S = Σv, SS = Σv² and N:
-    |δμ| ≤ 2γ·rms, |δvar| ≤ 7γ·rms² (SS/N: 2γ; μ²: 4γ; the subtraction: γ), so
-    |δσ|/σ ≤ 3.5γρ². Over the range, R = max|x − μ|/σ, the transform error is
-    |δw| ≤ 2γρ + 3.5γρ²·R (first order; ρ² is the cancellation of the one-pass form, which
-    is what makes float32 useless at |μ|/σ ≈ 1e3). The tolerance is that bound, with σ the
-    population standard deviation of the group (ε added as the trainer does).
-    """
-    if m.count <= 0:
-        return 0.0
-    var = m.m2 / m.count + WHITEN_EPSILON
-    rho_sq = 1.0 + m.mean * m.mean / var
-    r = max(abs(lo - m.mean), abs(hi - m.mean)) / math.sqrt(var)
-    return gamma * (2.0 * math.sqrt(rho_sq) + 3.5 * rho_sq * r)
-
-
-def one_pass_variance_error(gamma: float, m: Moments) -> float:
-    """Predicted relative error of the one-pass variance SS/N − μ²: 7γ·(1 + μ²/σ²).
+def one_pass_variance_error(gamma, count, mean, m2):
+    """Predicted relative error of the one-pass variance SS/N − μ²: 7γ·(1 + μ²/σ²), σ² = M2/N.
 
     The quantity behind ``precision_loss``: when it is large the trainer's variance is
-    rounding noise. ``inf`` for an empty or zero-variance group with μ ≠ 0.
+    rounding noise. 0 for an empty group and for σ = 0 (every value equals the mean, so
+    whitening maps them all to 0 whatever the variance). Floats or float64 arrays of shape (k,).
     """
-    if m.count <= 0:
-        return 0.0
-    var = m.m2 / m.count
-    if var == 0.0:
-        return math.inf if m.mean != 0.0 else 0.0
-    return 7.0 * gamma * (1.0 + m.mean * m.mean / var)
-
+    with np.errstate(divide="ignore", invalid="ignore"):
+        count, mean, m2 = (np.asarray(x, dtype=np.float64) for x in (count, mean, m2))
+        var = np.where(count > 0, m2 / np.where(count > 0, count, 1.0), 0.0)
+        out = np.where(var > 0, 7.0 * gamma * (1.0 + mean * mean / np.where(var > 0, var, 1.0)), 0.0)
+    return out if out.ndim else float(out)
 
 def sum_tolerance(gamma: np.ndarray | float, abs_terms: np.ndarray | float) -> np.ndarray | float:
     """Absolute error bound of a correct reduced sum: γ·Σ|terms| (Higham 2002, eq. 4.4).

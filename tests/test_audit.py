@@ -387,7 +387,7 @@ def test_gamma_formula_numbers():
     assert g == pytest.approx(2.0**-24 * (27 + 6 * math.sqrt(3)), rel=1e-12)
     assert g == pytest.approx(2.228755e-06, rel=1e-6)
     assert 7 * g * (1 + 1e4) == pytest.approx(0.156028, abs=1e-6)
-    assert stats.one_pass_variance_error(g, stats.Moments(1e7, 1e3, 1e7)) == pytest.approx(7 * g * (1 + 1e6), rel=1e-12)
+    assert stats.one_pass_variance_error(g, 1e7, 1e3, 1e7) == pytest.approx(7 * g * (1 + 1e6), rel=1e-12)
 
 
 def test_cp_disagreement_is_judged_on_an_incomplete_step():

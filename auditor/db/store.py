@@ -125,11 +125,6 @@ def report_values(r: Report, series_id: int, now: float) -> tuple:
             audit.compress_ranks(r.group_ranks) if r.group_ranks is not None else None, now)
 
 
-def report_row(r: Report, series_id: int, now: float) -> dict[str, Any]:
-    """:func:`report_values` as a ``{column: value}`` dict."""
-    return dict(zip(_COLUMNS, report_values(r, series_id, now)))
-
-
 def _comparable(row: tuple) -> tuple:
     """What two reports with the same key must agree on (every column but ``received_at``)."""
     return row[:-1]
@@ -706,11 +701,6 @@ class Store:
                 ):
                     fcounts[sid][kind] = n
         return [dict(r, faults=fcounts.get(r["id"], {})) for r in rows]
-
-    def ping(self) -> None:
-        """Raise if the database cannot be reached."""
-        with self.engine.connect() as conn:
-            conn.execute(sa.text("SELECT 1"))
 
 
 def _row_json(r: audit.RankRow) -> dict:
