@@ -26,6 +26,27 @@ import httpx
 from auditor.server import free_port
 
 PG_ADMIN_URL = os.environ.get("AUDITOR_BENCH_PG", "postgresql://127.0.0.1:5432/postgres")
+#: Python interpreter that runs the auditor under test (``auditor serve``, ``auditor audit``,
+#: ``auditor import``): by default this one; point it at another checkout's venv
+#: (``AUDITOR_BENCH_PYTHON=/work/wt-before/.venv/bin/python``, or ``--auditor-python``) to
+#: measure that code with the same benchmark, e.g. before and after a change.
+AUDITOR_PYTHON = os.environ.get("AUDITOR_BENCH_PYTHON") or sys.executable
+
+
+def auditor_python(path: str | None = None) -> str:
+    """The interpreter whose ``-m auditor`` is benchmarked (``path`` overrides, then
+    ``AUDITOR_BENCH_PYTHON``, then this interpreter)."""
+    return path or AUDITOR_PYTHON
+
+
+def auditor_code(python: str) -> str:
+    """Where ``python -m auditor`` is imported from and its git commit, e.g.
+    ``/work/wt-before@db8a3c6`` (printed with every table: which code was measured)."""
+    src = subprocess.run([python, "-c", "import auditor, os; print(os.path.dirname(os.path.dirname(auditor.__file__)))"],
+                         capture_output=True, text=True, check=True).stdout.strip()
+    rev = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    dirty = subprocess.run(["git", "-C", src, "status", "--porcelain", "--", "auditor"], capture_output=True, text=True)
+    return f"{src}@{rev.stdout.strip() or '?'}{'+dirty' if dirty.stdout.strip() else ''}"
 
 
 # --------------------------------------------------------------------------- machine
@@ -132,11 +153,12 @@ class Service:
                 self.proc.wait(5)
 
 
-def auditor_service(database_url: str, workers: int = 1, **env: str) -> Service:
-    """``python -m auditor serve`` with ``workers`` processes on ``database_url``."""
+def auditor_service(database_url: str, workers: int = 1, python: str | None = None, **env: str) -> Service:
+    """``python -m auditor serve`` with ``workers`` processes on ``database_url``; ``python``:
+    the interpreter of the code under test (:func:`auditor_python`)."""
     port = free_port()
     return Service(
-        [sys.executable, "-m", "auditor", "serve", "--port", str(port), "--log-level", "warning",
+        [auditor_python(python), "-m", "auditor", "serve", "--port", str(port), "--log-level", "warning",
          "--workers", str(workers)],
         f"http://127.0.0.1:{port}", "/healthz",
         env={"AUDITOR_DATABASE_URL": database_url, "AUDITOR_GRACE_SECONDS": "3600", **env},

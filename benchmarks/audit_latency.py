@@ -10,6 +10,7 @@ full speed meanwhile (latency under load); ``--workers 2`` runs two server proce
 
     python benchmarks/audit_latency.py --quick
     python benchmarks/audit_latency.py --backends postgresql --workers 2 --load-clients 2
+    AUDITOR_BENCH_PYTHON=/work/wt-before/.venv/bin/python python benchmarks/audit_latency.py  # other code
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    auditor_service, batches, database, encode_batch, load, machine, percentile, report_stream, step_reports,
+    auditor_code, auditor_python, auditor_service, batches, database, encode_batch, load, machine, percentile,
+    report_stream, step_reports,
 )
 
 
@@ -65,15 +67,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=100, help="measured steps per world size")
     ap.add_argument("--workers", type=int, default=1)
     ap.add_argument("--load-clients", type=int, default=0, help="background ingest clients")
+    ap.add_argument("--auditor-python", help="interpreter of the auditor code under test "
+                                             "(default $AUDITOR_BENCH_PYTHON, else this one)")
     a = ap.parse_args(argv)
     if a.quick:
         a.steps = 20
+    python = auditor_python(a.auditor_python)
     m = machine()
     print(f"machine: {m['nproc']} × {m['cpu']}, load {m['load']}; workers {a.workers}, "
           f"background ingest clients {a.load_clients}")
+    print(f"auditor code: {auditor_code(python)}", flush=True)
     rows = []
     for kind in a.backends.split(","):
-        with database(kind, "bench_latency") as (url, _), auditor_service(url, workers=a.workers) as svc:
+        with database(kind, "bench_latency") as (url, _), \
+                auditor_service(url, workers=a.workers, python=python) as svc:
             ctx = mp.get_context("fork")
             stop = ctx.Event()
             bg = [ctx.Process(target=_background, args=(svc.url, f"bg{i}", 256, stop), daemon=True)
