@@ -29,7 +29,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from auditor import stats
+from auditor.core import stats
 from auditor.render import render_report
 from auditor.server import free_port
 
@@ -149,7 +149,7 @@ def whiten_reference(samples: Sequence[Sample], dp: int, cp: int, dp_rank: int, 
     """Float64 whitened advantage of every sample the rank holds, from the group's moments.
 
     ``over_cp`` True reduces over all dp·cp ranks (the correct group); False over the ranks
-    sharing ``cp_rank`` (slime's bug). Uses :mod:`auditor.stats` (slime's one-pass formula
+    sharing ``cp_rank`` (slime's bug). Uses :mod:`auditor.core.stats` (slime's one-pass formula
     evaluated in float64). Returns {sample index: whitened value} for samples the rank holds
     at least one token of.
     """

@@ -12,9 +12,9 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from auditor.stats import UNIT_ROUNDOFF
+from auditor.core.stats import UNIT_ROUNDOFF
+from auditor.core.types import DIMS, Spec
 
-DIMS: tuple[str, ...] = ("dp", "cp", "tp", "pp")
 Dim = Literal["dp", "cp", "tp", "pp"]
 Kind = Literal["moments", "sum", "norm"]
 DType = Literal["float64", "float32", "tf32", "float16", "bfloat16"]
@@ -83,6 +83,10 @@ class StatisticSpec(_Strict):
             if len(set(dims)) != len(dims):
                 raise ValueError(f"{name} lists a dimension twice: {dims}")
         return self
+
+    def to_core(self) -> Spec:
+        """The audit engine's :class:`auditor.core.types.Spec` (dims in the order given)."""
+        return Spec(tuple(self.reduce_over), tuple(self.replicas), self.variance, self.over_microbatches)
 
 
 DEFAULT_SPECS: dict[str, StatisticSpec] = {

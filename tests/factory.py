@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from auditor import stats
+from auditor.core import stats
 
 #: Per CP rank (cp=2, dp=1): response tokens of each sequence with advantage +1.5/−0.5/−1.0.
 REFERENCE_TOKENS = {0: (16, 40, 9), 1: (32, 50, 3)}

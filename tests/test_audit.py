@@ -1,4 +1,4 @@
-"""The audit engine (auditor.audit), pure: every fault of DESIGN.md §5 injected into reports
+"""The audit engine (auditor.core), pure: every fault of DESIGN.md §5 injected into reports
 built by a numpy float32 "trainer" that reduces exactly as slime does, no processes.
 
 The trainer below sums each rank's values in float32 (numpy's pairwise sum, like torch's
@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 from factory import reference_reports
 
-from auditor import audit, stats
-from auditor.schemas import DIMS, StatisticSpec
+from auditor import core
+from auditor.core import DIMS, Spec, stats
 
 SIZES = (2, 2, 2, 1)  # dp, cp, tp, pp
 
@@ -65,7 +65,7 @@ def trainer(sizes, shard, reduce_dims=("dp", "cp"), *, dtype=np.float32, convent
                 var = np.float32(var * n / (n - np.float32(1)))
             if var_fn:
                 mean, var = var_fn(c, mean, var)
-        out.append(audit.RankReport(
+        out.append(core.RankReport(
             rank=rank_of(c, sizes), microbatch=0, dp=c[0], cp=c[1], tp=c[2], pp=c[3],
             dtype={np.float32: "float32", np.float64: "float64"}[dtype],
             local_count=float(v64.size), local_sum=float(v64.sum()), local_sum_sq=float((v64 * v64).sum()),
@@ -78,7 +78,7 @@ def trainer(sizes, shard, reduce_dims=("dp", "cp"), *, dtype=np.float32, convent
     return out
 
 
-def by_kind(v: audit.StepVerdict) -> dict[str, audit.Fault]:
+def by_kind(v: core.StepVerdict) -> dict[str, core.Fault]:
     return {f.kind: f for f in v.faults}
 
 
@@ -93,9 +93,9 @@ def normal_shard(n: int, loc: float, seed: int = 0):
 # ------------------------------------------------------------------ reference case
 
 
-def _rr(d: dict) -> audit.RankReport:
+def _rr(d: dict) -> core.RankReport:
     a = d["applied"]
-    return audit.RankReport(
+    return core.RankReport(
         rank=d["rank"], microbatch=0, dtype=d["dtype"], **d["coords"], local_count=d["local"]["count"],
         local_sum=d["local"]["sum"], local_sum_sq=d["local"]["sum_sq"], local_min=d["local"]["min"],
         local_max=d["local"]["max"], applied_count=a["count"], applied_sum=a["sum"], applied_sum_sq=a["sum_sq"],
@@ -107,7 +107,7 @@ def test_reference_case_is_wrong_group_dp_instead_of_dp_cp():
     (0.433154 σ), group_mismatch (0.267869 σ), wrong_group found ['dp'] vs expected
     ['dp','cp'] for both ranks, with the with_context_parallel=True hint; the fixed run is
     consistent with both sigma figures 0."""
-    v = audit.audit_step([_rr(d) for d in reference_reports("x", buggy=True)], (1, 2, 1, 1), StatisticSpec())
+    v = core.audit_step([_rr(d) for d in reference_reports("x", buggy=True)], (1, 2, 1, 1), Spec())
     f = by_kind(v)
     assert v.verdict == "inconsistent" and set(f) == {"cp_disagreement", "group_mismatch", "wrong_group"}
     assert f["wrong_group"].ranks == [0, 1]
@@ -116,7 +116,7 @@ def test_reference_case_is_wrong_group_dp_instead_of_dp_cp():
     assert "with_context_parallel=True" in f["wrong_group"].message
     assert v.cp_disagreement_sigma == pytest.approx(0.433154, abs=1e-6)
     assert v.applied_error_sigma == pytest.approx(0.267869, abs=1e-6)
-    ok = audit.audit_step([_rr(d) for d in reference_reports("x", buggy=False)], (1, 2, 1, 1), StatisticSpec())
+    ok = core.audit_step([_rr(d) for d in reference_reports("x", buggy=False)], (1, 2, 1, 1), Spec())
     assert (ok.verdict, ok.faults, ok.cp_disagreement_sigma) == ("consistent", [], 0.0)
     assert ok.applied_error_sigma == pytest.approx(0.0, abs=1e-9)
 
@@ -129,7 +129,7 @@ def test_correct_float32_1e7_tokens_zero_faults(loc):
     """float32 reduction of 1e7 tokens per step (4 shards × 2.5e6, TP-replicated), |mean|/std
     up to 1e2: consistent, no fault; the applied error stays below 1e-3 σ."""
     reps = trainer(SIZES, normal_shard(2_500_000, loc))
-    v = audit.audit_step(reps, SIZES, StatisticSpec())
+    v = core.audit_step(reps, SIZES, Spec())
     assert (v.verdict, v.faults) == ("consistent", [])
     assert v.applied_error_sigma < 1e-3
 
@@ -138,11 +138,11 @@ def test_correct_runs_with_empty_shards_and_single_token_groups_zero_faults():
     """Empty shards (N=0 locally) and a group whose only element is one token (N=1: no
     Bessel, var = 0 exactly) give no fault; so does a group with several empty shards."""
     one = trainer(SIZES, lambda c: [0.75] if c[:2] == (0, 0) else [])
-    v = audit.audit_step(one, SIZES, StatisticSpec())
+    v = core.audit_step(one, SIZES, Spec())
     assert (v.verdict, v.faults) == ("consistent", [])
     assert {(g.count, g.mean, g.var) for g in v.groups} == {(1.0, 0.75, 0.0)}
     some = trainer(SIZES, lambda c: [] if c[:2] != (1, 0) else np.linspace(-1, 2, 7))
-    assert audit.audit_step(some, SIZES, StatisticSpec()).faults == []
+    assert core.audit_step(some, SIZES, Spec()).faults == []
 
 
 @pytest.mark.parametrize("ratio", [1e2, 2e2, 3e2, 1e3])
@@ -151,14 +151,14 @@ def test_precision_loss_exactly_when_predicted(ratio):
     precision_loss iff 7γ(1 + μ²/σ²) > PRECISION_LOSS_THRESHOLD, with
     γ = 2⁻²⁴(⌈log2 N⌉ + 3 + 6√(P−1)) (P = 4 ranks), and the evidence carries that number."""
     reps = trainer(SIZES, normal_shard(250_000, ratio, seed=3))
-    v = audit.audit_step(reps, SIZES, StatisticSpec())
+    v = core.audit_step(reps, SIZES, Spec())
     g = v.groups[0]
     sigma2 = g.var * (g.count - 1) / g.count
     gamma = 2.0**-24 * (math.ceil(math.log2(g.count)) + 3 + 6 * math.sqrt(3))
     predicted = 7 * gamma * (1 + g.mean**2 / sigma2)
     f = by_kind(v)
     assert set(f) <= {"precision_loss"}
-    assert ("precision_loss" in f) == (predicted > audit.PRECISION_LOSS_THRESHOLD)
+    assert ("precision_loss" in f) == (predicted > core.PRECISION_LOSS_THRESHOLD)
     if "precision_loss" in f:
         assert f["precision_loss"].evidence["max_predicted_relative_var_error"] == pytest.approx(predicted, rel=1e-6)
         assert f["precision_loss"].ranks == list(range(8))
@@ -179,7 +179,7 @@ def test_every_subset_of_dims_is_inferred(dims):
     (replica_overcount, factor 2.000000, plus wrong_group naming the dims unless the rest is
     exactly dp+cp); any other subset is wrong_group naming it."""
     reps = trainer(NONTRIVIAL, normal_shard(50, 0.3, seed=7), dims, group_ranks=False)
-    v = audit.audit_step(reps, NONTRIVIAL, StatisticSpec())
+    v = core.audit_step(reps, NONTRIVIAL, Spec())
     f = by_kind(v)
     if set(dims) == {"dp", "cp"}:
         assert v.faults == []
@@ -201,9 +201,9 @@ def test_membership_mismatch_from_group_ranks():
     wrong_group from membership, naming the left-out rank."""
     reps = trainer(SIZES, lambda c: [] if c[:2] == (1, 1) else [0.5, 1.0, 2.0])
     r0 = reps[0]
-    reps[0] = audit.RankReport(**{**{k: getattr(r0, k) for k in r0.__dataclass_fields__},
+    reps[0] = core.RankReport(**{**{k: getattr(r0, k) for k in r0.__dataclass_fields__},
                                   "group_ranks": (0, 2, 4)})
-    f = by_kind(audit.audit_step(reps, SIZES, StatisticSpec()))
+    f = by_kind(core.audit_step(reps, SIZES, Spec()))
     assert set(f) == {"wrong_group"} and f["wrong_group"].ranks == [0]
     assert f["wrong_group"].evidence["left_out"] == "6" and "leaves out ranks 6" in f["wrong_group"].message
 
@@ -215,7 +215,7 @@ def test_variance_convention_population_instead_of_sample():
     """Applying the population variance under a sample spec: variance_convention (found
     population), Bessel named in the message."""
     reps = trainer(SIZES, normal_shard(20, 0.0), convention="population")
-    f = by_kind(audit.audit_step(reps, SIZES, StatisticSpec()))
+    f = by_kind(core.audit_step(reps, SIZES, Spec()))
     assert set(f) == {"group_mismatch", "variance_convention"}
     assert f["variance_convention"].evidence == {"expected": "sample", "found": "population"}
     assert "Bessel" in f["variance_convention"].message
@@ -226,7 +226,7 @@ def test_replica_divergence():
     def shard(c):
         rng = np.random.default_rng([c[0], c[1], c[2] if c[:2] == (0, 0) else 0])
         return rng.standard_normal(30)
-    f = by_kind(audit.audit_step(trainer(SIZES, shard), SIZES, StatisticSpec()))
+    f = by_kind(core.audit_step(trainer(SIZES, shard), SIZES, Spec()))
     assert set(f) == {"replica_divergence"} and f["replica_divergence"].ranks == [1]
     assert f["replica_divergence"].evidence["reference_rank"] == 0
 
@@ -234,15 +234,15 @@ def test_replica_divergence():
 def test_stale_statistic_names_the_step():
     """Step 3 applies step 1's correct statistic (from history): stale_statistic, step 1."""
     now = trainer(SIZES, normal_shard(40, 0.0, seed=3))
-    before = audit.audit_step(trainer(SIZES, normal_shard(40, 0.0, seed=1)), SIZES, StatisticSpec())
+    before = core.audit_step(trainer(SIZES, normal_shard(40, 0.0, seed=1)), SIZES, Spec())
     hist = {}
     for g in before.groups:
         hist.setdefault(tuple(g.key), []).append((1, g.count, g.mean, g.var))
     old = {tuple(g.key): g for g in before.groups}
-    stale = [audit.RankReport(**{**{k: getattr(r, k) for k in r.__dataclass_fields__},
+    stale = [core.RankReport(**{**{k: getattr(r, k) for k in r.__dataclass_fields__},
                                  "applied_mean": old[(r.tp, r.pp)].mean, "applied_var": old[(r.tp, r.pp)].var})
              for r in now]
-    f = by_kind(audit.audit_step(stale, SIZES, StatisticSpec(), history=lambda: hist))
+    f = by_kind(core.audit_step(stale, SIZES, Spec(), history=lambda: hist))
     assert set(f) == {"group_mismatch", "stale_statistic"}
     assert f["stale_statistic"].evidence == {"stale_step": 1} and f["stale_statistic"].ranks == list(range(8))
 
@@ -252,12 +252,12 @@ def test_skipped_collective_versus_missing_report():
     empty_local_mask, 'hang' in the message; a rank that never reports is missing_report
     and the step is incomplete (not inconsistent) when that is the only finding."""
     reps = trainer(SIZES, lambda c: [] if c[:2] == (1, 1) else [1.0, 2.0], skip=(6, 7), group_ranks=False)
-    v = audit.audit_step(reps, SIZES, StatisticSpec())
+    v = core.audit_step(reps, SIZES, Spec())
     f = by_kind(v)
     assert set(f) == {"skipped_collective"} and f["skipped_collective"].ranks == [6, 7]
     assert f["skipped_collective"].evidence == {"empty_local_mask": True} and "hang" in f["skipped_collective"].message
     ok = trainer(SIZES, normal_shard(10, 0.0))
-    v = audit.audit_step([r for r in ok if r.rank != 5], SIZES, StatisticSpec())
+    v = core.audit_step([r for r in ok if r.rank != 5], SIZES, Spec())
     assert v.verdict == "incomplete" and [f.kind for f in v.faults] == ["missing_report"]
     assert v.faults[0].ranks == [5] and v.faults[0].evidence == {"missing": 1, "expected": 8}
 
@@ -266,10 +266,10 @@ def test_non_finite_and_empty_global():
     """A NaN value poisons its group: non_finite on every rank of it, no group verdict there.
     A group with no element at all: empty_global on all its ranks."""
     nan = trainer(SIZES, lambda c: [1.0, math.nan] if c[:2] == (0, 0) else [1.0, 2.0])
-    f = by_kind(audit.audit_step(nan, SIZES, StatisticSpec()))
+    f = by_kind(core.audit_step(nan, SIZES, Spec()))
     assert set(f) == {"non_finite"} and f["non_finite"].ranks == list(range(8))
     empty = trainer(SIZES, lambda c: [])
-    f = by_kind(audit.audit_step(empty, SIZES, StatisticSpec()))
+    f = by_kind(core.audit_step(empty, SIZES, Spec()))
     assert set(f) == {"empty_global"} and f["empty_global"].ranks == list(range(8))
 
 
@@ -282,7 +282,7 @@ def sum_reports(counts, applied_fn, sizes=SIZES, num_mb=2):
     out = []
     for c in all_coords(sizes):
         for mb in range(num_mb):
-            out.append(audit.RankReport(
+            out.append(core.RankReport(
                 rank=rank_of(c, sizes), microbatch=mb, dp=c[0], cp=c[1], tp=c[2], pp=c[3], dtype="float32",
                 local_count=None, local_sum=counts[(c[:2], mb)], local_sum_sq=None,
                 applied_sum=float(np.float32(applied_fn(c, mb)))))
@@ -290,7 +290,7 @@ def sum_reports(counts, applied_fn, sizes=SIZES, num_mb=2):
 
 
 COUNTS = {((d, c), mb): float(100 * d + 37 * c + 11 * mb + 5) for d in range(2) for c in range(2) for mb in range(2)}
-SUM_SPEC = StatisticSpec(over_microbatches=True)
+SUM_SPEC = Spec(over_microbatches=True)
 
 
 def test_sum_correct_and_local_count_and_one_microbatch():
@@ -300,17 +300,17 @@ def test_sum_correct_and_local_count_and_one_microbatch():
     found ['dp','cp'] with found_over_microbatches False."""
     total = sum(COUNTS.values())
     assert total == 632.0
-    ok = audit.audit_step(sum_reports(COUNTS, lambda c, mb: total), SIZES, SUM_SPEC, num_microbatches=2, kind="sum")
+    ok = core.audit_step(sum_reports(COUNTS, lambda c, mb: total), SIZES, SUM_SPEC, num_microbatches=2, kind="sum")
     assert (ok.verdict, ok.faults) == ("consistent", [])
     assert {(g.count, g.var) for g in ok.groups} == {(632.0, 0.0)}
     assert ok.cp_disagreement_sigma is None and ok.applied_error_sigma is None
-    local = audit.audit_step(sum_reports(COUNTS, lambda c, mb: COUNTS[(c[:2], 0)] + COUNTS[(c[:2], 1)]), SIZES,
+    local = core.audit_step(sum_reports(COUNTS, lambda c, mb: COUNTS[(c[:2], 0)] + COUNTS[(c[:2], 1)]), SIZES,
                              SUM_SPEC, num_microbatches=2, kind="sum")
     f = by_kind(local)
     assert set(f) == {"wrong_group", "group_mismatch", "cp_disagreement"}
     assert f["wrong_group"].evidence["found"] == [] and "local count" in f["wrong_group"].message
     per_mb = {mb: sum(v for (_, m), v in COUNTS.items() if m == mb) for mb in range(2)}
-    one = audit.audit_step(sum_reports(COUNTS, lambda c, mb: per_mb[mb]), SIZES, SUM_SPEC, num_microbatches=2,
+    one = core.audit_step(sum_reports(COUNTS, lambda c, mb: per_mb[mb]), SIZES, SUM_SPEC, num_microbatches=2,
                            kind="sum")
     f = by_kind(one)
     assert f["wrong_group"].evidence["found"] == ["dp", "cp"]
@@ -323,7 +323,7 @@ def test_sum_correct_and_local_count_and_one_microbatch():
 def norm_reports(applied_fn, sizes=(2, 1, 2, 1), rep=0.25):
     """``norm`` reports: TP shard t has sum_sq 1.5 + t (replicated along dp), replicated
     part ``rep``; applied_fn(coords) is the squared norm the rank clipped with."""
-    return [audit.RankReport(
+    return [core.RankReport(
         rank=rank_of(c, sizes), microbatch=0, dp=c[0], cp=c[1], tp=c[2], pp=c[3], dtype="float32",
         local_count=None, local_sum=None, local_sum_sq=1.5 + c[2], local_replicated_sum_sq=rep,
         applied_sum_sq=float(np.float32(applied_fn(c)))) for c in all_coords(sizes)]
@@ -334,18 +334,18 @@ def test_norm_correct_replicated_overcount_and_not_reduced():
     replicated part before the all-reduce (4.5) is replica_overcount with
     replicated_counted 2; not reducing at all is wrong_group without tp."""
     sizes = (2, 1, 2, 1)
-    spec = StatisticSpec(reduce_over=["tp", "pp"], replicas=["dp", "cp"])
-    ok = audit.audit_step(norm_reports(lambda c: 4.25), sizes, spec, kind="norm")
+    spec = Spec(reduce_over=("tp", "pp"), replicas=("dp", "cp"))
+    ok = core.audit_step(norm_reports(lambda c: 4.25), sizes, spec, kind="norm")
     assert (ok.verdict, ok.faults) == ("consistent", [])
-    f = by_kind(audit.audit_step(norm_reports(lambda c: 4.5), sizes, spec, kind="norm"))
+    f = by_kind(core.audit_step(norm_reports(lambda c: 4.5), sizes, spec, kind="norm"))
     assert set(f) == {"group_mismatch", "replica_overcount"}
     assert f["replica_overcount"].evidence["replicated_counted"] == 2.0
     assert f["replica_overcount"].evidence["factor"] == pytest.approx(4.5 / 4.25, abs=1e-6)
-    f = by_kind(audit.audit_step(norm_reports(lambda c: 1.75 + c[2]), sizes, spec, kind="norm"))
+    f = by_kind(core.audit_step(norm_reports(lambda c: 1.75 + c[2]), sizes, spec, kind="norm"))
     assert "tp" not in f["wrong_group"].evidence["found"] and f["wrong_group"].evidence["expected"] == ["tp", "pp"]
     assert "get_model_parallel_group" in f["wrong_group"].message
     with pytest.raises(ValueError, match="unknown statistic kind"):
-        audit.audit_step([], sizes, spec, kind="histogram")
+        core.audit_step([], sizes, spec, kind="histogram")
 
 
 # ------------------------------------------------------------------------- scale
@@ -366,12 +366,12 @@ def test_4096_rank_step_fully_wrong_is_diagnosed_in_under_a_second():
         d, cpi = c[0], c[1]
         N, S, SS = (t[cpi] for t in dp_tot)
         mean, var = stats.one_pass_mean_var(N, S, SS)
-        reps.append(audit.RankReport(
+        reps.append(core.RankReport(
             rank=rank_of(c, sizes), microbatch=0, dp=d, cp=cpi, tp=c[2], pp=0, dtype="float32",
             local_count=n[d, cpi], local_sum=s[d, cpi], local_sum_sq=ss[d, cpi],
             applied_count=N, applied_sum=S, applied_sum_sq=SS, applied_mean=mean, applied_var=var))
     t0 = time.perf_counter()
-    v = audit.audit_step(reps, sizes, StatisticSpec())
+    v = core.audit_step(reps, sizes, Spec())
     elapsed = time.perf_counter() - t0
     f = by_kind(v)
     assert set(f) == {"wrong_group", "group_mismatch", "cp_disagreement"}
@@ -394,9 +394,9 @@ def test_cp_disagreement_is_judged_on_an_incomplete_step():
     """A missing rank elsewhere does not hide CP peers that applied different statistics:
     the step is inconsistent with cp_disagreement (and missing_report), not merely incomplete."""
 
-    def rank_report(rep: dict) -> audit.RankReport:
+    def rank_report(rep: dict) -> core.RankReport:
         loc, app = rep["local"], rep["applied"]
-        return audit.RankReport(
+        return core.RankReport(
             rank=rep["rank"], microbatch=0, dtype="float32", **rep["coords"],
             local_count=loc["count"], local_sum=loc["sum"], local_sum_sq=loc["sum_sq"],
             local_min=loc["min"], local_max=loc["max"],
@@ -405,7 +405,7 @@ def test_cp_disagreement_is_judged_on_an_incomplete_step():
 
     # world 4 = dp 2 × cp 2: the ranks of dp=1 never report; dp=0 has the CP bug
     reps = [rank_report(r) for r in reference_reports("x", buggy=True)]
-    v = audit.audit_step(reps, (2, 2, 1, 1), StatisticSpec())
+    v = core.audit_step(reps, (2, 2, 1, 1), Spec())
     assert v.verdict == "inconsistent"
     assert {f.kind for f in v.faults} >= {"missing_report", "cp_disagreement"}
     assert v.cp_disagreement_sigma == pytest.approx(0.433154, abs=1e-6)
@@ -414,13 +414,13 @@ def test_cp_disagreement_is_judged_on_an_incomplete_step():
 def test_float64_overflow_is_non_finite_not_consistent():
     """Finite reports whose moments overflow float64 cannot be judged: non_finite, never
     a silent 'consistent'."""
-    big = audit.RankReport(rank=0, microbatch=0, dp=0, cp=0, tp=0, pp=0, dtype="float32",
+    big = core.RankReport(rank=0, microbatch=0, dp=0, cp=0, tp=0, pp=0, dtype="float32",
                            local_count=5.0, local_sum=1e308, local_sum_sq=1.7e308,
                            applied_count=10.0, applied_sum=15.0, applied_sum_sq=50.0)
-    small = audit.RankReport(rank=1, microbatch=0, dp=0, cp=1, tp=0, pp=0, dtype="float32",
+    small = core.RankReport(rank=1, microbatch=0, dp=0, cp=1, tp=0, pp=0, dtype="float32",
                              local_count=5.0, local_sum=5.0, local_sum_sq=10.0,
                              applied_count=10.0, applied_sum=15.0, applied_sum_sq=50.0)
-    v = audit.audit_step([big, small], (1, 2, 1, 1), StatisticSpec())
+    v = core.audit_step([big, small], (1, 2, 1, 1), Spec())
     assert v.verdict == "inconsistent"
     (f,) = [f for f in v.faults if f.kind == "non_finite"]
     assert f.ranks == [0, 1] and f.evidence == {"fields": ["overflow"]}

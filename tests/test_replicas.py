@@ -22,7 +22,7 @@ import pytest
 import sqlalchemy as sa
 from conftest import ServerProcess, _pg_database
 
-from auditor import stats
+from auditor.core import stats
 from auditor.db.engine import head_revision, make_engine
 from auditor.db.tables import faults, series, step_audits
 

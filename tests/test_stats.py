@@ -1,4 +1,4 @@
-"""The pure math (auditor.stats) against numpy in float64, and the reference numbers of DESIGN.md §4."""
+"""The pure math (auditor.core.stats) against numpy in float64, and the reference numbers of DESIGN.md §4."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from factory import ADVANTAGES, REFERENCE_TOKENS, local_moments
 
-from auditor import stats
+from auditor.core import stats
 
 
 def values(cp_rank: int) -> np.ndarray:

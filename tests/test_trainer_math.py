@@ -1,8 +1,8 @@
 """Trainer-side math: CP zigzag sharding, masked moments and slime's whitening (DESIGN.md §4).
 
 Every reference number of DESIGN.md §4 is recomputed here from the product's own sharding
-(``auditor.demo``), moments (``auditor.torch_hooks.masked_moments``, ``auditor.stats``)
-and whitening (float64 via ``auditor.stats``/numpy, float32 via the torch
+(``auditor.demo``), moments (``auditor.torch_hooks.masked_moments``, ``auditor.core.stats``)
+and whitening (float64 via ``auditor.core.stats``/numpy, float32 via the torch
 ``distributed_masked_whiten`` in a one-process gloo group).
 """
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from auditor import stats
+from auditor.core import stats
 from auditor.demo import (
     REFERENCE_SAMPLES,
     REFERENCE_SHAPES,

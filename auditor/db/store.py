@@ -23,7 +23,7 @@ from typing import Any, Iterable, Sequence
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from auditor import audit
+from auditor import core
 from auditor.db.engine import write_begin
 from auditor.db.tables import faults, reports, runs, series, series_faults, step_audits
 from auditor.schemas import DEFAULT_SPECS, DIMS, Report, RunRegistration, StatisticSpec
@@ -31,7 +31,7 @@ from auditor.schemas import DEFAULT_SPECS, DIMS, Report, RunRegistration, Statis
 VERDICTS = ("consistent", "inconsistent", "incomplete")
 _KEY = ("series_id", "step", "microbatch", "rank")
 _COMPARED = tuple(c.name for c in reports.columns if c.name not in ("received_at",))
-_REPORT_FIELDS = tuple(f for f in audit.RankReport.__dataclass_fields__)
+_REPORT_FIELDS = tuple(f for f in core.RankReport.__dataclass_fields__)
 #: Column order of ``reports`` (and of the tuples :func:`report_values` builds). The key
 #: comes first and ``received_at`` last, so ``row[:4]`` is the key and ``row[:-1]`` is what
 #: an identical re-send must match.
@@ -122,7 +122,7 @@ def report_values(r: Report, series_id: int, now: float) -> tuple:
             vals = tuple(None if v is not None and math.isnan(v) else v for v in vals)
     return (series_id, r.step, r.microbatch, r.rank, c.dp, c.cp, c.tp, c.pp, r.dtype, *vals[:6],
             app is not None, *vals[6:], non_finite,
-            audit.compress_ranks(r.group_ranks) if r.group_ranks is not None else None, now)
+            core.compress_ranks(r.group_ranks) if r.group_ranks is not None else None, now)
 
 
 def _comparable(row: tuple) -> tuple:
@@ -130,12 +130,12 @@ def _comparable(row: tuple) -> tuple:
     return row[:-1]
 
 
-def _rank_report(row: Sequence) -> audit.RankReport:
-    """An :class:`audit.RankReport` from a ``reports`` row tuple (:data:`_COLUMNS` order)."""
+def _rank_report(row: Sequence) -> core.RankReport:
+    """An :class:`core.RankReport` from a ``reports`` row tuple (:data:`_COLUMNS` order)."""
     v = list(_AUDIT_FIELDS(row))
     if v[_GROUP_RANKS] is not None:
-        v[_GROUP_RANKS] = audit.expand_ranks(v[_GROUP_RANKS])
-    return audit.RankReport(*v)
+        v[_GROUP_RANKS] = core.expand_ranks(v[_GROUP_RANKS])
+    return core.RankReport(*v)
 
 
 class Store:
@@ -426,7 +426,7 @@ class Store:
         return out
 
     # -------------------------------------------------------------------------- audit
-    def _step_reports(self, conn: sa.Connection, series_id: int, step: int) -> list[audit.RankReport]:
+    def _step_reports(self, conn: sa.Connection, series_id: int, step: int) -> list[core.RankReport]:
         """Every stored report of one step. Read with the driver's cursor (one step can hold
         thousands of rows and this is on the verdict-latency path); SQLite's 0/1 ``applied``
         becomes a bool as SQLAlchemy would make it."""
@@ -440,14 +440,14 @@ class Store:
         fix_bool = self.dialect == "sqlite"
         for row in rows:
             if row[_GROUP_RANKS] is None and not fix_bool:
-                out.append(audit.RankReport(*row))
+                out.append(core.RankReport(*row))
                 continue
             v = list(row)
             if fix_bool:
                 v[_APPLIED] = bool(v[_APPLIED])
             if v[_GROUP_RANKS] is not None:
-                v[_GROUP_RANKS] = audit.expand_ranks(v[_GROUP_RANKS])
-            out.append(audit.RankReport(*v))
+                v[_GROUP_RANKS] = core.expand_ranks(v[_GROUP_RANKS])
+            out.append(core.RankReport(*v))
         return out
 
     def _history(self, conn: sa.Connection, series_id: int, step: int):
@@ -457,7 +457,7 @@ class Store:
                 sa.select(step_audits.c.step, step_audits.c.groups)
                 .where(step_audits.c.series_id == series_id, step_audits.c.step < step,
                        step_audits.c.verdict.is_not(None))
-                .order_by(step_audits.c.step.desc()).limit(audit.STALE_LOOKBACK)
+                .order_by(step_audits.c.step.desc()).limit(core.STALE_LOOKBACK)
             ):
                 for key, _mb, count, mean, var in row.groups or []:
                     hist[tuple(key)].append((row.step, count, mean, var))
@@ -465,14 +465,14 @@ class Store:
         return load
 
     def _audit(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, step: int, expected: int,
-               now: float, rank_reports: list[audit.RankReport] | None = None) -> str | None:
+               now: float, rank_reports: list[core.RankReport] | None = None) -> str | None:
         """Audit one step inside the caller's transaction; return the verdict, or None if
         another transaction recorded it first. ``rank_reports``: every stored report of the
         step, if the caller holds them (else they are read)."""
         if rank_reports is None:
             rank_reports = self._step_reports(conn, info.id, step)
-        v = audit.audit_step(
-            rank_reports, topo.sizes, info.spec,
+        v = core.audit_step(
+            rank_reports, topo.sizes, info.spec.to_core(),
             num_microbatches=max(1, expected // topo.world_size),
             history=self._history(conn, info.id, step), kind=info.kind,
         )
@@ -484,7 +484,7 @@ class Store:
                 verdict=v.verdict, audited_at=now,
                 cp_disagreement_sigma=_finite_or_none(v.cp_disagreement_sigma),
                 applied_error_sigma=_finite_or_none(v.applied_error_sigma),
-                fault_kinds=",".join(v.fault_kinds) or None, groups=_json_safe(groups),
+                fault_kinds=",".join(map(str, v.fault_kinds)) or None, groups=_json_safe(groups),
             )
         ).rowcount
         if done != 1:
@@ -516,13 +516,13 @@ class Store:
         )
         if v.faults:
             conn.execute(faults.insert(), [
-                {"series_id": info.id, "step": step, "kind": f.kind, "ranks": audit.compress_ranks(f.ranks),
+                {"series_id": info.id, "step": step, "kind": str(f.kind), "ranks": core.compress_ranks(f.ranks),
                  "message": f.message, "evidence": _json_safe(f.evidence)}
                 for f in v.faults
             ])
             counts: dict[str, int] = defaultdict(int)
             for f in v.faults:
-                counts[f.kind] += 1
+                counts[str(f.kind)] += 1
             stmt = self._insert(series_faults)
             conn.execute(
                 stmt.on_conflict_do_update(
@@ -651,8 +651,8 @@ class Store:
             sa.select(faults.c.kind, faults.c.ranks, faults.c.message, faults.c.evidence)
             .where(faults.c.series_id == info.id, faults.c.step == row["step"]).order_by(faults.c.id)
         ).mappings().all()
-        recomputed = audit.audit_step(
-            self._step_reports(conn, info.id, row["step"]), topo.sizes, info.spec,
+        recomputed = core.audit_step(
+            self._step_reports(conn, info.id, row["step"]), topo.sizes, info.spec.to_core(),
             num_microbatches=max(1, row["expected"] // topo.world_size), kind=info.kind,
         )
         return {
@@ -661,7 +661,7 @@ class Store:
             "cp_disagreement_sigma": row["cp_disagreement_sigma"],
             "applied_error_sigma": row["applied_error_sigma"],
             "faults": [
-                {"kind": f["kind"], "message": f["message"], "ranks": list(audit.expand_ranks(f["ranks"]) or ()),
+                {"kind": f["kind"], "message": f["message"], "ranks": list(core.expand_ranks(f["ranks"]) or ()),
                  "evidence": f["evidence"]}
                 for f in fault_rows
             ],
@@ -703,5 +703,5 @@ class Store:
         return [dict(r, faults=fcounts.get(r["id"], {})) for r in rows]
 
 
-def _row_json(r: audit.RankRow) -> dict:
+def _row_json(r: core.RankRow) -> dict:
     return _json_safe({k: getattr(r, k) for k in r.__dataclass_fields__})

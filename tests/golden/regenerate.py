@@ -34,10 +34,10 @@ FORMAT = 1
 
 def engine():
     """(audit_step, report type, spec from a dict) of the audit engine under test."""
-    from auditor import audit
+    from auditor.core import RankReport, audit_step
     from auditor.schemas import StatisticSpec
 
-    return audit.audit_step, audit.RankReport, lambda d: StatisticSpec(**d)
+    return audit_step, RankReport, lambda d: StatisticSpec(**d).to_core()
 
 
 def compute(cases: int = CASES, seed: int = SEED) -> list[dict]:

@@ -1,0 +1,309 @@
+"""The checks: findings that compare what ranks reported with what they should have.
+
+Each check reads a :class:`~auditor.core.step.Step` (and the partition of its expected
+groups) and records its findings with :meth:`~auditor.core.findings.Findings.flag`:
+``non_finite`` (NaN/Inf, float64 overflow), ``skipped_collective``, ``replica_divergence``,
+``empty_global``, ``precision_loss``, ``group_mismatch``, ``wrong_group`` from
+``group_ranks`` (membership) and ``cp_disagreement``. A ``group_mismatch`` is then
+explained by :mod:`auditor.core.diagnose`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import numpy as np
+
+from auditor.core import stats
+from auditor.core.findings import VERB, WHAT, Findings, dims_text, dtypes_text
+from auditor.core.step import AXES, Part, Step
+from auditor.core.types import DIMS, FaultKind, compress_ranks
+
+#: ``precision_loss`` is reported when the predicted relative error of the trainer's
+#: one-pass variance, 7γ(1 + μ²/σ²) (:func:`auditor.core.stats.one_pass_variance_error`),
+#: exceeds this: the applied σ may then be off by ~25% or more.
+PRECISION_LOSS_THRESHOLD = 0.5
+
+
+def non_finite(st: Step, f: Findings) -> None:
+    """``non_finite``: NaN or Inf in a rank's local or applied values."""
+    what = WHAT[st.kind]
+    nf_idx = np.flatnonzero(st.nf_mask).tolist()
+    if nf_idx:
+        f.flag(FaultKind.NON_FINITE, (), nf_idx,
+               lambda ranks: f"NaN or Inf in the statistics of ranks {compress_ranks(ranks)}: a loss spike or a bad "
+                             f"input upstream; a {what} computed from them poisons every rank of the group",
+               {"fields": sorted({x for i in nf_idx for x in st.nonfinite[i]})})
+
+
+def overflow(st: Step, exp: Part, f: Findings) -> None:
+    """``non_finite`` (``fields: ["overflow"]``): finite inputs whose merge overflows float64
+    (|values| near 1e308), so that their group, which cannot be judged, does not pass for
+    consistent. Groups with a NaN/Inf member are left to :func:`non_finite`."""
+    what = WHAT[st.kind]
+    flagged = st.nf_mask.astype(np.float64)
+    clean_group = np.bincount(exp.inv, flagged, minlength=len(exp.size)) == 0
+    overflow = ~exp.finite[exp.inv] & clean_group[exp.inv]
+    if overflow.any():
+        f.flag(FaultKind.NON_FINITE, ("overflow",), overflow,
+               lambda ranks: f"the statistics of ranks {compress_ranks(ranks)} overflow float64 when their group "
+                             f"is merged (|values| near 1e308): the {what} is Inf/NaN in any precision",
+               {"fields": ["overflow"]})
+
+
+def skipped_collective(st: Step, f: Findings) -> None:
+    """``skipped_collective``: a rank reported local values but no all-reduce result."""
+    skipped = ~st.applied
+    if not skipped.any():
+        return
+    empty = bool(any((st.reports[i].local_count or 0) == 0 for i in np.flatnonzero(skipped)))
+    f.flag(FaultKind.SKIPPED_COLLECTIVE, (), skipped,
+           lambda ranks: f"ranks {compress_ranks(ranks)} reported local values but no all-reduce result: they "
+                         "skipped the collective (e.g. an `if mask.numel() > 0` guard around it); their peers "
+                         "block in the all-reduce — hang risk. Call the collective unconditionally; an empty "
+                         "local tensor contributes zeros",
+           {"empty_local_mask": empty})
+
+
+def empty_global(st: Step, exp: Part, judged: np.ndarray, exp_axes, f: Findings) -> np.ndarray:
+    """``empty_global``: the expected group holds no masked element (``moments``: count 0;
+    ``sum``: total 0; never for ``norm``). Returns the mask of those elements."""
+    if st.kind == "moments":
+        empty_groups = judged & (exp.vals["count"][exp.inv] == 0)
+    elif st.kind == "sum":
+        empty_groups = judged & (exp.vals["value"][exp.inv] == 0)
+    else:
+        empty_groups = np.zeros(st.n, dtype=bool)
+    what = WHAT[st.kind]
+    if empty_groups.any():
+        f.flag(FaultKind.EMPTY_GLOBAL, (), empty_groups,
+               lambda ranks: f"the expected group (over {dims_text(exp_axes)}) of ranks {compress_ranks(ranks)} holds "
+                             f"no masked element: the {what} divides by zero (slime raises ValueError) — every "
+                             "response token masked out, or the batch is empty")
+    return empty_groups
+
+
+def precision_loss(st: Step, exp: Part, judged: np.ndarray, f: Findings) -> None:
+    """``precision_loss``: the predicted relative error of the one-pass variance,
+    7γ(1 + μ²/σ²) (:func:`auditor.core.stats.one_pass_variance_error`), exceeds
+    :data:`PRECISION_LOSS_THRESHOLD` for a group some member of which applied a value.
+    Groups with σ = 0 (all values equal, e.g. N = 1) are exempt: every value equals the
+    mean, so whitening maps them to 0 whatever the variance."""
+    g = st.gamma(exp)
+    n, mean, m2 = (exp.vals[k][exp.inv] for k in ("count", "mean", "m2"))
+    predicted = stats.one_pass_variance_error(g, n, mean, m2)
+    var = np.where(n > 0, m2 / np.where(n > 0, n, 1.0), 0.0)
+    any_applied = np.bincount(exp.inv, st.applied.astype(np.float64), minlength=len(exp.size)) > 0
+    flag = judged & (n > 0) & (predicted > PRECISION_LOSS_THRESHOLD) & any_applied[exp.inv]
+    if not flag.any():
+        return
+    idx = np.flatnonzero(flag)
+    worst = idx[np.argmax(predicted[idx])]
+    ratio = abs(mean[worst]) / math.sqrt(var[worst])
+    f.flag(FaultKind.PRECISION_LOSS, (), idx,
+           lambda ranks, p=float(predicted[worst]), q=ratio, dt=dtypes_text(st.reports): (
+               f"ranks {compress_ranks(ranks)} reduce Σv and Σv² in {dt} with |mean|/std = {q:.3g}: the one-pass "
+               f"variance SS/N − mean² can be off by {p:.3g}× its value (predicted 7γ(1 + mean²/var) > "
+               f"{PRECISION_LOSS_THRESHOLD}); subtract a shift (e.g. the previous step's mean) before reducing, "
+               "or reduce in float64"),
+           {"max_predicted_relative_var_error": float(predicted[worst]), "abs_mean_over_std": ratio,
+            "threshold": PRECISION_LOSS_THRESHOLD})
+
+
+def gaps(st: Step, exp: Part, e_vals, idx: np.ndarray) -> np.ndarray:
+    """Whitening gaps (σ) of the elements ``idx``'s applied statistic vs their expected group's."""
+    g = exp.inv[idx]
+    lo, hi = stats.value_range(exp.vals["lo"][g], exp.vals["hi"][g], e_vals[1][idx], e_vals[2][idx])
+    return stats.transform_gap_array(st.a_mean[idx], st.a_var[idx], e_vals[1][idx], e_vals[2][idx], lo, hi)
+
+
+def group_mismatch(st: Step, exp: Part, e_vals, bad: np.ndarray, exp_axes, f: Findings) -> None:
+    """``group_mismatch``: the elements ``bad`` applied a statistic that is not their judged
+    expected group's within rounding. Evidence: the largest error in σ (``moments``) or
+    relative (``sum``/``norm``)."""
+    if not bad.any():
+        return
+    kind = st.kind
+    what, verb = WHAT[kind], VERB[kind]
+    if kind == "moments":
+        found = gaps(st, exp, e_vals, np.flatnonzero(bad)).tolist()
+        ev = {"max_error_sigma": float(max((g for g in found if math.isfinite(g)), default=math.inf))}
+    else:
+        ref = np.abs(e_vals[0][bad])
+        rel = np.abs(st.a_val[bad] - e_vals[0][bad]) / np.where(ref > 0, ref, 1.0)
+        ev = {"max_relative_error": float(rel.max())}
+    f.flag(FaultKind.GROUP_MISMATCH, (), bad,
+           lambda ranks: f"ranks {compress_ranks(ranks)} {verb} a {what} that is not their expected group's "
+                         f"(the reduction over {dims_text(exp_axes)}) beyond what {dtypes_text(st.reports)} rounding "
+                         "explains",
+           ev)
+
+
+def membership(st: Step, exp: Part, reduce_over, f: Findings) -> None:
+    """When the client sent ``group_ranks``, compare them with the expected group directly
+    (skipped for ranks already diagnosed ``wrong_group`` from their values). Memoised per
+    (group, group_ranks)."""
+    memo: dict[tuple, tuple[list[int], list[int]]] = {}
+    want_t: dict[int, tuple[int, ...]] = {}
+    complete = exp.complete[exp.inv].tolist()
+    inv = exp.inv.tolist()
+    for i, r in enumerate(st.reports):
+        if (r.group_ranks is None or FaultKind.WRONG_GROUP in f.of[i] or FaultKind.REPLICA_OVERCOUNT in f.of[i]
+                or not complete[i]):
+            continue
+        g = inv[i]
+        w = want_t.get(g)
+        if w is None:
+            w = want_t[g] = tuple(exp.members(st, i))
+        if r.group_ranks == w:
+            continue  # the same set: nothing left out, nothing extra
+        key = (g, r.group_ranks)
+        if key not in memo:
+            want, got = set(exp.members(st, i)), set(r.group_ranks)
+            memo[key] = (sorted(want - got), sorted(got - want))
+        left_out, extra = memo[key]
+        if not left_out and not extra:
+            continue
+        f.flag(FaultKind.WRONG_GROUP, ("members", tuple(left_out), tuple(extra)), i,
+                lambda ranks, lo=left_out, ex=extra: (
+                    f"ranks {compress_ranks(ranks)} all-reduced over a process group that "
+                    + (f"leaves out ranks {compress_ranks(lo)}" if lo else "")
+                    + (" and " if lo and ex else "")
+                    + (f"wrongly includes ranks {compress_ranks(ex)}" if ex else "")
+                    + f" (dist.get_process_group_ranks); expected the group over {dims_text(reduce_over)}"),
+                {"left_out": compress_ranks(left_out), "wrongly_included": compress_ranks(extra),
+                 "expected": list(reduce_over), "source": "group_ranks"})
+
+
+def replica_divergence(st: Step, f: Findings) -> None:
+    """``replica_divergence``: ranks that differ only along ``spec.replicas`` must report the
+    same local values (within 4γ relative, γ of one rank's local sum); for ``norm``,
+    ``replicated_sum_sq`` must also be equal across the reduction group."""
+    spec = st.spec
+    checks: list[tuple[tuple[str, ...], list[str]]] = []
+    if spec.replicas:
+        fields = {"moments": ["local_count", "local_sum", "local_sum_sq"], "sum": ["local_sum"],
+                  "norm": ["local_sum_sq", "local_replicated_sum_sq"]}[st.kind]
+        checks.append((tuple(spec.replicas), fields))
+    if st.kind == "norm":
+        checks.append((tuple(spec.reduce_over) + tuple(spec.replicas), ["local_replicated_sum_sq"]))
+    gamma = None
+    for axes, fields in checks:
+        p = st.part(axes, dedupe=False)
+        if not st.n or p.size.max() <= 1:
+            continue  # every element is its own reference: nothing can differ
+        if gamma is None:
+            gamma = stats.reduction_gamma_array(
+                st.u, st.l_n if st.kind == "moments" else st.l_terms, np.ones(st.n))
+        _, first = np.unique(p.inv, return_index=True)
+        ref = first[p.inv]
+        diverged: dict[int, list[str]] = defaultdict(list)
+        for name in fields:
+            # NaN is stored as NULL: a missing value is NaN (skipped) except an absent replicated part (0)
+            v = st.col[name].copy()
+            if name == "local_replicated_sum_sq":
+                absent = st.nul[name].copy()
+                for k in np.flatnonzero(absent & st.nf_mask).tolist():
+                    absent[k] = name not in st.nonfinite[k]
+                v[absent] = 0.0
+            a, b = v, v[ref]
+            with np.errstate(invalid="ignore"):
+                differ = np.isfinite(a) & np.isfinite(b) & (np.abs(a - b) > 4 * gamma * np.maximum(np.abs(a), np.abs(b)) + 1e-300)
+            for i in np.flatnonzero(differ):
+                diverged[int(i)].append(name)
+        if not diverged:
+            continue
+        idx = sorted(diverged)
+        names = sorted({n for i in idx for n in diverged[i]})
+        along = [a for a in axes if a in DIMS]
+        ref_rank = int(st.rank[ref[idx[0]]])
+        f.flag(FaultKind.REPLICA_DIVERGENCE, (axes,), idx,
+                lambda ranks, ref_rank=ref_rank, along=along, names=names: (
+                    f"ranks {compress_ranks(ranks)} should hold the same data as their replicas along "
+                    f"{dims_text(along)} (e.g. rank {ref_rank}) but report different {', '.join(names)}: a "
+                    "replica got different inputs (data loader or RNG not replicated along those dims) or the "
+                    "spec's replicas are wrong"),
+                {"fields": names, "reference_rank": ref_rank, "along": along})
+
+
+def applied_tolerances(st: Step, exp: Part) -> list[np.ndarray]:
+    """Rounding bounds from each element's own applied statistic (count, mean, var or the
+    value), for comparing peers whose correct group is not known; ``inf`` where unknown."""
+    ranks = exp.size[exp.inv].astype(np.float64)
+    with np.errstate(invalid="ignore"):
+        if st.kind == "moments":
+            n = np.where(np.isfinite(st.a_n), st.a_n, np.nan)
+            g = stats.reduction_gamma_array(st.u, np.nan_to_num(n, nan=2.0), ranks)
+            m2 = np.maximum(st.a_var, 0.0) * np.maximum(n - 1.0, 1.0)
+            tm, tv = stats.mean_var_tolerance(g, n, st.a_mean, m2, st.spec.variance)
+            unknown = ~np.isfinite(n) | ~st.a_ok
+            return [np.where(unknown, np.inf, g * n), np.where(unknown, np.inf, tm), np.where(unknown, np.inf, tv)]
+        g = stats.reduction_gamma_array(st.u, np.full(st.n, 2.0), ranks)
+        return [np.where(st.a_ok, stats.sum_tolerance(g, np.abs(st.a_val)), np.inf)]
+
+
+def cp_disagreement(st: Step, exp: Part, e_vals, e_tol, judged, f: Findings) -> float | None:
+    """Max difference between CP peers (same dp, tp, pp, microbatch) — they must agree when
+    cp is reduced over or is a replica dim. For ``moments`` the figure is the whitening
+    gap in σ (``auditor_cp_disagreement_sigma``); peers disagree when their means or
+    variances differ by more than the sum of their groups' rounding bounds."""
+    spec = st.spec
+    if st.expected_sizes[1] <= 1 or not ("cp" in spec.reduce_over or "cp" in spec.replicas):
+        return None
+    peers = st.part(("cp",), dedupe=False)
+    worst: float | None = None
+    # Peers must agree whether or not their group is complete: where the correct group
+    # cannot be judged (a report is missing), bound the rounding by the applied values.
+    tol = e_tol if judged.all() else [np.where(judged, t, a) for t, a in zip(e_tol, applied_tolerances(st, exp))]
+    # every pair (i, j) of peers with a known applied statistic, i before j in element order
+    order = np.argsort(peers.inv, kind="stable")
+    order = order[st.a_ok[order]]
+    gi = peers.inv[order]
+    I_, J_ = [], []
+    for d in range(1, int(peers.size.max()) if len(peers.size) else 0):
+        same = gi[:-d] == gi[d:]
+        if not same.any():
+            break
+        I_.append(order[:-d][same])
+        J_.append(order[d:][same])
+    flagged: set[int] = set()
+    ev = {}
+    if I_:
+        I, J = np.concatenate(I_), np.concatenate(J_)
+        with np.errstate(all="ignore"):
+            if st.kind == "moments":
+                e_mean, e_var = e_vals[1], e_vals[2]
+                lo_i, hi_i = stats.value_range(exp.vals["lo"][exp.inv[I]], exp.vals["hi"][exp.inv[I]], e_mean[I], e_var[I])
+                lo_j, hi_j = stats.value_range(exp.vals["lo"][exp.inv[J]], exp.vals["hi"][exp.inv[J]], e_mean[J], e_var[J])
+                gap = stats.transform_gap_array(st.a_mean[I], st.a_var[I], st.a_mean[J], st.a_var[J],
+                                                np.where(lo_j < lo_i, lo_j, lo_i), np.where(hi_j > hi_i, hi_j, hi_i))
+                fin = np.isfinite(gap)
+                if fin.any():
+                    worst = gap[fin].max()  # np.float64, as stats.transform_gap returns
+                differ = ((np.abs(st.a_mean[I] - st.a_mean[J]) > tol[1][I] + tol[1][J])
+                          | (np.abs(st.a_var[I] - st.a_var[J]) > tol[2][I] + tol[2][J]))
+                figure_key, figure = "max_gap_sigma", gap
+            else:
+                diff = np.abs(st.a_val[I] - st.a_val[J])
+                differ = diff > tol[0][I] + tol[0][J]
+                ai, aj = np.abs(st.a_val[I]), np.abs(st.a_val[J])
+                ref = np.where(aj > ai, aj, ai)
+                figure_key, figure = "max_relative_gap", np.where(ref != 0, diff / np.where(ref != 0, ref, 1.0), 0.0)
+        if differ.any():
+            flagged.update(I[differ].tolist())
+            flagged.update(J[differ].tolist())
+            fig = figure[differ]
+            fig = fig[np.isfinite(fig) & (fig > -1.0)]
+            if len(fig):
+                ev[figure_key] = float(fig.max())
+    if flagged:
+        what = {"moments": "whitened one sequence's parts with different statistics",
+                "sum": "divided one sequence's token losses by different denominators",
+                "norm": "clipped with different gradient norms"}[st.kind]
+        f.flag(FaultKind.CP_DISAGREEMENT, (), sorted(flagged),
+                lambda ranks: (
+                    f"CP peers {compress_ranks(ranks)} (same dp/tp/pp) {what}: the reduction does not span the "
+                    "context-parallel group the same way on every CP rank"),
+                ev)
+    return worst if st.kind == "moments" else None

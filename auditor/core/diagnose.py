@@ -1,0 +1,218 @@
+"""The diagnoses: why a rank's applied statistic is not its expected group's.
+
+Tried in order, each on the mismatches the previous ones left: the other variance
+convention (``variance_convention``); every other reduction — every subset of dp, cp, tp,
+pp, with replicas counted once or summed, and the microbatch axis for ``sum`` — naming the
+group used (``wrong_group``) or the replicas summed (``replica_overcount``); an earlier
+step's value (``stale_statistic``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+from auditor.core.findings import VERB, WHAT, Findings, dims_text
+from auditor.core.step import AXES, Part, Step
+from auditor.core.types import DIMS, FaultKind, compress_ranks
+
+#: How many earlier steps ``stale_statistic`` compares an applied value with.
+STALE_LOOKBACK = 8
+
+
+def candidates(st: Step, reduce_over: tuple[str, ...], over_mb: bool):
+    """Every alternative reduction, most plausible first: (sort key, axes, dedupe, variant).
+
+    Subsets of dp/cp/tp/pp (the singleton and the world included), each with replicas
+    counted once or summed; ``sum`` statistics also with and without the microbatches;
+    ``norm`` statistics also with the replicated part counted once per rank. Order: correct
+    replica handling first, then fewest differing dims of size > 1 from ``reduce_over``,
+    then most dims shared with it (so the reference case names ``['dp']``, the group the
+    trainer used, rather than the equivalent singleton), then fewest dims."""
+    out = []
+    nontrivial = {d: st.expected_sizes[i] > 1 for i, d in enumerate(DIMS)}
+    mb_options = (False, True) if st.kind == "sum" else (False,)
+    for k in range(len(DIMS) + 1):
+        for dims in itertools.combinations(DIMS, k):
+            for mb in mb_options:
+                for dedupe in (True, False):
+                    variants = ("value", "value_rep_each") if st.kind == "norm" else ("value",)
+                    for variant in variants:
+                        if dims == reduce_over and mb == over_mb and dedupe and variant == "value":
+                            continue
+                        if not dedupe and not any(d in dims for d in st.spec.replicas):
+                            continue  # identical to the deduplicated group
+                        overcount = (not dedupe) or variant != "value"
+                        # dims of size 1 change nothing: they do not count towards the distance
+                        distance = len({d for d in set(dims) ^ set(reduce_over) if nontrivial[d]}) + (mb != over_mb)
+                        shared = len(set(dims) & set(reduce_over))
+                        out.append(((overcount, distance, -shared, k), dims + (("mb",) if mb else ()), dedupe,
+                                    variant))
+    out.sort(key=lambda c: c[0])
+    return out
+
+
+def diagnose(st: Step, exp: Part, bad: np.ndarray, reduce_over, over_mb: bool, history, f: Findings) -> None:
+    """Name the cause of each mismatch ``bad``: variance convention, another group
+    (``wrong_group``), replicas counted more than once (``replica_overcount``), an earlier
+    step's value (``stale_statistic``). Vectorised over elements; each candidate group is one
+    partition."""
+    todo = bad.copy()
+    if st.kind == "moments":
+        todo &= ~variance_convention(st, exp, todo, f)
+    for _, axes, dedupe, variant in candidates(st, reduce_over, over_mb):
+        if not todo.any():
+            break
+        p = st.part(axes, dedupe)
+        hit = todo & st.matches(p, None, variant)
+        if not hit.any():
+            continue
+        todo &= ~hit
+        dims = tuple(a for a in axes if a != "mb")
+        mb = "mb" in axes
+        first = int(np.flatnonzero(hit)[0])
+        if dedupe and variant == "value":
+            wrong_group(st, exp, p, hit, first, dims, mb, reduce_over, over_mb, f)
+        else:
+            replica_overcount(st, exp, p, hit, first, axes, variant, reduce_over, over_mb, f)
+    if todo.any():
+        stale_statistic(st, exp, todo, reduce_over, history, f)
+
+
+def variance_convention(st: Step, exp: Part, todo: np.ndarray, f: Findings) -> np.ndarray:
+    """``variance_convention``: the applied variance is the other convention's (population
+    instead of sample, or the reverse) of the expected group. Returns the elements explained."""
+    spec = st.spec
+    other = "population" if spec.variance == "sample" else "sample"
+    hit = todo & st.matches(exp, other)
+    if hit.any():
+        f.flag(FaultKind.VARIANCE_CONVENTION, (other,), hit,
+               lambda ranks, o=other: (
+                   f"ranks {compress_ranks(ranks)} used the {o} variance where the {spec.variance} one was "
+                   "expected: " + ("Bessel's correction N/(N−1) is missing (var ·= N/(N−1) for N ≥ 2)"
+                                   if o == "population" else
+                                   "Bessel's correction N/(N−1) was applied where it should not be")),
+               {"expected": spec.variance, "found": other})
+    return hit
+
+
+def replica_overcount(st: Step, exp: Part, p: Part, hit, first: int, axes, variant: str, reduce_over,
+                      over_mb: bool, f: Findings) -> None:
+    """``replica_overcount`` for the elements ``hit``, whose applied value matches the
+    reduction over ``axes`` with replicas summed (``norm``: ``variant`` ``value_rep_each``,
+    the replicated part added on every rank). The factor is relative to the same reduction
+    with replicated data counted once; a reduction over other dims is also ``wrong_group``."""
+    kind, spec = st.kind, st.spec
+    what, verb = WHAT[kind], VERB[kind]
+    dims = tuple(a for a in axes if a != "mb")
+    mb = "mb" in axes
+    once = st.part(axes, True)
+    if kind == "moments":
+        denom = once.vals["count"][once.inv[first]]
+        factor = float(p.vals["count"][p.inv[first]] / denom) if denom else math.inf
+    else:
+        denom = once.vals["value"][once.inv[first]]
+        factor = float(p.vals[variant][p.inv[first]] / denom) if denom else math.inf
+    sizes = dict(zip(DIMS, st.expected_sizes.tolist()))
+    core = {d for d in dims if sizes[d] > 1 and (variant != "value" or d not in spec.replicas)}
+    if core != {d for d in reduce_over if sizes[d] > 1} or mb != over_mb:
+        wrong_group(st, exp, once, hit, first, dims, mb, reduce_over, over_mb, f)
+    if variant == "value_rep_each":
+        k = float(p.vals["rep_factor"][p.inv[first]])
+        f.flag(FaultKind.REPLICA_OVERCOUNT, (axes, p.dedupe, variant), hit,
+               lambda ranks, k=k, x=factor, d=dims: (
+                   f"ranks {compress_ranks(ranks)} {verb} a squared norm that counts the replicated parameters "
+                   f"(replicated_sum_sq, e.g. TP-duplicated layer norms) {k:.3g}× — once per rank of the reduction "
+                   f"over {dims_text(d)} — where once was expected: the applied value is {x:.6g}× the correct one. "
+                   "Add the replicated gradients' squares on one rank only (or after the all-reduce)"),
+               {"factor": factor, "replicated_counted": k, "found": list(dims), "expected": list(reduce_over)})
+    else:
+        f.flag(FaultKind.REPLICA_OVERCOUNT, (axes, p.dedupe, variant), hit,
+               lambda ranks, x=factor, d=dims: (
+                   f"ranks {compress_ranks(ranks)} summed replicas along {dims_text(spec.replicas)} (ranks that hold "
+                   f"the same data): reduced over {dims_text(d)} counting each replica, so the applied "
+                   + ("count" if kind == "moments" else what) + f" is {x:.6g}× the true one. Reduce over "
+                   f"{dims_text(reduce_over)} only, or count replicated data once"),
+               {"factor": factor, "found": list(dims), "expected": list(reduce_over)})
+
+
+def wrong_group(st: Step, exp: Part, p: Part, hit, first: int, dims, mb: bool, reduce_over, over_mb: bool,
+                f: Findings) -> None:
+    """``wrong_group`` for the elements ``hit``, whose applied value matches the groups of
+    ``p`` (a reduction over ``dims``, and the microbatches if ``mb``): names the dims found
+    and expected, who was left out or wrongly included, and the fix."""
+    kind = st.kind
+    what = WHAT[kind]
+    sizes = dict(zip(AXES, st.expected_sizes.tolist()))
+    want, got = exp.members(st, first), p.members(st, first)
+    left_out, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+    missing_dims = [d for d in reduce_over if d not in dims and sizes[d] > 1]
+    extra_dims = [d for d in dims if d not in reduce_over and sizes[d] > 1]
+    local_only = all(sizes[d] == 1 or d in st.spec.replicas for d in dims)
+
+    def message(ranks, d=dims, mb=mb):
+        who = f"ranks {compress_ranks(ranks)}"
+        if kind == "sum" and local_only and mb == over_mb:
+            head = (f"{who} divided by their local count only (no all-reduce, found {dims_text(d)}) where the "
+                    f"sum over {dims_text(reduce_over)} was expected: all-reduce the token count over "
+                    f"{dims_text(reduce_over)} before dividing")
+        else:
+            head = f"{who} reduced over {dims_text(d)} where {dims_text(reduce_over)} was expected"
+        parts = [head]
+        if missing_dims:
+            parts.append(f"their peers along {dims_text(missing_dims)} were left out (e.g. rank {st.rank[first]} "
+                         f"missed ranks {compress_ranks(left_out)})" if left_out else
+                         f"their peers along {dims_text(missing_dims)} were left out")
+        if extra_dims:
+            parts.append(f"peers along {dims_text(extra_dims)} were wrongly included"
+                         + (f" (e.g. ranks {compress_ranks(extra)})" if extra else ""))
+        if kind == "sum" and mb != over_mb:
+            parts.append(f"the {what} covers " + ("every microbatch of the step where one microbatch's was expected"
+                                                  if mb else "one microbatch where the total over all "
+                                                  f"{sizes['mb']} microbatches of the step was expected "
+                                                  "(gradient accumulation: divide by the step's token count)"))
+        text = ": ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if len(parts) > 2 else "")
+        if "cp" in missing_dims and kind in ("moments", "sum"):
+            text += " — under context parallelism use get_data_parallel_group(with_context_parallel=True)"
+        elif kind == "norm" and missing_dims:
+            text += " — reduce the squared norm over the model-parallel group (get_model_parallel_group())"
+        return text
+
+    evidence = {"found": list(dims), "expected": list(reduce_over), "example_rank": int(st.rank[first]),
+                "left_out": compress_ranks(left_out), "wrongly_included": compress_ranks(extra)}
+    if kind == "sum":
+        evidence.update(found_over_microbatches=mb, expected_over_microbatches=over_mb)
+    f.flag(FaultKind.WRONG_GROUP, (tuple(dims), mb), hit, message, evidence)
+
+
+def stale_statistic(st: Step, exp: Part, todo: np.ndarray, reduce_over, history, f: Findings) -> None:
+    """``stale_statistic``: the applied value equals an earlier step's correct one for the
+    same group (within this step's tolerance). Memoised per (group, applied value)."""
+    _, tol = st.tolerances(exp)
+    seen: dict[tuple, int | None] = {}
+    for i in np.flatnonzero(todo):
+        gkey = tuple(int(st.coords[i, AXES.index(a)]) for a in DIMS if a not in reduce_over)
+        if st.kind == "moments":
+            memo = (gkey, st.a_n[i], st.a_mean[i], st.a_var[i])
+        else:
+            memo = (gkey, st.a_val[i])
+        if memo not in seen:
+            seen[memo] = None
+            for step, count, mean, var in reversed(list(history.get(gkey, ()))[-STALE_LOOKBACK:]):
+                if st.kind == "moments":  # mean and variance only: a cached pair sits next to a fresh count
+                    ok = abs(st.a_mean[i] - mean) <= tol[1][i] and abs(st.a_var[i] - var) <= tol[2][i]
+                else:
+                    ok = abs(st.a_val[i] - mean) <= tol[0][i]
+                if ok:
+                    seen[memo] = step
+                    break
+        step = seen[memo]
+        if step is None:
+            continue
+        f.flag(FaultKind.STALE_STATISTIC, (step,), i,
+                lambda ranks, s=step: (
+                    f"ranks {compress_ranks(ranks)} {VERB[st.kind]} the {WHAT[st.kind]} of step {s}: a cached or "
+                    "un-refreshed buffer (recompute and all-reduce it every step)"),
+                {"stale_step": step})

@@ -1,0 +1,294 @@
+"""One step's elements as numpy columns, and the groups every candidate reduction forms.
+
+One step is audited as arrays over its *elements* (one report per rank and microbatch).
+A reduction over a set of dims D partitions the elements by their coordinates outside D
+(the microbatch index is a coordinate too: ``sum`` statistics with ``over_microbatches``
+reduce over it). Every candidate group of the diagnosis is one such partition, computed
+once for all elements with numpy (O(elements) per candidate) and cached on the
+:class:`Step`, so a 4,096-rank step with every rank wrong is diagnosed in milliseconds.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from auditor.core import stats
+from auditor.core.types import DIMS, Coord, RankReport, Spec
+
+#: Extended coordinate axes of an element: the four parallel dims and the microbatch.
+AXES: tuple[str, ...] = DIMS + ("mb",)
+
+#: Terms assumed in one rank's local sum of a ``sum``/``norm`` statistic that reports no
+#: ``local.count``: 2^24, every float32 integer (only the log2 of it enters the tolerance).
+DEFAULT_LOCAL_TERMS = float(2**24)
+
+_INT_FIELDS = operator.attrgetter("dp", "cp", "tp", "pp", "microbatch", "rank")
+_VALS: tuple[str, ...] = ("local_count", "local_sum", "local_sum_sq", "local_min", "local_max",
+                          "local_replicated_sum_sq", "applied_count", "applied_sum", "applied_sum_sq",
+                          "applied_mean", "applied_var")
+_VAL_FIELDS = operator.attrgetter(*_VALS)
+#: Columns :meth:`RankReport.non_finite_fields` inspects (applied ones only when applied).
+_NONFINITE_COLS = [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]
+_APPLIED_COLS = [6, 7, 8, 9, 10]
+_NO_FIELDS: list[str] = []
+
+
+@dataclass(slots=True)
+class Part:
+    """The groups a reduction over ``axes`` forms. Per element: ``inv`` (group index);
+    per group: ``size`` (elements), ``complete``, ``finite`` and the kind's sums."""
+
+    axes: tuple[str, ...]
+    dedupe: bool
+    inv: np.ndarray
+    size: np.ndarray
+    complete: np.ndarray
+    finite: np.ndarray
+    vals: dict[str, np.ndarray]
+    _members: dict[int, list[int]] | None = None
+
+    def members(self, step: "Step", element: int) -> list[int]:
+        """Sorted global ranks of the group of ``element``."""
+        if self._members is None:
+            self._members = {}
+            order = np.lexsort((step.rank, self.inv))
+            inv, rank = self.inv[order], step.rank[order]
+            keep = np.ones(len(order), dtype=bool)
+            keep[1:] = (inv[1:] != inv[:-1]) | (rank[1:] != rank[:-1])
+            inv, rank = inv[keep], rank[keep]
+            cuts = np.flatnonzero(inv[1:] != inv[:-1]) + 1
+            for g, part in zip(inv[np.concatenate(([0], cuts))].tolist() if len(inv) else [],
+                               np.split(rank, cuts)):
+                self._members[g] = part.tolist()
+        return self._members[int(self.inv[element])]
+
+
+class Step:
+    """Arrays of one step's elements and a cache of partitions (one per candidate group)."""
+
+    def __init__(self, reports: Sequence[RankReport], sizes: Coord, spec: Spec, kind: str,
+                 num_microbatches: int):
+        # One pass over the reports into tuples, then numpy: the same values the per-report
+        # helpers (RankReport.non_finite_fields, ...) give, computed per column.
+        self.kind, self.spec = kind, spec
+        self._sort(reports, sizes, num_microbatches)
+        self._values()
+        self._non_finite()
+        self._parts: dict[tuple, Part] = {}
+        with np.errstate(all="ignore"):
+            if kind == "moments":
+                self._moments_columns()
+            else:
+                self._value_columns()
+
+    def _sort(self, reports: Sequence[RankReport], sizes: Coord, num_microbatches: int) -> None:
+        """Elements in (dp, cp, tp, pp, microbatch, rank) order; integer columns."""
+        rs = reports if isinstance(reports, list) else list(reports)
+        self.n = n = len(rs)
+        int_rows = [_INT_FIELDS(r) for r in rs]
+        ints = np.array(int_rows, dtype=np.int64).reshape(-1, 6)
+        order = np.lexsort((ints[:, 5], ints[:, 4], ints[:, 3], ints[:, 2], ints[:, 1], ints[:, 0]))
+        if n and not (order[1:] > order[:-1]).all():
+            ol = order.tolist()
+            rs = [rs[k] for k in ol]
+            int_rows = [int_rows[k] for k in ol]
+            ints = ints[order]
+        self.int_rows = int_rows
+        self.reports = rs
+        self.coords = np.ascontiguousarray(ints[:, [0, 1, 2, 3, 4]])
+        want = np.array(list(sizes) + [max(num_microbatches, 1)], dtype=np.int64)
+        self.expected_sizes = want
+        seen = self.coords.max(axis=0) + 1 if self.n else want
+        self.radix = np.maximum(want, seen)
+        self.rank = np.ascontiguousarray(ints[:, 5])
+
+    def _values(self) -> None:
+        """Float columns (``F``; None → NaN, marked in ``none``), unit roundoff per element
+        (:data:`stats.UNIT_ROUNDOFF`; float32's for an unknown dtype) and ``applied``."""
+        rs, n = self.reports, self.n
+        raw = [_VAL_FIELDS(r) for r in rs]
+        self.raw = raw
+        F = np.array(raw, dtype=np.float64).reshape(-1, len(_VALS))
+        isnan = np.isnan(F)
+        none = np.zeros_like(isnan)
+        if isnan.any():
+            cols = None
+            for k in np.flatnonzero(isnan.any(axis=0)).tolist():
+                if cols is None:
+                    cols = list(zip(*raw))
+                col = cols[k]
+                if col.count(None) == int(isnan[:, k].sum()):
+                    none[:, k] = isnan[:, k]
+                else:
+                    none[:, k] = np.fromiter((v is None for v in col), dtype=bool, count=n)
+        self.F, self.none = F, none
+        dtypes = [r.dtype for r in rs]
+        kinds = set(dtypes)
+        default_u = stats.UNIT_ROUNDOFF["float32"]
+        if len(kinds) == 1:
+            self.u = np.full(n, stats.UNIT_ROUNDOFF.get(dtypes[0], default_u) if n else default_u)
+        else:
+            self.u = np.array([stats.UNIT_ROUNDOFF.get(d, default_u) for d in dtypes], dtype=np.float64)
+        self.applied = np.array([r.applied for r in rs], dtype=bool).reshape(-1)
+        self.col = {name: F[:, k] for k, name in enumerate(_VALS)}
+        self.nul = {name: none[:, k] for k, name in enumerate(_VALS)}
+
+    def _non_finite(self) -> None:
+        """Per element, the fields :meth:`RankReport.non_finite_fields` names: a stored value
+        that is not None and not finite (local fields always, applied ones when applied), or
+        a name the store kept in ``non_finite``. ``bad_local``: a local one among them."""
+        rs, n = self.reports, self.n
+        with np.errstate(invalid="ignore"):
+            odd = ~self.none & ~np.isfinite(self.F)
+        odd[:, _APPLIED_COLS] &= self.applied[:, None]
+        suspect = odd[:, _NONFINITE_COLS].any(axis=1)
+        noted = [i for i, r in enumerate(rs) if r.non_finite]
+        if noted:
+            suspect[noted] = True
+        self.nonfinite: list[list[str]] = [_NO_FIELDS] * n
+        self.nf_mask = np.zeros(n, dtype=bool)
+        self.bad_local = np.zeros(n, dtype=bool)
+        for i in np.flatnonzero(suspect).tolist():
+            nf = rs[i].non_finite_fields()
+            self.nonfinite[i] = nf
+            self.nf_mask[i] = bool(nf)
+            self.bad_local[i] = any(x.startswith("local_") for x in nf)
+
+    def _moments_columns(self) -> None:
+        """``moments``: local (N, μ, M2, min, max) and the applied (N, mean, var): the
+        reported mean/var, else slime's one-pass form of the reported (count, sum, sum_sq)."""
+        col, nul = self.col, self.nul
+        # a missing (None) local count/sum/sum_sq counts as 0
+        c, t, tq = ((np.where(nul[k] | (col[k] == 0), 0.0, col[k]))
+                    for k in ("local_count", "local_sum", "local_sum_sq"))
+        self.l_n, self.l_mean, self.l_m2 = stats.moments_from_sums_array(c, t, tq)
+        lo, hi = col["local_min"], col["local_max"]
+        self.l_lo = np.where((c > 0) & np.isfinite(lo), lo, np.inf)
+        self.l_hi = np.where((c > 0) & np.isfinite(hi), hi, -np.inf)
+        have_mv = self.applied & ~nul["applied_mean"] & ~nul["applied_var"]
+        have_s = (self.applied & ~have_mv & ~nul["applied_count"] & ~nul["applied_sum"]
+                  & ~nul["applied_sum_sq"])
+        ac = col["applied_count"]
+        om, ov = stats.one_pass_mean_var_array(ac, col["applied_sum"], col["applied_sum_sq"], self.spec.variance)
+        known = have_mv | have_s
+        self.a_n = np.where(known, ac, np.nan)
+        self.a_mean = np.where(have_mv, col["applied_mean"], np.where(have_s, om, np.nan))
+        self.a_var = np.where(have_mv, col["applied_var"], np.where(have_s, ov, np.nan))
+        self.a_ok = np.isfinite(self.a_mean) & np.isfinite(self.a_var)
+        self.bad_local |= ~(np.isfinite(self.l_n) & np.isfinite(self.l_mean) & np.isfinite(self.l_m2))
+
+    def _value_columns(self) -> None:
+        """``sum``/``norm``: the local value (sum, or sum_sq plus the replicated part), the
+        terms behind it (``local.count``, else :data:`DEFAULT_LOCAL_TERMS`) and the applied value."""
+        col, nul, kind = self.col, self.nul, self.kind
+        field_ = "local_sum" if kind == "sum" else "local_sum_sq"
+        self.l_val = col[field_].copy()
+        self.l_rep = np.where(nul["local_replicated_sum_sq"], 0.0, col["local_replicated_sum_sq"])
+        lc = col["local_count"]
+        self.l_terms = np.where(np.isfinite(lc) & (lc != 0), lc, DEFAULT_LOCAL_TERMS)
+        afield = "applied_sum" if kind == "sum" else "applied_sum_sq"
+        self.a_val = np.where(self.applied, col[afield], np.nan)
+        self.a_ok = np.isfinite(self.a_val)
+        self.bad_local |= ~(np.isfinite(self.l_val) & np.isfinite(self.l_rep))
+
+    # ------------------------------------------------------------------ partitions
+    def _key(self, axes: Iterable[str]) -> np.ndarray:
+        key = np.zeros(self.n, dtype=np.int64)
+        for ax in axes:
+            i = AXES.index(ax)
+            key = key * int(self.radix[i]) + self.coords[:, i]
+        return key
+
+    def part(self, axes: tuple[str, ...], dedupe: bool = True) -> Part:
+        """Groups of a reduction over ``axes`` (a subset of dp, cp, tp, pp, mb). With
+        ``dedupe`` ranks differing only along ``spec.replicas`` are counted once (the
+        representative is the one with the smallest coordinates)."""
+        axes = tuple(a for a in AXES if a in axes)
+        ck = (axes, dedupe)
+        hit = self._parts.get(ck)
+        if hit is not None:
+            return hit
+        outside = [a for a in AXES if a not in axes]
+        _, inv = np.unique(self._key(outside), return_inverse=True)
+        inv = inv.reshape(-1)
+        ng = int(inv.max()) + 1 if self.n else 0
+        size = np.bincount(inv, minlength=ng).astype(np.float64)
+        w = np.ones(self.n)
+        if dedupe and any(a in axes for a in self.spec.replicas):
+            shard = self._key([a for a in AXES if a not in self.spec.replicas])
+            _, first = np.unique(inv * (int(shard.max()) + 1) + shard, return_index=True)
+            w = np.zeros(self.n)
+            w[first] = 1.0
+        expected = float(np.prod([self.expected_sizes[AXES.index(a)] for a in axes])) if axes else 1.0
+        complete = size == expected
+        finite = np.bincount(inv, self.bad_local.astype(np.float64), minlength=ng) == 0
+        vals: dict[str, np.ndarray] = {}
+        if self.kind == "moments":
+            # non-finite members make their group unjudgeable (``finite``); zero them so the
+            # other groups' merge stays clean
+            bad = self.bad_local
+            n_g, mean_g, m2_g = stats.merge_groups(inv, ng, np.where(bad, 0.0, w * self.l_n),
+                                                   np.where(bad, 0.0, self.l_mean), np.where(bad, 0.0, w * self.l_m2))
+            lo = np.full(ng, np.inf)
+            hi = np.full(ng, -np.inf)
+            np.minimum.at(lo, inv, self.l_lo)
+            np.maximum.at(hi, inv, self.l_hi)
+            vals.update(count=n_g, mean=mean_g, m2=m2_g, lo=lo, hi=hi)
+            finite &= np.isfinite(n_g) & np.isfinite(mean_g) & np.isfinite(m2_g)  # float64 overflow
+        else:
+            v = np.where(self.bad_local, 0.0, self.l_val)
+            rep = np.where(self.bad_local, 0.0, self.l_rep)
+            terms = np.bincount(inv, w * self.l_terms, minlength=ng)
+            total = np.bincount(inv, w * v, minlength=ng)
+            absum = np.bincount(inv, w * np.abs(v), minlength=ng)
+            if self.kind == "norm":
+                counted = np.bincount(inv, w, minlength=ng)
+                rep_mean = np.bincount(inv, rep, minlength=ng) / np.maximum(size, 1.0)
+                vals["value_rep_each"] = total + np.bincount(inv, w * rep, minlength=ng)
+                vals["rep_factor"] = counted
+                total = total + rep_mean
+                absum = absum + rep_mean
+            vals.update(value=total, abs=absum, terms=terms)
+            finite &= np.isfinite(total) & np.isfinite(absum)  # float64 overflow
+        p = Part(axes, dedupe, inv, size, complete, finite, vals)
+        self._parts[ck] = p
+        return p
+
+    # ------------------------------------------------------------------ matching
+    def gamma(self, p: Part) -> np.ndarray:
+        """γ per element for the group ``p`` assigns it (:func:`stats.reduction_gamma`)."""
+        terms = p.vals["count"] if self.kind == "moments" else p.vals["terms"]
+        return stats.reduction_gamma_array(self.u, terms[p.inv], p.size[p.inv])
+
+    def tolerances(self, p: Part, convention: str | None = None):
+        """(expected values, tolerances) per element: moments → (count, mean, var) and
+        (count_tol, mean_tol, var_tol); sum/norm → (value,) and (value_tol,)."""
+        g = self.gamma(p)
+        if self.kind == "moments":
+            conv = convention or self.spec.variance
+            n, mean, m2 = (p.vals[k][p.inv] for k in ("count", "mean", "m2"))
+            safe = np.where(n > 0, n, 1.0)
+            bessel = (conv == "sample") & (n >= 2)
+            var = np.where(n > 0, m2 / np.where(bessel, np.maximum(n - 1.0, 1.0), safe), np.nan)
+            tm, tv = stats.mean_var_tolerance(g, n, mean, m2, conv)
+            return (n, mean, var), (g * n, tm, tv)
+        value = p.vals["value"][p.inv]
+        return (value,), (stats.sum_tolerance(g, p.vals["abs"][p.inv]),)
+
+    def matches(self, p: Part, convention: str | None = None, value_key: str = "value") -> np.ndarray:
+        """Elements whose applied statistic equals their group's in ``p`` within rounding
+        (only elements of complete, finite, non-empty groups can match)."""
+        ok = self.a_ok & p.complete[p.inv] & p.finite[p.inv]
+        (exp, tol) = self.tolerances(p, convention)
+        with np.errstate(invalid="ignore"):
+            if self.kind == "moments":
+                n, mean, var = exp
+                tn, tm, tv = tol
+                count_ok = np.isnan(self.a_n) | (np.abs(self.a_n - n) <= tn)
+                return ok & (n > 0) & count_ok & (np.abs(self.a_mean - mean) <= tm) & (np.abs(self.a_var - var) <= tv)
+            value = p.vals[value_key][p.inv]
+            return ok & (np.abs(self.a_val - value) <= tol[0])

@@ -1,0 +1,183 @@
+"""The engine's vocabulary: parallel dims, the statistic spec, fault kinds, reports and verdicts.
+
+Plain dataclasses and enums; nothing here validates input (the wire schema,
+:mod:`auditor.schemas`, does that and converts its spec into :class:`Spec`).
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Iterable
+
+#: The parallel dimensions, in wire order: data, context, tensor, pipeline parallel.
+DIMS: tuple[str, ...] = ("dp", "cp", "tp", "pp")
+
+#: A rank's coordinates (dp, cp, tp, pp).
+Coord = tuple[int, int, int, int]
+
+#: Statistic kinds (DESIGN.md §3 table).
+KINDS: tuple[str, ...] = ("moments", "sum", "norm")
+
+#: Step verdicts, in the order reports and metrics list them.
+VERDICTS: tuple[str, ...] = ("consistent", "inconsistent", "incomplete")
+
+
+class FaultKind(str, enum.Enum):
+    """The verdict vocabulary (DESIGN.md §5). A ``str``: compares, sorts, formats and
+    serialises as its value (``FaultKind.WRONG_GROUP == "wrong_group"``)."""
+
+    CP_DISAGREEMENT = "cp_disagreement"
+    GROUP_MISMATCH = "group_mismatch"
+    WRONG_GROUP = "wrong_group"
+    SKIPPED_COLLECTIVE = "skipped_collective"
+    MISSING_REPORT = "missing_report"
+    REPLICA_DIVERGENCE = "replica_divergence"
+    REPLICA_OVERCOUNT = "replica_overcount"
+    VARIANCE_CONVENTION = "variance_convention"
+    PRECISION_LOSS = "precision_loss"
+    NON_FINITE = "non_finite"
+    EMPTY_GLOBAL = "empty_global"
+    STALE_STATISTIC = "stale_statistic"
+
+    __str__ = str.__str__
+    __format__ = str.__format__
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """How a statistic must be reduced (DESIGN.md §3), as the engine reads it.
+
+    ``reduce_over``: dims whose ranks form one reduction group (a rank's expected group is
+    every rank equal to it on the other dims). ``replicas``: dims along which ranks hold the
+    same data, counted once. ``variance``: ``sample`` (Bessel-corrected) or ``population``.
+    ``over_microbatches``: a ``sum`` statistic is summed over all microbatches of the step.
+    Dims keep the order they were given in (it shows in messages and evidence).
+    """
+
+    reduce_over: tuple[str, ...] = ("dp", "cp")
+    replicas: tuple[str, ...] = ("tp",)
+    variance: str = "sample"
+    over_microbatches: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RankReport:
+    """The stored fields of one report that the audit reads (names as the DB columns)."""
+
+    rank: int
+    microbatch: int
+    dp: int
+    cp: int
+    tp: int
+    pp: int
+    dtype: str
+    local_count: float | None
+    local_sum: float | None
+    local_sum_sq: float | None
+    local_min: float | None = None
+    local_max: float | None = None
+    local_replicated_sum_sq: float | None = None
+    applied: bool = True
+    applied_count: float | None = None
+    applied_sum: float | None = None
+    applied_sum_sq: float | None = None
+    applied_mean: float | None = None
+    applied_var: float | None = None
+    group_ranks: tuple[int, ...] | None = None
+    non_finite: str | None = None
+
+    @property
+    def coords(self) -> Coord:
+        return (self.dp, self.cp, self.tp, self.pp)
+
+    def non_finite_fields(self) -> list[str]:
+        """Fields that were NaN or Inf on the wire (NaN is stored as NULL, so the store keeps
+        their names in ``non_finite``)."""
+        names = ["local_count", "local_sum", "local_sum_sq", "local_min", "local_max"]
+        if self.applied:
+            names += ["applied_count", "applied_sum", "applied_sum_sq", "applied_mean", "applied_var"]
+        found = {n for n in names if (v := getattr(self, n)) is not None and not math.isfinite(v)}
+        found.update(filter(None, (self.non_finite or "").split(",")))
+        return sorted(found)
+
+
+@dataclass(slots=True)
+class Fault:
+    """One finding of a step: its kind (DESIGN.md §5), a sentence an engineer can act on,
+    the ranks it concerns and the numbers behind it."""
+
+    kind: FaultKind
+    message: str
+    ranks: list[int] = field(default_factory=list)
+    evidence: dict = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RankRow:
+    """One line of the per-rank table of a step."""
+
+    rank: int
+    microbatch: int
+    coords: dict[str, int]
+    local_count: float | None
+    local_mean: float | None
+    applied_mean: float | None
+    applied_std: float | None
+    correct_mean: float | None
+    correct_std: float | None
+    error_sigma: float | None
+    faults: list[FaultKind] = field(default_factory=list)
+    #: ``sum``/``norm``: |applied − correct| / |correct| (local/applied/correct values sit in
+    #: the ``*_mean`` columns; the ``*_std`` and ``error_sigma`` columns stay None).
+    relative_error: float | None = None
+
+
+@dataclass(slots=True)
+class GroupStat:
+    """The correct statistic of one expected group (one microbatch)."""
+
+    key: tuple
+    microbatch: int
+    ranks: list[int]
+    count: float
+    mean: float
+    var: float
+
+
+@dataclass(slots=True)
+class StepVerdict:
+    """Outcome of auditing one step: ``consistent``, ``inconsistent`` or ``incomplete``."""
+
+    verdict: str
+    faults: list[Fault]
+    rows: list[RankRow]
+    groups: list[GroupStat]
+    cp_disagreement_sigma: float | None
+    applied_error_sigma: float | None
+
+    @property
+    def fault_kinds(self) -> list[str]:
+        return sorted({f.kind for f in self.faults})
+
+
+def compress_ranks(ranks: Iterable[int]) -> str:
+    """Compact text of a rank set: ``[0, 1, 2, 5, 7, 8]`` → ``"0-2,5,7-8"``."""
+    out: list[str] = []
+    for _, run in itertools.groupby(enumerate(sorted(set(ranks))), lambda p: p[1] - p[0]):
+        run = [r for _, r in run]
+        out.append(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}")
+    return ",".join(out)
+
+
+def expand_ranks(text: str | None) -> tuple[int, ...] | None:
+    """Inverse of :func:`compress_ranks`; None stays None."""
+    if text is None:
+        return None
+    out: list[int] = []
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return tuple(out)

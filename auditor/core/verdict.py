@@ -1,0 +1,233 @@
+"""``audit_step``: one step's verdict from its reports — runs the checks, the diagnoses, the
+per-rank table and the σ figures.
+
+Terms. A rank's *expected group* is every rank equal to it on each dim outside
+``spec.reduce_over`` (and, for ``sum`` statistics with ``over_microbatches``, every
+microbatch of the step). Ranks that differ only along ``spec.replicas`` hold the same data,
+so the correct statistic counts their data once. The *correct* statistic of a group is
+recomputed in float64 from its members' local values: the Chan merge
+(:func:`auditor.core.stats.merge_groups`) for ``moments``, Σ local sums for ``sum``, Σ sum_sq
+plus the replicated part once for ``norm``. A rank's applied statistic *matches* a group
+when each component differs from the group's by no more than the rounding a correct
+reduction in the reported dtype can produce (:func:`auditor.core.stats.mean_var_tolerance`,
+:func:`auditor.core.stats.sum_tolerance`; docs/tolerance.md).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import operator
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+
+from auditor.core import checks, diagnose, stats
+from auditor.core.findings import VERB, Findings
+from auditor.core.step import AXES, Part, Step
+from auditor.core.types import (
+    DIMS, Coord, Fault, FaultKind, GroupStat, RankReport, RankRow, Spec, StepVerdict, compress_ranks,
+)
+
+_MB_RANK = operator.attrgetter("microbatch", "rank")
+
+
+def audit_step(
+    reports: Sequence[RankReport],
+    sizes: Coord,
+    spec: Spec,
+    *,
+    num_microbatches: int = 1,
+    history: Callable[[], Mapping[tuple, Sequence[tuple[int, float, float, float]]]] | None = None,
+    kind: str = "moments",
+) -> StepVerdict:
+    """Audit one step of a statistic of ``kind`` (DESIGN.md §3 table).
+
+    Parameters
+    ----------
+    reports:
+        The stored reports of the step (any order, one per rank and microbatch).
+    sizes:
+        (dp, cp, tp, pp) of the run.
+    spec:
+        The statistic's spec: ``reduce_over``, ``replicas``, ``variance`` (moments),
+        ``over_microbatches`` (sum).
+    num_microbatches:
+        Microbatches every rank should have reported.
+    history:
+        Called at most once, only when a mismatch needs a diagnosis; returns per group key
+        (coordinates outside ``reduce_over``) the earlier steps' correct
+        (step, count, mean, var), oldest first, for ``stale_statistic``. For ``sum`` and
+        ``norm`` the correct value is in ``count`` and ``mean`` (``var`` = 0).
+    kind:
+        ``moments`` (whitening mean/variance), ``sum`` (e.g. token-count denominators)
+        or ``norm`` (squared gradient norm).
+
+    Returns
+    -------
+    A :class:`StepVerdict`. Faults are aggregated per kind and diagnosis, so one step yields
+    a handful of findings, not one per rank; per-rank detail is in ``rows``. Verdict:
+    ``inconsistent`` if any fault other than ``missing_report``; else ``incomplete`` if
+    reports are missing; else ``consistent``. ``cp_disagreement_sigma`` and
+    ``applied_error_sigma`` are in units of the correct standard deviation and defined for
+    ``moments`` only (``None`` for ``sum``/``norm``, whose rows carry ``relative_error``).
+
+    Raises
+    ------
+    ValueError
+        For an unknown ``kind``. Odd data never raises: NaN/Inf become ``non_finite``.
+    """
+    if kind not in VERB:
+        raise ValueError(f"unknown statistic kind {kind!r}; expected one of {sorted(VERB)}")
+    world = math.prod(sizes)
+    faults: list[Fault] = []
+    mr = np.array([_MB_RANK(r) for r in reports], dtype=np.int64).reshape(-1, 2)
+    missing = []
+    for mb in range(num_microbatches):
+        absent = np.setdiff1d(np.arange(world, dtype=np.int64), mr[mr[:, 0] == mb, 1])
+        missing.extend((rank, mb) for rank in absent.tolist())
+    if missing:
+        mranks = sorted({rank for rank, _ in missing})
+        faults.append(Fault(
+            FaultKind.MISSING_REPORT,
+            f"{len(missing)} of {world * num_microbatches} expected reports never arrived "
+            f"(ranks {compress_ranks(mranks)}): those ranks crashed, hung, or their auditor client could not send",
+            mranks,
+            {"missing": len(missing), "expected": world * num_microbatches},
+        ))
+    rows: list[RankRow] = []
+    groups_out: list[GroupStat] = []
+    cp_sigma = err_sigma = None
+    if reports:
+        with np.errstate(all="ignore"):  # NaN/Inf/overflow are findings, not warnings
+            st = Step(reports, sizes, spec, kind, num_microbatches)
+            found = Findings(st.rank)
+            rows, groups_out, cp_sigma, err_sigma = _audit(st, _Lazy(history), found)
+        faults.extend(found.faults())
+    if any(f.kind != FaultKind.MISSING_REPORT for f in faults):
+        verdict = "inconsistent"
+    elif missing:
+        verdict = "incomplete"
+    else:
+        verdict = "consistent"
+    rows.sort(key=lambda row: (row.microbatch, row.rank))
+    return StepVerdict(verdict, faults, rows, groups_out, cp_sigma, err_sigma)
+
+
+
+class _Lazy:
+    """Calls a loader once, on first use."""
+
+    def __init__(self, loader) -> None:
+        self._loader, self._value = loader, None
+
+    def get(self, key, default=()):
+        if self._loader is None:
+            return default
+        if self._value is None:
+            self._value = self._loader()
+        return self._value.get(key, default)
+
+
+
+def _audit(st: Step, history: "_Lazy", f: Findings):
+    """Checks, then diagnoses of the mismatches, then the table and the σ figures."""
+    kind, spec = st.kind, st.spec
+    reduce_over = tuple(d for d in DIMS if d in spec.reduce_over)
+    over_mb = kind == "sum" and spec.over_microbatches
+    exp_axes = reduce_over + (("mb",) if over_mb else ())
+    exp = st.part(exp_axes)
+
+    # per element, independent of groups; then float64 overflow of a group's merge
+    checks.non_finite(st, f)
+    checks.skipped_collective(st, f)
+    checks.overflow(st, exp, f)
+    checks.replica_divergence(st, f)
+
+    # the expected group: empty_global, precision_loss, the verdict per element
+    judged = exp.complete[exp.inv] & exp.finite[exp.inv]
+    (e_vals, e_tol) = st.tolerances(exp)
+    match = st.matches(exp)
+    empty_groups = checks.empty_global(st, exp, judged, exp_axes, f)
+    if kind == "moments":
+        checks.precision_loss(st, exp, judged & ~empty_groups, f)
+    bad = judged & ~empty_groups & st.a_ok & ~match
+    checks.group_mismatch(st, exp, e_vals, bad, exp_axes, f)
+    if bad.any():
+        diagnose.diagnose(st, exp, bad, reduce_over, over_mb, history, f)
+    checks.membership(st, exp, reduce_over, f)
+
+    # rows and σ figures
+    rows, groups_out, err_sigma = _rows(st, exp, e_vals, judged, reduce_over, over_mb, f.of)
+    cp_sigma = checks.cp_disagreement(st, exp, e_vals, e_tol, judged, f)
+    return rows, groups_out, cp_sigma, err_sigma
+
+
+def _opt(values: np.ndarray, mask: np.ndarray) -> list:
+    """Python floats where ``mask``, None elsewhere."""
+    out = values.astype(object)
+    out[~mask] = None
+    return out.tolist()
+
+
+def _rows(st: Step, exp: Part, e_vals, judged: np.ndarray, reduce_over, over_mb: bool, faults_of):
+    """The per-rank table, the correct statistic of each judged group (in element order) and,
+    for ``moments``, the largest finite applied-error gap in σ. Vectorised per column."""
+    kind = st.kind
+    n = st.n
+    groups_out: list[GroupStat] = []
+    err_sigma = None
+    if kind == "moments":
+        n_e, mean_e, var_e = e_vals
+        show = judged & (n_e > 0)
+        local_mean = _opt(st.l_mean, (st.l_n > 0) & ~st.bad_local)
+        applied_mean = _opt(st.a_mean, np.isfinite(st.a_mean))
+        applied_std = _opt(np.sqrt(st.a_var), np.isfinite(st.a_var) & (st.a_var >= 0))
+        correct_mean = _opt(mean_e, show)
+        correct_std = _opt(np.sqrt(var_e), show & (var_e >= 0))
+        gap_at = show & st.a_ok
+        gaps = np.full(n, np.nan)
+        if gap_at.any():
+            idx = np.flatnonzero(gap_at)
+            g = exp.inv[idx]
+            lo, hi = stats.value_range(exp.vals["lo"][g], exp.vals["hi"][g], mean_e[idx], var_e[idx])
+            gaps[idx] = stats.transform_gap_array(st.a_mean[idx], st.a_var[idx], mean_e[idx], var_e[idx], lo, hi)
+            finite = np.isfinite(gaps)
+            if finite.any():
+                err_sigma = gaps[finite].max()  # np.float64, as stats.transform_gap returns
+        error_sigma = list(gaps)  # np.float64 scalars, as stats.transform_gap returns
+        for i in np.flatnonzero(~np.isfinite(gaps)).tolist():
+            error_sigma[i] = None
+        relative_error = itertools.repeat(None)
+        values = (n_e, mean_e, var_e)
+    else:
+        value = e_vals[0]
+        show = judged
+        local_mean = _opt(st.l_val, np.isfinite(st.l_val))
+        applied_mean = _opt(st.a_val, st.a_ok)
+        applied_std = correct_std = error_sigma = itertools.repeat(None)
+        correct_mean = _opt(value, show)
+        rel_at = show & st.a_ok
+        nz = value != 0
+        rel = np.where(nz, np.abs(st.a_val - value) / np.where(nz, np.abs(value), 1.0),
+                       np.where(st.a_val == 0, 0.0, np.inf))
+        relative_error = _opt(rel, rel_at)
+        values = (value, value, np.zeros(n))
+    # groups, in order of their first shown element
+    if show.any():
+        idx = np.flatnonzero(show)
+        _, first = np.unique(exp.inv[idx], return_index=True)
+        for i in idx[np.sort(first)].tolist():
+            gkey = tuple(int(st.coords[i, AXES.index(a)]) for a in DIMS if a not in reduce_over)
+            mbi = 0 if over_mb else st.int_rows[i][4]
+            groups_out.append(GroupStat(gkey, mbi, exp.members(st, i), float(values[0][i]), float(values[1][i]),
+                                        float(values[2][i])))
+    rows = [
+        RankRow(ir[5], ir[4], {"dp": ir[0], "cp": ir[1], "tp": ir[2], "pp": ir[3]}, rw[0], lm, am, asd, cm, cs, es,
+                fo, re)
+        for ir, rw, lm, am, asd, cm, cs, es, fo, re in zip(
+            st.int_rows, st.raw, local_mean, applied_mean, applied_std, correct_mean, correct_std, error_sigma,
+            faults_of, relative_error)
+    ]
+    return rows, groups_out, err_sigma
+
