@@ -82,17 +82,55 @@ def _service_url(url: str | None) -> str | None:
     return url.rstrip("/")
 
 
-def _store(database_url: str | None):
-    """A Store on an existing auditor database (never creates one)."""
-    from auditor.db.engine import current_revision, make_engine
-    from auditor.db.store import Store
+class ReportSource:
+    """Where ``report``, ``check`` and ``runs`` read from: a running service over HTTP
+    (``--url``) or the service's flows on a local database (:class:`auditor.service.Service`).
+    Both give the same JSON; an unknown run raises :class:`UsageError`."""
 
-    engine = make_engine(_db_url(database_url))
-    if current_revision(engine) is None:
-        where = engine.url.render_as_string(hide_password=True)
-        engine.dispose()
-        raise UsageError(f"no auditor database at {where} (pass --database-url or --url)")
-    return Store(engine)
+    def __init__(self, url: str | None, database_url: str | None):
+        self.url = _service_url(url)
+        self._service = None
+        if self.url is None:
+            from auditor.db.engine import current_revision, make_engine
+            from auditor.service import Service
+
+            engine = make_engine(_db_url(database_url))
+            if current_revision(engine) is None:
+                where = engine.url.render_as_string(hide_password=True)
+                engine.dispose()
+                raise UsageError(f"no auditor database at {where} (pass --database-url or --url)")
+            self._service = Service.from_engine(engine)
+
+    def __enter__(self) -> "ReportSource":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._service is not None:
+            self._service.close()
+
+    def report(self, run_id: str, bad_steps: int) -> dict:
+        """``GET /v1/runs/{run_id}/report``."""
+        if self._service is None:
+            import httpx
+
+            r = httpx.get(f"{self.url}/v1/runs/{run_id}/report", params={"bad_steps": bad_steps}, timeout=60)
+            if r.status_code == 404:
+                raise UsageError(f"run {run_id!r} not found at {self.url}")
+            return r.raise_for_status().json()
+        from auditor.service import NotFound
+
+        try:
+            return self._service.report(run_id, bad_steps_limit=bad_steps)
+        except NotFound:
+            raise UsageError(f"run {run_id!r} not found") from None
+
+    def runs(self) -> list[dict]:
+        """``GET /v1/runs``."""
+        if self._service is None:
+            import httpx
+
+            return httpx.get(f"{self.url}/v1/runs", timeout=30).raise_for_status().json()
+        return self._service.list_runs()
 
 
 def _console() -> Console:
@@ -117,11 +155,6 @@ def serve(
     """Run the HTTP service. Migrates an empty database first (under a PostgreSQL advisory lock,
     so replicas may start at once); refuses a database whose schema is at another revision
     (run `auditor db upgrade`)."""
-    import shutil
-    import tempfile
-
-    import uvicorn
-
     if database_url:
         os.environ["AUDITOR_DATABASE_URL"] = database_url
     if grace_seconds is not None:
@@ -136,26 +169,9 @@ def serve(
         raise UsageError(str(e)) from None
     finally:
         engine.dispose()
-    # Several workers: each keeps its ingest counters in mmap files of one shared directory
-    # and /metrics merges them (docs/deploy.md, "Metrics with several workers and replicas").
-    # The variable must be set before the workers import prometheus_client.
-    from auditor.metrics import MULTIPROC_ENV
+    from auditor.server.run import serve as run_server
 
-    own_dir = None
-    if workers > 1 and not os.environ.get(MULTIPROC_ENV):
-        own_dir = os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="auditor-metrics-")
-    if os.environ.get(MULTIPROC_ENV):
-        from auditor.metrics import prepare_multiprocess_dir
-
-        prepare_multiprocess_dir(os.environ[MULTIPROC_ENV])
-    try:
-        from auditor.server import NoDelayH11
-
-        uvicorn.run("auditor.api:create_app", factory=True, host=host, port=port, workers=workers,
-                    log_level=log_level, http=NoDelayH11)
-    finally:
-        if own_dir:
-            shutil.rmtree(own_dir, ignore_errors=True)
+    run_server(host, port, workers=workers, log_level=log_level)
 
 
 @db_app.command("upgrade")
@@ -191,25 +207,9 @@ def db_current(database_url: Optional[str] = DatabaseUrl) -> None:
 
 
 def _fetch_report(run_id: str, url: str | None, database_url: str | None, bad_steps: int) -> dict:
-    """The report of RUN_ID from a service (``--url``) or straight from the database.
-    Raises :class:`UsageError` when the run does not exist."""
-    url = _service_url(url)
-    if url:
-        import httpx
-
-        r = httpx.get(f"{url}/v1/runs/{run_id}/report", params={"bad_steps": bad_steps}, timeout=60)
-        if r.status_code == 404:
-            raise UsageError(f"run {run_id!r} not found at {url}")
-        return r.raise_for_status().json()
-    from auditor.db.store import NotFound
-
-    store = _store(database_url)
-    try:
-        return store.report(run_id, bad_steps_limit=bad_steps)
-    except NotFound:
-        raise UsageError(f"run {run_id!r} not found") from None
-    finally:
-        store.engine.dispose()
+    """The report of RUN_ID from a service (``--url``) or the local database."""
+    with ReportSource(url, database_url) as source:
+        return source.report(run_id, bad_steps)
 
 
 @app.command()
@@ -261,15 +261,8 @@ def check(
 @_errors_as_exit_2
 def runs(url: Optional[str] = ServiceUrl, database_url: Optional[str] = DatabaseUrl) -> None:
     """List runs with their topology and audit counts."""
-    url = _service_url(url)
-    if url:
-        import httpx
-
-        data = httpx.get(f"{url}/v1/runs", timeout=30).raise_for_status().json()
-    else:
-        store = _store(database_url)
-        data = store.list_runs()
-        store.engine.dispose()
+    with ReportSource(url, database_url) as source:
+        data = source.runs()
     from rich.table import Table
 
     t = Table("run", "world", "dp×cp×tp×pp", "statistics", "steps audited", "inconsistent")
@@ -330,7 +323,8 @@ def import_spools(
         raise UsageError(f"--url must be an http(s) URL, got {url!r}")
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from auditor.spool import spool_files, upload
+    from auditor.offline import upload
+    from auditor.trainer.spool import spool_files
 
     files = spool_files(spools)
     missing = [str(p) for p in files if not p.is_file()]
@@ -371,7 +365,8 @@ def audit_spools(
 ) -> None:
     """Audit trainer spools offline, with no service: the same engine and report as the service
     (steps still incomplete at the end are audited as after the grace period)."""
-    from auditor.spool import audit_offline, spool_files
+    from auditor.offline import audit_offline
+    from auditor.trainer.spool import spool_files
 
     files = spool_files(spools)
     missing = [str(p) for p in files if not p.is_file()]

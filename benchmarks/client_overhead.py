@@ -12,7 +12,7 @@ Prints:
 2. resident memory growth after 1e6 reports with the service down, in a tight loop and paced
    at 50k reports/s, with what was spooled and dropped.
 3. the time the audited whiten adds to a plain one for 1e6 tokens (one-rank gloo world):
-   ``auditor.torch_hooks.distributed_masked_whiten(client=...)`` and
+   ``auditor.trainer.hooks.distributed_masked_whiten(client=...)`` and
    ``wrap_distributed_whiten`` around slime's function.
 """
 
@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from auditor.client import AuditorClient  # noqa: E402
+from auditor.trainer.client import AuditorClient  # noqa: E402
 from auditor.server import free_port, wait_healthy  # noqa: E402
 
 
@@ -153,8 +153,8 @@ def bench_whiten(tokens: int, repeats: int, tmp: Path) -> list[tuple[str, float]
     import torch
     import torch.distributed as dist
 
-    from auditor.integrations.whiten import wrap_distributed_whiten
-    from auditor.torch_hooks import distributed_masked_whiten
+    from auditor.trainer.wrap import wrap_distributed_whiten
+    from auditor.trainer.hooks import distributed_masked_whiten
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     torch.manual_seed(0)

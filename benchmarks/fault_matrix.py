@@ -6,7 +6,7 @@ Usage::
 
 Without ``--url`` a throw-away ``auditor serve`` on a temporary SQLite file is started (grace
 period 2 s, so ``missing_report`` resolves quickly). Spawns 8 ranks (dp=2, cp=2, tp=2,
-Megatron-core groups), runs every scenario of :data:`auditor.faultinject.SCENARIOS` through
+Megatron-core groups), runs every scenario of :data:`auditor.demo.faults.SCENARIOS` through
 the real client, and prints fault × detected × diagnosis correct. Exit status 1 if any cell
 is wrong. tests/test_fault_injection.py asserts the same matrix.
 """
@@ -22,7 +22,7 @@ import time
 
 
 def main() -> int:
-    from auditor.faultinject import format_matrix, run_matrix
+    from auditor.demo.faults import format_matrix, run_matrix
     from auditor.server import free_port, wait_healthy
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -2,86 +2,23 @@
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 import uuid
-from pathlib import Path
 
-import httpx
 import pytest
 
-from auditor.server import free_port, wait_healthy
-
-
-class ServerProcess:
-    """`python -m auditor serve` in a subprocess; `start()`/`stop()` may be repeated."""
-
-    def __init__(self, database_url: str, log_path: Path, *, args: tuple[str, ...] = (), **env: str):
-        self.database_url = database_url
-        self.log_path = log_path
-        self.args = tuple(args)  # extra `auditor serve` options, e.g. ("--workers", "2")
-        self.env = {**os.environ, "AUDITOR_DATABASE_URL": database_url, **env}
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.proc: subprocess.Popen | None = None
-
-    def start(self, timeout: float = 60.0) -> "ServerProcess":
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "auditor", "serve", "--port", str(self.port), "--log-level", "warning",
-             *self.args],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT,
-        )
-        try:
-            wait_healthy(self.url, timeout, alive=lambda: self.proc is not None and self.proc.poll() is None)
-        except TimeoutError:
-            self.stop()
-            raise RuntimeError(f"server did not start; log:\n{self.log_path.read_text()[-4000:]}") from None
-        return self
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.proc = None
-
-    def get(self, path: str, **kw) -> httpx.Response:
-        return httpx.get(self.url + path, timeout=30, **kw)
-
-    def post(self, path: str, **kw) -> httpx.Response:
-        return httpx.post(self.url + path, timeout=60, **kw)
-
-    def put(self, path: str, **kw) -> httpx.Response:
-        return httpx.put(self.url + path, timeout=30, **kw)
-
-
-PG_ADMIN_URL = os.environ.get("AUDITOR_TEST_PG", "postgresql://127.0.0.1:5432/postgres")
+from auditor.testing.postgres import PG_ADMIN_URL, create_database
+from auditor.testing.server import ServerProcess  # noqa: F401 - tests import it from here
 
 
 def _pg_database(tmp_name: str):
     """Create a throw-away PostgreSQL database; return (url, drop)."""
     import psycopg
 
-    name = f"auditor_test_{tmp_name}_{uuid.uuid4().hex[:8]}"
     try:
-        with psycopg.connect(PG_ADMIN_URL, autocommit=True, connect_timeout=5) as conn:
-            conn.execute(f'CREATE DATABASE "{name}"')
+        return create_database(f"auditor_test_{tmp_name}")
     except psycopg.OperationalError as e:
         pytest.fail(f"PostgreSQL at {PG_ADMIN_URL} is required (.ci/run starts it): {e}")
-    base = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-
-    def drop() -> None:
-        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-    return f"{base}/{name}", drop
 
 
 @pytest.fixture(scope="session", params=["sqlite", "postgresql"])

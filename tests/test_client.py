@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from auditor.client import AuditorClient, client_from_env
+from auditor.trainer.client import AuditorClient, client_from_env
 from auditor.schemas import Report
-from auditor.torch_hooks import distributed_masked_whiten
+from auditor.trainer.hooks import distributed_masked_whiten
 
 
 class RecordingServer:

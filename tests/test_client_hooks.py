@@ -23,9 +23,9 @@ def _worker(rank: int, port: int, spool: str, run_id: str, variant: str) -> None
     import torch
     import torch.distributed as dist
 
-    from auditor.client import AuditorClient
-    from auditor.integrations.whiten import set_step, wrap_distributed_whiten
-    from auditor.torch_hooks import distributed_masked_whiten as slime_whiten
+    from auditor.trainer.client import AuditorClient
+    from auditor.trainer.wrap import set_step, wrap_distributed_whiten
+    from auditor.trainer.hooks import distributed_masked_whiten as slime_whiten
     from factory import ADVANTAGES, REFERENCE_TOKENS
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -108,7 +108,7 @@ def test_offline_audit_of_wrapped_reports_flags_only_the_buggy_step(tmp_path):
     """The spools written through the wrapper, audited offline: step 0 (reduced over each
     rank alone) is inconsistent with group_mismatch, step 1 (over WORLD) is consistent."""
     _run(tmp_path, "hooks-audit", "observed")
-    from auditor.spool import audit_offline
+    from auditor.offline import audit_offline
 
     (report,), counts = audit_offline([tmp_path])
     (stat,) = report["statistics"]

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from auditor.client import AuditorClient
+from auditor.trainer.client import AuditorClient
 from conftest import ServerProcess
 from factory import reference_reports
 
@@ -80,7 +80,7 @@ RANK_SCRIPT = r"""
 import json, sys, time
 from pathlib import Path
 sys.path.insert(0, sys.argv[5])
-from auditor.client import AuditorClient
+from auditor.trainer.client import AuditorClient
 from test_client_service import consistent_reports
 url, run_id, rank, work = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 client = AuditorClient(url, spool_dir=work / f"spool{rank}", rank=rank, flush_interval=0.05,
@@ -225,8 +225,8 @@ def _train(steps: int, client: AuditorClient | None, run_id: str) -> list[float]
 
 EXIT_SCRIPT = r"""
 import sys, time
-from auditor.client import AuditorClient
-from auditor.spool import spool_files
+from auditor.trainer.client import AuditorClient
+from auditor.trainer.spool import spool_files
 client = AuditorClient(sys.argv[1], spool_dir=sys.argv[2], flush_timeout=float(sys.argv[3]), timeout=30.0)
 for i in range(1000):
     client.report({"run_id": "slow", "step": i, "rank": 0, "world_size": 1, "local": {"count": 1.0}})

@@ -56,7 +56,7 @@ DESIGN_METRICS = {
 
 
 def exported_metrics() -> set[str]:
-    from auditor.metrics import EXPORTED_METRICS
+    from auditor.server.metrics import EXPORTED_METRICS
 
     return set(EXPORTED_METRICS)
 

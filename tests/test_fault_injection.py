@@ -3,7 +3,7 @@ inject every fault of DESIGN.md §5 through the real client and torch hooks into
 `auditor serve` (the ``live_server`` fixture, SQLite for this heavy part), and the fault
 matrix (fault × detected × diagnosis correct) is asserted cell by cell.
 
-One spawned world runs all scenarios (auditor.faultinject.SCENARIOS); the join is bounded
+One spawned world runs all scenarios (auditor.demo.faults.SCENARIOS); the join is bounded
 (a hang fails the test). The pure-engine variants of each fault are in tests/test_audit.py.
 """
 
@@ -13,7 +13,7 @@ import uuid
 
 import pytest
 
-from auditor.faultinject import SCENARIOS, format_matrix, run_matrix
+from auditor.demo.faults import SCENARIOS, format_matrix, run_matrix
 
 pytestmark = pytest.mark.multiprocess
 

@@ -8,8 +8,9 @@ import sys
 
 import pytest
 
-from auditor.client import client_from_env
-from auditor.spool import Spool, read_lines, read_offset, upload
+from auditor.trainer.client import client_from_env
+from auditor.offline import upload
+from auditor.trainer.spool import Spool, read_lines, read_offset
 from factory import reference_reports
 
 

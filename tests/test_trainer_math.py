@@ -1,7 +1,7 @@
 """Trainer-side math: CP zigzag sharding, masked moments and slime's whitening (DESIGN.md §4).
 
 Every reference number of DESIGN.md §4 is recomputed here from the product's own sharding
-(``auditor.demo``), moments (``auditor.torch_hooks.masked_moments``, ``auditor.core.stats``)
+(``auditor.demo``), moments (``auditor.trainer.hooks.masked_moments``, ``auditor.core.stats``)
 and whitening (float64 via ``auditor.core.stats``/numpy, float32 via the torch
 ``distributed_masked_whiten`` in a one-process gloo group).
 """
@@ -26,7 +26,7 @@ from auditor.demo import (
     local_batch,
     whiten_reference,
 )
-from auditor.torch_hooks import distributed_masked_whiten, masked_moments
+from auditor.trainer.hooks import distributed_masked_whiten, masked_moments
 
 LOCAL_MEANS = (-0.076923, +0.235294)
 BUGGY = ((+1.707037, +1.273883), (-0.457986, -0.740629), (-0.999241, -1.244257))

@@ -17,7 +17,7 @@ import numpy as np
 
 from auditor.core import stats
 from auditor.core.findings import VERB, WHAT, Findings, dims_text, dtypes_text
-from auditor.core.step import AXES, Part, Step
+from auditor.core.step import Part, Step
 from auditor.core.types import DIMS, FaultKind, compress_ranks
 
 #: ``precision_loss`` is reported when the predicted relative error of the trainer's

@@ -1,10 +1,10 @@
-"""The golden corpus through the service's storage path: each step's reports, validated by
-the wire schema and ingested in one batch (then the missing-report sweep with grace 0),
-come back from the store with the corpus's verdict, faults (kind, ranks, message,
+"""The golden corpus through the service's flows: each step's reports, validated by the
+wire schema and ingested in one batch by :class:`auditor.service.Service` (then the
+missing-report sweep with grace 0), come back from :meth:`Service.step` with the corpus's verdict, faults (kind, ranks, message,
 evidence), σ figures and per-rank rows — on SQLite and PostgreSQL.
 
-The store hands the engine the history it built from the verdicts it stored, so
-``stale_statistic`` findings must match too. Rows served by the store are recomputed
+The service hands the engine the history the store built from the verdicts it stored, so
+``stale_statistic`` findings must match too. Rows it serves are recomputed
 without history, so they are compared on steps without a ``stale_statistic`` finding.
 Cases the wire rejects (the generator can perturb sums past Cauchy–Schwarz) or that hand
 raw NaN to the engine are skipped; the test asserts how many steps it covered.
@@ -22,8 +22,8 @@ import regenerate
 from pydantic import ValidationError
 
 from auditor.db.engine import ensure_schema, make_engine
-from auditor.db.store import Store
 from auditor.schemas import Report
+from auditor.service import Service
 
 #: Cases sent through the store (the first ones of the corpus), bounded for the suite's time;
 #: ``AUDITOR_GOLDEN_SERVICE_CASES=1500`` sends the whole corpus.
@@ -46,14 +46,14 @@ def _finite_or_none(x):
 
 
 @pytest.fixture
-def store(fresh_database_url):
+def service(fresh_database_url):
     engine = make_engine(fresh_database_url)
     ensure_schema(engine, fresh_database_url)
-    yield Store(engine)
+    yield Service.from_engine(engine)
     engine.dispose()
 
 
-def test_stored_verdicts_equal_the_golden_corpus(store):
+def test_stored_verdicts_equal_the_golden_corpus(service):
     """Every covered step's stored verdict equals the corpus's; most steps are covered."""
     _, stored = regenerate.read()
     expected = {r["id"]: r["verdict"] for r in stored}
@@ -68,9 +68,9 @@ def test_stored_verdicts_equal_the_golden_corpus(store):
         except ValidationError:
             continue
         for step, batch in zip(case.steps, batches):
-            store.ingest(batch)
-            store.sweep(grace_seconds=0.0, now=time.time() + 10)
-            got = store.step(run_id, "golden", step.index)
+            service.ingest(batch)
+            service.sweep(grace_seconds=0.0, now=time.time() + 10)
+            got = service.step(run_id, "golden", step.index)
             want = expected[f"{case.id}/s{step.index}"]
             where = f"{case.describe()} step {step.index}"
             assert got["verdict"] == want["verdict"], where

@@ -147,7 +147,7 @@ class ServiceMetrics:
 class AuditCollector:
     """Exports audit results from the database at scrape time.
 
-    ``load(since)`` returns the per-series rows of :meth:`auditor.db.store.Store.metric_series`.
+    ``load(since)`` returns the per-series rows of :meth:`auditor.service.Service.metric_series`.
     """
 
     def __init__(self, load: Callable[[float], list[dict]], retention_seconds: float):

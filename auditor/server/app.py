@@ -1,4 +1,4 @@
-"""HTTP API (FastAPI): a thin layer over :class:`auditor.db.store.Store`.
+"""HTTP API (FastAPI): a thin layer over :class:`auditor.service.Service`.
 
 Endpoints (all JSON):
 
@@ -30,9 +30,9 @@ from pydantic import ValidationError
 from auditor import __version__
 from auditor.config import Settings
 from auditor.db.engine import current_revision, ensure_schema, make_engine
-from auditor.db.store import ConflictError, NotFound, Store
-from auditor.metrics import scrape_registry
 from auditor.schemas import RUN_ID_PATTERN, IngestResult, ReportBatch, RunRegistration
+from auditor.server.metrics import scrape_registry
+from auditor.service import ConflictError, NotFound, Service
 
 log = logging.getLogger("auditor.api")
 
@@ -52,17 +52,17 @@ def validation_detail(err: ValidationError) -> list[dict[str, Any]]:
     ]
 
 
-class Service:
-    """What a request handler needs: settings, store, metrics. One per app."""
+class AppState:
+    """What a request handler needs: settings, the service, metrics. One per app."""
 
     def __init__(self, settings: Settings):
         self.settings = settings
         self.engine = make_engine(settings.database_url)
         ensure_schema(self.engine, settings.database_url)
-        self.store = Store(self.engine)
+        self.service = Service.from_engine(self.engine)
         # One process: ordinary metrics. Several uvicorn workers (PROMETHEUS_MULTIPROC_DIR,
         # set by `auditor serve --workers N`): every worker exports the sum of all workers.
-        self.registry, self.metrics = scrape_registry(self.store.metric_series,
+        self.registry, self.metrics = scrape_registry(self.service.metric_series,
                                                       settings.metrics_retention_seconds)
 
     def close(self) -> None:
@@ -77,7 +77,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        svc = Service(settings)
+        svc = AppState(settings)
         app.state.svc = svc
         tune_gc()
         sweeper = asyncio.create_task(_sweep_forever(svc))
@@ -92,7 +92,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="auditor", version=__version__, lifespan=lifespan,
                   description="Audits the statistics distributed trainers all-reduce across ranks.")
 
-    def svc(request: Request) -> Service:
+    def svc(request: Request) -> AppState:
         return request.app.state.svc
 
     def authorized(request: Request) -> None:
@@ -124,7 +124,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                             content={"detail": "database unavailable, retry later"})
 
     @app.post("/v1/reports", response_model=IngestResult, dependencies=[Depends(authorized)])
-    async def post_reports(request: Request, s: Service = Depends(svc)) -> IngestResult:
+    async def post_reports(request: Request, s: AppState = Depends(svc)) -> IngestResult:
         """Store a batch of rank reports and audit every step it completes.
 
         Body: ``{"reports": [Report, ...]}`` (DESIGN.md §3), 1 to ``max_batch`` reports.
@@ -146,7 +146,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return JSONResponse(status_code=413, content={"detail": [{
                 "field": "reports", "loc": ["reports"], "type": "too_long",
                 "msg": f"at most {s.settings.max_batch} reports per request, got {len(batch.reports)}"}]})
-        out = await run_in_threadpool(s.store.ingest, batch.reports)
+        out = await run_in_threadpool(s.service.ingest, batch.reports)
         s.metrics.received.inc(out.accepted)
         s.metrics.ingest_duration.observe(time.perf_counter() - t0)
         return IngestResult(accepted=out.accepted, duplicates=out.duplicates, steps_audited=len(out.audited))
@@ -155,43 +155,43 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def put_run(
         reg: RunRegistration,
         run_id: str = Path(min_length=1, max_length=128, pattern=RUN_ID_PATTERN),
-        s: Service = Depends(svc),
+        s: AppState = Depends(svc),
     ) -> dict:
         """Register a run's topology (and statistic kinds/specs) before its first report.
         Idempotent; 409 ``topology_conflict``/``spec_conflict`` if it contradicts the stored one."""
-        return s.store.register_run(run_id, reg)
+        return s.service.register_run(run_id, reg)
 
     @app.get("/v1/runs")
-    def list_runs(s: Service = Depends(svc)) -> list[dict]:
+    def list_runs(s: AppState = Depends(svc)) -> list[dict]:
         """Every run: topology, statistics, steps audited and inconsistent. Newest first."""
-        return s.store.list_runs()
+        return s.service.list_runs()
 
     @app.get("/v1/runs/{run_id}")
-    def get_run(run_id: str, s: Service = Depends(svc)) -> dict:
+    def get_run(run_id: str, s: AppState = Depends(svc)) -> dict:
         """One run's summary; 404 if unknown."""
-        return s.store.get_run(run_id)
+        return s.service.get_run(run_id)
 
     @app.get("/v1/runs/{run_id}/report")
     def get_report(
         run_id: str,
         statistic: str | None = None,
         bad_steps: int = Query(20, ge=0, le=1000, description="Bad steps shown per statistic."),
-        s: Service = Depends(svc),
+        s: AppState = Depends(svc),
     ) -> dict:
         """Consistency report: per statistic, steps audited/consistent/inconsistent/incomplete/
         pending, first and last bad step, fault counts by kind, the latest sigma figures, and
         for up to ``bad_steps`` bad steps their faults and per-rank table (rank, coords,
         local count and mean, applied mean/std, correct mean/std, error in σ)."""
-        return s.store.report(run_id, bad_steps_limit=bad_steps, statistic=statistic)
+        return s.service.report(run_id, bad_steps_limit=bad_steps, statistic=statistic)
 
     @app.get("/v1/runs/{run_id}/statistics/{statistic}/steps/{step}")
     def get_step(run_id: str, statistic: str, step: int = Path(ge=0, le=2**62),
-                 s: Service = Depends(svc)) -> dict:
+                 s: AppState = Depends(svc)) -> dict:
         """One step's verdict, faults and per-rank table; 404 if not seen."""
-        return s.store.step(run_id, statistic, step)
+        return s.service.step(run_id, statistic, step)
 
     @app.get("/healthz")
-    def healthz(s: Service = Depends(svc)) -> JSONResponse:
+    def healthz(s: AppState = Depends(svc)) -> JSONResponse:
         """Liveness and database reachability: 200 ``{"status": "ok"}`` or 503."""
         try:
             rev = current_revision(s.engine)
@@ -200,7 +200,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return JSONResponse({"status": "ok", "version": __version__, "schema_revision": rev})
 
     @app.get("/metrics")
-    def metrics(s: Service = Depends(svc)) -> Response:
+    def metrics(s: AppState = Depends(svc)) -> Response:
         """Prometheus exposition (DESIGN.md §6)."""
         return Response(generate_latest(s.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -231,11 +231,11 @@ def _count_reports(body: bytes) -> int:
         return 1
 
 
-async def _sweep_forever(svc: Service) -> None:
+async def _sweep_forever(svc: AppState) -> None:
     while True:
         await asyncio.sleep(svc.settings.sweep_interval_seconds)
         try:
-            n = await run_in_threadpool(svc.store.sweep, svc.settings.grace_seconds)
+            n = await run_in_threadpool(svc.service.sweep, svc.settings.grace_seconds)
             if n:
                 log.info("sweep audited %d incomplete step(s)", n)
         except Exception:  # keep sweeping; the next round retries

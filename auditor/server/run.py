@@ -1,9 +1,12 @@
-"""Running the service: in the foreground (``auditor serve``) or in a background thread
-(``auditor demo``, tests)."""
+"""Running the service: in the foreground (``auditor serve``, :func:`serve`) or in a
+background thread (``auditor demo``, :class:`BackgroundServer`)."""
 
 from __future__ import annotations
 
+import os
+import shutil
 import socket
+import tempfile
 import threading
 import time
 from typing import Callable
@@ -30,6 +33,30 @@ class NoDelayH11(H11Protocol):
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         super().connection_made(transport)
+
+
+def serve(host: str, port: int, workers: int = 1, log_level: str = "info") -> None:
+    """Run ``auditor.server.app:create_app`` under uvicorn in the foreground until stopped.
+
+    With several workers each keeps its ingest counters in mmap files of one shared
+    directory and ``/metrics`` merges them (docs/deploy.md, "Metrics with several workers and
+    replicas"): ``$PROMETHEUS_MULTIPROC_DIR`` if set (wiped at start), else a fresh temporary
+    directory removed on exit. The variable must be set before the workers import
+    prometheus_client. Settings come from the environment (:class:`auditor.config.Settings`).
+    """
+    from auditor.server.metrics import MULTIPROC_ENV, prepare_multiprocess_dir
+
+    own_dir = None
+    if workers > 1 and not os.environ.get(MULTIPROC_ENV):
+        own_dir = os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="auditor-metrics-")
+    if os.environ.get(MULTIPROC_ENV):
+        prepare_multiprocess_dir(os.environ[MULTIPROC_ENV])
+    try:
+        uvicorn.run("auditor.server.app:create_app", factory=True, host=host, port=port, workers=workers,
+                    log_level=log_level, http=NoDelayH11)
+    finally:
+        if own_dir:
+            shutil.rmtree(own_dir, ignore_errors=True)
 
 
 def free_port() -> int:
@@ -64,7 +91,7 @@ class BackgroundServer:
     def __init__(self, settings: Settings, port: int | None = None):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        from auditor.api import create_app  # not at import: workers of the demo need only free_port
+        from auditor.server.app import create_app  # not at import: workers of the demo need only free_port
 
         config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=self.port,
                                 log_level="warning", lifespan="on")

@@ -6,8 +6,8 @@ tensor and context parallelism) and then run every :data:`SCENARIOS` entry in tu
 its own run ``{prefix}-{scenario}``: a correct reduction, or one with a fault injected the
 way trainers get it wrong (the DP group without CP, summing TP replicas, a missing Bessel
 correction, a cached statistic, an ``if numel() > 0`` guard, …). Every rank reports through
-the real :class:`auditor.client.AuditorClient` and the trainer-side hooks of
-:mod:`auditor.torch_hooks` to a live service. :func:`evaluate` then reads each run's
+the real :class:`auditor.trainer.client.AuditorClient` and the trainer-side hooks of
+:mod:`auditor.trainer.hooks` to a live service. :func:`evaluate` then reads each run's
 consistency report and returns the fault matrix: fault × detected × diagnosis correct.
 
 One spawned world serves all scenarios (start-up dominates the cost); the join is bounded,
@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
-from auditor.demo import spawn_world
+from auditor.testing.world import spawn_world
 
 #: Topology of the injection world: dp=2, cp=2, tp=2 (pp=1), 8 ranks.
 DP, CP, TP = 2, 2, 2
@@ -111,9 +110,9 @@ def _inject_all(rank: int, world: int, port: int, url: str, prefix: str, timeout
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     from megatron.core import parallel_state as ps
 
-    from auditor.client import AuditorClient
-    from auditor.torch_hooks import (audited_norm_sq, audited_sum, distributed_masked_whiten, masked_moments,
-                                     report_statistic)
+    from auditor.trainer.client import AuditorClient
+    from auditor.trainer.hooks import (audited_norm_sq, audited_sum, distributed_masked_whiten, masked_moments,
+                                       report_statistic)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
@@ -239,13 +238,6 @@ def _inject_all(rank: int, world: int, port: int, url: str, prefix: str, timeout
         dist.destroy_process_group()
 
 
-def _worker(rank, world, port, url, prefix, timeout, out) -> None:
-    try:
-        out.put(("ok", rank, _inject_all(rank, world, port, url, prefix, timeout)))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        out.put(("error", rank, traceback.format_exc()))
-
-
 def run_injection(url: str, prefix: str, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
     """Spawn the 8-rank world, inject every scenario, report to ``url``.
 
@@ -253,7 +245,7 @@ def run_injection(url: str, prefix: str, timeout: float = DEFAULT_TIMEOUT) -> li
     Raises ``RuntimeError`` if a worker failed and ``TimeoutError`` if the world did not
     finish within ``timeout`` seconds (all workers are killed first).
     """
-    return spawn_world(_worker, DP * CP * TP, (url, prefix, timeout), timeout)
+    return spawn_world(_inject_all, DP * CP * TP, (url, prefix, timeout), timeout)
 
 
 # ---------------------------------------------------------------------------- evaluation

@@ -3,7 +3,7 @@
 ``run_demo`` spawns dp·cp gloo workers that build Megatron-core's process groups, shard
 three sequences zigzag over the CP ranks (as Megatron's context parallelism and slime's
 ``compute_advantages_and_returns`` do), and whiten their advantages twice with
-:func:`auditor.torch_hooks.distributed_masked_whiten`:
+:func:`auditor.trainer.hooks.distributed_masked_whiten`:
 
 * run ``{prefix}-buggy`` over ``get_data_parallel_group()`` (CP excluded; slime's bug),
 * run ``{prefix}-fixed`` over ``get_data_parallel_group(with_context_parallel=True)``.
@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import math
 import os
-import queue
 import time
-import traceback
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Sequence
 
 import httpx
 import numpy as np
@@ -31,7 +29,7 @@ from rich.table import Table
 
 from auditor.core import stats
 from auditor.render import render_report
-from auditor.server import free_port
+from auditor.testing.world import spawn_world
 
 #: Default bound on the whole multi-process run, seconds: a rank stuck in a collective
 #: another rank skipped turns into an error instead of a hang.
@@ -171,7 +169,7 @@ class RankResult:
 
     ``tokens``: response tokens held per sample index. ``whitened``: per run id, the mean
     (float64) of the whitened tokens of each held sample. ``client_stats``: the rank's
-    :class:`~auditor.client.AuditorClient` counters (empty without a service).
+    :class:`~auditor.trainer.client.AuditorClient` counters (empty without a service).
     """
 
     rank: int
@@ -190,8 +188,8 @@ def _whiten_on_rank(rank, world, port, dp, cp, samples, url, run_ids, timeout) -
     import torch
     import torch.distributed as dist
 
-    from auditor.client import AuditorClient
-    from auditor.torch_hooks import distributed_masked_whiten, masked_moments
+    from auditor.trainer.client import AuditorClient
+    from auditor.trainer.hooks import distributed_masked_whiten, masked_moments
 
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     from megatron.core import parallel_state as ps
@@ -228,13 +226,6 @@ def _whiten_on_rank(rank, world, port, dp, cp, samples, url, run_ids, timeout) -
         dist.destroy_process_group()
 
 
-def _worker(rank, world, port, dp, cp, samples, url, run_ids, timeout, out) -> None:
-    try:
-        out.put(("ok", rank, _whiten_on_rank(rank, world, port, dp, cp, samples, url, run_ids, timeout)))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
-        out.put(("error", rank, traceback.format_exc()))
-
-
 def run_workers(
     samples: Sequence[Sample],
     dp: int,
@@ -246,65 +237,9 @@ def run_workers(
     """Spawn dp·cp gloo workers that whiten ``samples`` for the (buggy, fixed) ``run_ids``.
 
     Each worker reports to ``url`` (none when ``None``) and flushes before exiting.
-    Returns RankResults sorted by global rank; raises as :func:`spawn_world`.
+    Returns RankResults sorted by global rank; raises as :func:`auditor.testing.world.spawn_world`.
     """
-    return spawn_world(_worker, dp * cp, (dp, cp, tuple(samples), url, run_ids, timeout), timeout)
-
-
-def spawn_world(target, world: int, args: tuple, timeout: float) -> list:
-    """Run ``target(rank, world, master_port, *args, out)`` in ``world`` spawned processes
-    and return what each put on ``out`` as ``("ok", rank, payload)``, sorted by rank.
-
-    The join is bounded: a rank blocked in a collective another rank skipped fails the call
-    instead of hanging it.
-
-    Raises
-    ------
-    RuntimeError
-        A worker put ``("error", rank, traceback)`` or died (its message/exit code).
-    TimeoutError
-        Not every worker finished within ``timeout`` seconds; all workers are killed first.
-    """
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, *args, out), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + timeout
-    try:
-        return _collect(procs, out, deadline, timeout)
-    finally:
-        for p in procs:
-            p.join(timeout=max(deadline - time.monotonic(), 0.0))
-            if p.is_alive():
-                p.kill()
-                p.join()
-
-
-def _collect(procs, out, deadline: float, timeout: float) -> list:
-    results: dict[int, Any] = {}
-    while len(results) < len(procs):
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            missing = sorted(set(range(len(procs))) - set(results))
-            raise TimeoutError(
-                f"ranks {missing} did not finish within {timeout:.0f}s: a rank is likely blocked in "
-                "a collective that another rank skipped; all workers were killed"
-            )
-        try:
-            status, rank, payload = out.get(timeout=min(remaining, 1.0))
-        except queue.Empty:
-            dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
-            if dead:
-                raise RuntimeError(f"worker rank {dead[0][0]} died with exit code {dead[0][1]}") from None
-            continue
-        if status == "error":
-            raise RuntimeError(f"worker rank {rank} failed:\n{payload}")
-        results[rank] = payload
-    return [results[r] for r in sorted(results)]
+    return spawn_world(_whiten_on_rank, dp * cp, (dp, cp, tuple(samples), url, run_ids, timeout), timeout)
 
 
 # ---------------------------------------------------------------------------- demo

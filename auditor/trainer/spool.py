@@ -24,16 +24,23 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from auditor.trainer.settings import read_settings
+
 log = logging.getLogger("auditor.spool")
 
 SUFFIX = ".jsonl"
 OFFSET_SUFFIX = ".offset"
 
 
+def default_spool_dir() -> Path:
+    """``$AUDITOR_SPOOL_DIR``, else ``~/.cache/auditor/spool``."""
+    return read_settings().spool_dir
+
+
 def default_spool_name(rank: int | str | None = None) -> str:
     """``rank<RANK>-<host>-<pid>-<ms>.jsonl``: one file per rank and process, so concurrent
     ranks (and restarts) never write into one file. ``rank`` defaults to ``$RANK`` (torchrun)."""
-    rank = rank if rank is not None else os.environ.get("RANK", "x")
+    rank = rank if rank is not None else read_settings().rank
     return f"rank{rank}-{socket.gethostname()}-{os.getpid()}-{int(time.time() * 1000)}{SUFFIX}"
 
 
@@ -123,7 +130,7 @@ def iter_reports(path: str | os.PathLike, start: int = 0) -> Iterator[tuple[dict
 
 
 class Spool:
-    """Writer and replayer of one spool file (used by :class:`auditor.client.AuditorClient`).
+    """Writer and replayer of one spool file (used by :class:`auditor.trainer.client.AuditorClient`).
 
     Thread-safe: :meth:`append` (spill thread), :meth:`read` / :meth:`commit` (sender thread)
     and :meth:`sync` may run concurrently; the internal lock is held for one ``write``/
@@ -206,160 +213,8 @@ class Spool:
         return delivered
 
 
-# --------------------------------------------------------------------------- import / audit
-def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = None, batch_size: int = 1000,
-           timeout: float = 30.0, max_attempts: int = 8, restart: bool = False, on_progress=None) -> dict[str, int]:
-    """Upload spool files to the service at ``url`` (``auditor import``). Resumable and idempotent.
-
-    Each file is sent from its offset sidecar (``restart`` ignores it) in batches of
-    ``batch_size``; the sidecar is advanced after every batch the service answered, so an
-    interrupted import continues where it stopped, and a batch sent twice is a no-op for the
-    service. Reports the service refuses (409/422) are counted ``rejected`` and skipped.
-
-    ``on_progress(path, done_bytes, total_bytes)`` is called after every batch. Returns
-    counters ``files``, ``sent``, ``rejected``, ``retries``. Raises ``ConnectionError`` after
-    ``max_attempts`` consecutive transient failures (the sidecar then marks where to resume).
-    """
-    import httpx
-
-    from auditor.client import _backoff, post_lines
-
-    headers = {"Content-Type": "application/json"}
-    if token:
-        headers["Authorization"] = f"Bearer {token}"
-    counts = dict.fromkeys(("files", "sent", "rejected", "retries"), 0)
-    url = url.rstrip("/")
-    with httpx.Client(timeout=timeout, headers=headers) as http:
-        for path in spool_files(paths):
-            counts["files"] += 1
-            size = path.stat().st_size
-            offset = 0 if restart else min(read_offset(path), size)
-            if on_progress:
-                on_progress(path, offset, size)
-            while True:
-                lines, end = read_lines(path, offset, max_lines=batch_size)
-                if not lines:
-                    if end > offset:
-                        write_offset(path, end)
-                    break
-                pending, failures = [lines], 0
-                while pending:
-                    chunk = pending.pop()
-                    out = post_lines(http, url, chunk)
-                    if out.kind == "retry":
-                        failures += 1
-                        counts["retries"] += 1
-                        if failures >= max_attempts:
-                            raise ConnectionError(f"{url}: {out.message} ({failures} attempts); "
-                                                  f"{path} is delivered up to byte {offset}, re-run to resume")
-                        pending.append(chunk)
-                        time.sleep(max(out.delay, _backoff(failures)))
-                        continue
-                    failures = 0
-                    if out.kind == "sent":
-                        counts["sent"] += len(chunk)
-                    elif out.kind == "split":
-                        half = len(chunk) // 2
-                        pending += [chunk[half:], chunk[:half]]
-                    elif out.kind == "partial":
-                        log.warning("%s: %d reports rejected: %s", path, len(out.rejected), out.message)
-                        counts["rejected"] += len(out.rejected)
-                        rest = [ln for i, ln in enumerate(chunk) if i not in out.rejected]
-                        if rest:
-                            pending.append(rest)
-                    else:
-                        log.warning("%s: %d reports rejected: %s", path, len(chunk), out.message)
-                        counts["rejected"] += len(chunk)
-                offset = end
-                write_offset(path, offset)
-                if on_progress:
-                    on_progress(path, offset, size)
-    return counts
-
-
-def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None = None, *,
-                  run_id: str | None = None, bad_steps: int = 20, batch_size: int = 1000) -> tuple[list[dict], dict]:
-    """Audit spool files with no service (``auditor audit``): the service's own engine.
-
-    The reports are validated with the wire schema and stored with
-    :meth:`auditor.db.store.Store.ingest` into ``database_url`` (default: a temporary SQLite
-    file, deleted afterwards), which audits every completed step exactly as the service
-    does; steps still incomplete are then audited by :meth:`Store.sweep` with a grace period
-    of 0 (``missing_report``), as the service would after its grace period.
-
-    Returns ``(reports, counts)``: one consistency report per run (the JSON of
-    ``GET /v1/runs/{run_id}/report``; only ``run_id`` if given), and counters ``files``,
-    ``reports`` (lines read), ``stored``, ``duplicates``, ``invalid`` (not JSON or not a valid
-    report), ``conflicting`` (409 on the service: differs from a stored report, topology or spec).
-    """
-    import tempfile
-
-    from pydantic import ValidationError
-
-    from auditor.db.engine import ensure_schema, make_engine
-    from auditor.db.store import ConflictError, Store
-    from auditor.schemas import Report
-
-    counts = dict.fromkeys(("files", "reports", "stored", "duplicates", "invalid", "conflicting"), 0)
-    tmp = None
-    if database_url is None:
-        tmp = tempfile.TemporaryDirectory(prefix="auditor-audit-")
-        database_url = f"sqlite:///{Path(tmp.name) / 'audit.db'}"
-    engine = make_engine(database_url)
-    try:
-        ensure_schema(engine, database_url)
-        store = Store(engine)
-        run_ids: list[str] = []
-
-        def ingest(batch: list[Report]) -> None:
-            try:
-                out = store.ingest(batch)
-                counts["stored"] += out.accepted
-                counts["duplicates"] += out.duplicates
-            except ConflictError:
-                if len(batch) == 1:
-                    counts["conflicting"] += 1
-                    return
-                for r in batch:
-                    ingest([r])
-
-        for path in spool_files(paths):
-            counts["files"] += 1
-            batch: list[Report] = []
-            for _report, line, _end in _iter_lines(path, 0, parse=False):
-                counts["reports"] += 1
-                try:
-                    r = Report.model_validate_json(line)
-                except ValidationError as exc:
-                    counts["invalid"] += 1
-                    log.warning("%s: invalid report skipped: %s", path, str(exc).splitlines()[0])
-                    continue
-                if run_id is not None and r.run_id != run_id:
-                    continue
-                if r.run_id not in run_ids:
-                    run_ids.append(r.run_id)
-                batch.append(r)
-                if len(batch) >= batch_size:
-                    ingest(batch)
-                    batch = []
-            if batch:
-                ingest(batch)
-        now = time.time() + 1.0
-        while store.sweep(grace_seconds=0.0, now=now):
-            pass
-        reports = [store.report(rid, bad_steps_limit=bad_steps) for rid in run_ids if _has_run(store, rid)]
-        return reports, counts
-    finally:
-        engine.dispose()
-        if tmp is not None:
-            tmp.cleanup()
-
-
-def _has_run(store, run_id: str) -> bool:
-    from auditor.db.store import NotFound
-
-    try:
-        store.get_run(run_id)
-        return True
-    except NotFound:
-        return False
+def iter_lines(path: str | os.PathLike, start: int = 0) -> Iterator[tuple[bytes, int]]:
+    """Every complete, non-blank line of ``path`` from byte ``start`` (unparsed): ``(line, the
+    offset just past it)``."""
+    for _report, line, end in _iter_lines(path, start, parse=False):
+        yield line, end

@@ -1,0 +1,66 @@
+"""``auditor serve`` in a subprocess on a free port, reached over real HTTP."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+
+from auditor.server.run import free_port, wait_healthy
+
+
+class ServerProcess:
+    """``python -m auditor serve`` in a subprocess; :meth:`start`/:meth:`stop` may be repeated.
+
+    ``args`` are extra ``auditor serve`` options (e.g. ``("--workers", "2")``); ``env`` is
+    added to this process's environment (e.g. ``AUDITOR_GRACE_SECONDS="2"``). Output goes
+    to ``log_path``.
+    """
+
+    def __init__(self, database_url: str, log_path: Path, *, args: tuple[str, ...] = (), **env: str):
+        self.database_url = database_url
+        self.log_path = log_path
+        self.args = tuple(args)
+        self.env = {**os.environ, "AUDITOR_DATABASE_URL": database_url, **env}
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 60.0) -> "ServerProcess":
+        """Start and wait until ``/healthz`` answers; raises RuntimeError (with the log's tail) if not."""
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "auditor", "serve", "--port", str(self.port), "--log-level", "warning",
+             *self.args],
+            env=self.env, stdout=log, stderr=subprocess.STDOUT,
+        )
+        try:
+            wait_healthy(self.url, timeout, alive=lambda: self.proc is not None and self.proc.poll() is None)
+        except TimeoutError:
+            self.stop()
+            raise RuntimeError(f"server did not start; log:\n{self.log_path.read_text()[-4000:]}") from None
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        """Send ``sig`` and wait (bounded); kill if it does not exit."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc = None
+
+    def get(self, path: str, **kw) -> httpx.Response:
+        return httpx.get(self.url + path, timeout=30, **kw)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        return httpx.post(self.url + path, timeout=60, **kw)
+
+    def put(self, path: str, **kw) -> httpx.Response:
+        return httpx.put(self.url + path, timeout=30, **kw)

@@ -1,0 +1,78 @@
+"""A bounded gloo world: spawn ranks, collect what each returns, never hang.
+
+Used by the demo (:mod:`auditor.demo`), the fault injection, the tests and the benchmarks.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+import traceback
+from typing import Any, Callable
+
+from auditor.server.run import free_port
+
+
+def spawn_world(body: Callable[..., Any], world: int, args: tuple, timeout: float) -> list:
+    """Run ``body(rank, world, master_port, *args)`` in ``world`` spawned processes and return
+    what each returned, sorted by rank. ``body`` must be a module-level function (it is
+    pickled); ``master_port`` is a free TCP port for ``init_process_group``.
+
+    The join is bounded: a rank blocked in a collective another rank skipped fails the call
+    instead of hanging it.
+
+    Raises
+    ------
+    RuntimeError
+        A rank raised (the message holds its traceback) or died (its exit code).
+    TimeoutError
+        Not every rank finished within ``timeout`` seconds; all ranks are killed first.
+    """
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(body, r, world, port, args, out), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    try:
+        return _collect(procs, out, deadline, timeout)
+    finally:
+        for p in procs:
+            p.join(timeout=max(deadline - time.monotonic(), 0.0))
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+
+def _rank_main(body, rank: int, world: int, port: int, args: tuple, out) -> None:
+    try:
+        out.put(("ok", rank, body(rank, world, port, *args)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        out.put(("error", rank, traceback.format_exc()))
+
+
+def _collect(procs, out, deadline: float, timeout: float) -> list:
+    results: dict[int, Any] = {}
+    while len(results) < len(procs):
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            missing = sorted(set(range(len(procs))) - set(results))
+            raise TimeoutError(
+                f"ranks {missing} did not finish within {timeout:.0f}s: a rank is likely blocked in "
+                "a collective that another rank skipped; all workers were killed"
+            )
+        try:
+            status, rank, payload = out.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            dead = [(r, p.exitcode) for r, p in enumerate(procs) if r not in results and p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"worker rank {dead[0][0]} died with exit code {dead[0][1]}") from None
+            continue
+        if status == "error":
+            raise RuntimeError(f"worker rank {rank} failed:\n{payload}")
+        results[rank] = payload
+    return [results[r] for r in sorted(results)]

@@ -1,0 +1,402 @@
+"""Trainer-side client: enqueue reports in memory, deliver them from background threads.
+
+The contract with the training loop
+-----------------------------------
+* :meth:`AuditorClient.report` only appends the report dict to an in-memory deque (a lock is
+  taken for a few counter updates, never across I/O) and never raises. Median cost ≈ 1 µs
+  (``benchmarks/client_overhead.py``). Do not mutate a dict after passing it in.
+* Memory is bounded: at most ``max_queue`` reports are held. A *spill* thread moves reports
+  from memory to an on-disk JSONL spool (:mod:`auditor.trainer.spool`, one file per rank and
+  process, fsync'd every ``fsync_interval`` s) when the queue passes half of ``max_queue``,
+  or once the service has been failing for ``spool_after`` s. Only if the queue is full
+  *and* the spill cannot keep up (or spooling is disabled, or the disk fails) is a report
+  dropped — and then counted in ``stats["dropped"]``, never silently.
+* A *sender* thread POSTs batches of ``batch_size`` to ``{url}/v1/reports`` (wire contract v1,
+  DESIGN.md §3): the spool's undelivered lines first, in file order, then memory, so
+  reports reach the service in the order they were made (except a batch in flight when the
+  process exits, which is appended to the spool after the ones spilled while it was in
+  flight). Transient failures (connection errors, timeouts, 408/429/5xx, and 401/403/404,
+  which are configuration errors the data must survive) are retried with capped exponential
+  backoff and full jitter, honouring ``Retry-After``. 409/422 naming report indices reject
+  just those reports and resend the rest; 413 splits the batch. Replays are safe because the
+  service treats an identical re-send as a no-op.
+* :meth:`flush` waits (bounded) until everything enqueued so far is sent or rejected;
+  :meth:`close` (also run by :mod:`atexit`) flushes for at most ``flush_timeout`` s, then
+  writes whatever is still undelivered to the spool and returns, without waiting for a
+  request in flight — so a process exits within ``flush_timeout`` (plus a local disk
+  write) even when the service is down or hangs. Undelivered spools are uploaded later
+  with ``auditor import SPOOL...`` or audited offline with ``auditor audit SPOOL...``.
+* File-only mode: ``url="file:///some/dir"`` (or ``AUDITOR_URL=file:///some/dir``) makes the
+  client write the spool only; ``flush`` then means "written to the spool".
+
+Counters (``stats``): ``enqueued`` (accepted by ``report``), ``sent`` (stored by the service,
+or an identical re-send), ``rejected`` (the service refused them: 409 conflicts, 422, other
+4xx; or not JSON-serialisable), ``spooled`` (written to the spool file; a spooled report is
+later also counted ``sent`` when replayed), ``replayed`` (of ``sent``: delivered from the
+spool), ``dropped`` (lost: counted, logged), ``retries`` (failed requests that were retried).
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from auditor.trainer.delivery import MAX_BACKOFF, Outcome, deliver, encode
+from auditor.trainer.settings import read_settings
+from auditor.trainer.spool import Spool, default_spool_dir, default_spool_name
+
+log = logging.getLogger("auditor.client")
+
+#: Reports encoded and written per spill iteration (bounds how long the spill holds the GIL).
+SPILL_CHUNK = 500
+
+
+class AuditorClient:
+    """Batching, retrying, spooling client for ``POST /v1/reports`` (see the module docstring).
+
+    Parameters
+    ----------
+    url:
+        Base URL of the service (``http://host:8000``), or ``file:///dir`` for file-only mode.
+    batch_size:
+        Most reports per request.
+    flush_interval:
+        Seconds the sender waits for a batch to fill before sending what it has.
+    max_queue:
+        Most reports held in memory (≈3 KB each); beyond it ``report`` drops and counts.
+    timeout:
+        Per-request HTTP timeout, seconds.
+    token:
+        Bearer token sent as ``Authorization: Bearer <token>`` if given.
+    spool_dir:
+        Directory of the spool file (default :func:`default_spool_dir`); ``spool=False``
+        disables spooling (undeliverable reports are then dropped and counted).
+    spool_after:
+        Seconds of consecutive delivery failures before memory is spilled to the spool.
+    fsync_interval:
+        Seconds between fsyncs of the spool while it is being written.
+    flush_timeout:
+        What :meth:`close` (and the atexit hook) waits for delivery at most, seconds.
+    max_backoff:
+        Upper bound of one retry sleep, seconds.
+    rank:
+        Used in the spool file name (default ``$RANK``).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        batch_size: int = 1000,
+        flush_interval: float = 0.2,
+        max_queue: int = 10_000,
+        timeout: float = 5.0,
+        token: str | None = None,
+        spool_dir: str | os.PathLike | None = None,
+        spool: bool = True,
+        spool_after: float = 1.0,
+        fsync_interval: float = 1.0,
+        flush_timeout: float = 5.0,
+        max_backoff: float = MAX_BACKOFF,
+        rank: int | str | None = None,
+    ) -> None:
+        self.file_only = url.startswith("file:")
+        if self.file_only:
+            spool_dir = url[len("file://"):] if url.startswith("file://") else url[len("file:"):]
+            spool = True
+        self.url = url.rstrip("/")
+        self.batch_size = batch_size
+        self.flush_interval = flush_interval
+        self.max_queue = max_queue
+        self.spool_after = spool_after
+        self.fsync_interval = fsync_interval
+        self.flush_timeout = flush_timeout
+        self.max_backoff = max_backoff
+        self._high_water = max(1, max_queue // 2)
+        self._wake_at = min(batch_size, self._high_water)
+        self.stats: dict[str, int] = dict.fromkeys(
+            ("enqueued", "sent", "rejected", "spooled", "replayed", "dropped", "retries"), 0)
+        self.spool: Spool | None = (
+            Spool(Path(spool_dir or default_spool_dir()) / default_spool_name(rank)) if spool else None)
+        self._http: httpx.Client | None = None
+        if not self.file_only:
+            headers = {"Content-Type": "application/json"}
+            if token:
+                headers["Authorization"] = f"Bearer {token}"
+            self._http = httpx.Client(timeout=timeout, headers=headers)
+        self._queue: collections.deque[dict] = collections.deque()
+        self._lock = threading.Lock()  # guards counters, _inflight, _closed; never held across I/O
+        self._settled_cond = threading.Condition(self._lock)
+        self._accepted = 0  # reports ever accepted into the queue
+        self._settled = 0  # of those, reports whose outcome is final
+        self._inflight: list | None = None  # memory batch the sender is delivering (dicts or lines)
+        self._down_since: float | None = None  # monotonic time of the first failure of a streak
+        self._drops_logged = 0
+        self._wake = threading.Event()
+        self._spill_wake = threading.Event()
+        self._stop = threading.Event()
+        self._closed = False
+        self._threads = []
+        if self.spool is not None:
+            self._threads.append(threading.Thread(target=self._run_spill, name="auditor-spill", daemon=True))
+        if not self.file_only:
+            self._threads.append(threading.Thread(target=self._run_sender, name="auditor-sender", daemon=True))
+        for t in self._threads:
+            t.start()
+        atexit.register(self.close)
+
+    # ------------------------------------------------------------------ caller side
+
+    def report(self, report: dict) -> None:
+        """Enqueue one report (a wire-contract dict). Never blocks on I/O, never raises."""
+        try:
+            with self._lock:
+                if self._closed or len(self._queue) >= self.max_queue:
+                    self.stats["dropped"] += 1
+                    return
+                self._queue.append(report)
+                self._accepted += 1
+                self.stats["enqueued"] += 1
+                n = len(self._queue)
+            if n >= self._wake_at:
+                if not self._wake.is_set():
+                    self._wake.set()
+                if n >= self._high_water and not self._spill_wake.is_set():
+                    self._spill_wake.set()
+        except Exception:  # noqa: BLE001 - the training step must never see a client error
+            pass
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every report enqueued before this call has a final outcome.
+
+        Final: sent, rejected or dropped (in file-only mode: written to the spool). A report
+        spilled to the spool is final once it is replayed. Returns ``True`` when all are
+        final, ``False`` when ``timeout`` seconds passed first (``None``: no limit).
+        """
+        with self._lock:
+            target = self._accepted
+        self._wake.set()
+        self._spill_wake.set()
+        with self._settled_cond:
+            return self._settled_cond.wait_for(lambda: self._settled >= target, timeout)
+
+    def close(self, timeout: float | None = None) -> None:
+        """Flush for up to ``timeout`` (default ``flush_timeout``) seconds, then write what is
+        still undelivered to the spool and stop. Does not wait for a request in flight.
+        Idempotent; also registered with :mod:`atexit`."""
+        if self._closed:
+            return
+        timeout = self.flush_timeout if timeout is None else timeout
+        atexit.unregister(self.close)
+        delivered = self.flush(timeout)
+        self._stop.set()
+        self._wake.set()
+        self._spill_wake.set()
+        for t in self._threads:
+            if t.name == "auditor-spill":
+                t.join(timeout=max(timeout, 1.0))  # local disk only: bounded
+        with self._lock:
+            self._closed = True
+            leftover = list(self._inflight or []) + list(self._queue)
+            self._inflight = None
+            self._queue.clear()
+        self._give_up(leftover, "closed")
+        for t in self._threads:
+            if t.name == "auditor-sender":
+                t.join(timeout=0.2)  # it may be blocked in a request: it is a daemon, leave it
+                if not t.is_alive() and self._http is not None:
+                    self._http.close()
+        if self.spool is not None:
+            try:
+                if self.file_only:
+                    self.spool.close(remove_if_delivered=False)
+                    log.info("auditor client: %d reports in %s", self.spool.lines_written, self.spool.path)
+                elif not self.spool.close():
+                    log.warning(
+                        "auditor client: undelivered reports remain in %s; upload them with "
+                        "`auditor import %s` or audit offline with `auditor audit %s`",
+                        self.spool.path, self.spool.path, self.spool.path)
+            except OSError as exc:
+                log.error("auditor client: closing spool %s: %s", self.spool.path, exc)
+        if not delivered and self.stats["dropped"]:
+            log.warning("auditor client: %d reports dropped in total", self.stats["dropped"])
+
+    # ------------------------------------------------------------------ spill thread
+
+    def _should_spill(self) -> bool:
+        if self.file_only or len(self._queue) >= self._high_water:
+            return True
+        down = self._down_since
+        return down is not None and time.monotonic() - down >= self.spool_after
+
+    def _run_spill(self) -> None:
+        last_sync = time.monotonic()
+        while not self._stop.is_set():
+            self._spill_wake.wait(min(self.fsync_interval, 0.05 if self.file_only else 0.2))
+            self._spill_wake.clear()
+            try:
+                while self._queue and not self._stop.is_set() and self._should_spill():
+                    with self._lock:
+                        chunk = [self._queue.popleft() for _ in range(min(SPILL_CHUNK, len(self._queue)))]
+                    self._give_up(chunk, "spill")
+                if time.monotonic() - last_sync >= self.fsync_interval:
+                    self.spool.sync()
+                    last_sync = time.monotonic()
+                self._log_drops()
+            except Exception:  # noqa: BLE001 - the spill must survive anything
+                log.exception("auditor client: spill failed")
+
+    def _give_up(self, items: list, reason: str) -> None:
+        """The single place where reports the sender cannot deliver now go: the spool (or, if
+        there is none or the disk fails, ``dropped``). ``items`` are dicts or encoded lines."""
+        if not items:
+            return
+        lines, bad = [], 0
+        for item in items:
+            if isinstance(item, bytes):
+                lines.append(item)
+                continue
+            try:
+                lines.append(encode(item))
+            except (TypeError, ValueError):
+                bad += 1
+        if bad:
+            log.error("auditor client: %d reports are not JSON-serialisable; rejected", bad)
+            self._settle(bad, "rejected")
+        if not lines:
+            return
+        if self.spool is not None:
+            try:
+                self.spool.append(lines)
+                with self._settled_cond:
+                    self.stats["spooled"] += len(lines)
+                    if self.file_only or reason == "closed":
+                        self._settled += len(lines)
+                        self._settled_cond.notify_all()
+                return
+            except OSError as exc:
+                log.error("auditor client: cannot write spool %s: %s", self.spool.path, exc)
+        log.warning("auditor client: dropping %d reports (%s)", len(lines), reason)
+        self._settle(len(lines), "dropped")
+
+    def _log_drops(self) -> None:
+        dropped = self.stats["dropped"]
+        if dropped > self._drops_logged:
+            log.warning("auditor client: %d reports dropped so far (queue full: max_queue=%d)",
+                        dropped, self.max_queue)
+            self._drops_logged = dropped
+
+    # ------------------------------------------------------------------ sender thread
+
+    def _run_sender(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.flush_interval)
+            self._wake.clear()
+            while not self._stop.is_set():
+                try:
+                    if not self._send_one():
+                        break
+                except Exception:  # noqa: BLE001 - the sender must survive anything
+                    log.exception("auditor client: unexpected error in the sender")
+                    with self._lock:
+                        batch, self._inflight = self._inflight, None
+                    self._give_up(batch or [], "error")
+                    self._stop.wait(1.0)
+
+    def _send_one(self) -> bool:
+        """Deliver one batch: from the spool if it holds undelivered lines, else from memory.
+        Returns False when there was nothing to send."""
+        spool = self.spool
+        if spool is not None and spool.pending():
+            lines, end = spool.read(self.batch_size)
+            if lines:
+                if self._deliver(lines, from_memory=False):
+                    with self._lock:
+                        self.stats["replayed"] += len(lines)
+                    if not self._closed:
+                        spool.commit(end)
+                return True
+            if end > spool._offset:  # only blank lines
+                spool.commit(end)
+                return True
+        with self._lock:
+            if not self._queue:
+                return False
+            batch = [self._queue.popleft() for _ in range(min(self.batch_size, len(self._queue)))]
+            self._inflight = batch
+        lines = []
+        for r in batch:
+            try:
+                lines.append(encode(r))
+            except (TypeError, ValueError):
+                log.error("auditor client: report not JSON-serialisable; rejected: %r", r)
+                self._settle(1, "rejected")
+        with self._lock:
+            if self._inflight is batch:
+                self._inflight = lines
+        self._deliver(lines, from_memory=True)
+        return True
+
+    def _deliver(self, lines: list[bytes], from_memory: bool) -> bool:
+        """POST ``lines`` until each has a final outcome (True) or the client stops (False)."""
+        def on_retry(out: Outcome, failures: int) -> None:
+            if self._down_since is None:
+                self._down_since = time.monotonic()
+                log.warning("auditor client: service unavailable (%s); retrying, spilling to %s after %.1fs",
+                            out.message, self.spool.path if self.spool else "nowhere", self.spool_after)
+            with self._lock:
+                self.stats["retries"] += 1
+
+        def on_answer() -> None:
+            self._down_since = None
+
+        def on_final(kind: str, chunk: list[bytes], pending: list, out: Outcome) -> None:
+            if kind == "sent":
+                self._settle(len(chunk), "sent", from_memory, pending)
+            elif kind == "partial":
+                log.warning("auditor client: %d of %d reports rejected: %s", len(out.rejected), len(chunk),
+                            out.message)
+                self._settle(len(out.rejected), "rejected", from_memory, pending)
+            else:
+                log.warning("auditor client: %d reports rejected: %s", len(chunk), out.message)
+                self._settle(len(chunk), "rejected", from_memory, pending)
+
+        return deliver(self._http, self.url, lines, on_final=on_final, on_retry=on_retry, on_answer=on_answer,
+                       stopped=self._stop.is_set, wait=self._stop.wait, max_backoff=self.max_backoff)
+
+    def _settle(self, n: int, outcome: str, from_memory: bool = False, pending: list | None = None) -> None:
+        with self._settled_cond:
+            if from_memory:
+                if self._closed:
+                    return  # close() already took the in-flight batch over
+                self._inflight = [line for c in pending for line in c] if pending else None
+            self.stats[outcome] += n
+            self._settled += n
+            self._settled_cond.notify_all()
+
+
+def client_from_env(**kwargs: Any) -> AuditorClient | None:
+    """An :class:`AuditorClient` configured from the environment
+    (:mod:`auditor.trainer.settings`), or ``None`` when ``AUDITOR_URL`` is unset or empty.
+
+    ``AUDITOR_URL`` (``http(s)://...`` or ``file:///dir``), ``AUDITOR_TOKEN``,
+    ``AUDITOR_SPOOL_DIR``, ``AUDITOR_FLUSH_TIMEOUT`` (s), ``AUDITOR_MAX_QUEUE``; a malformed
+    number is logged and ignored. ``kwargs`` override them.
+    """
+    settings = read_settings()
+    if settings.url is None:
+        return None
+    conf: dict[str, Any] = {"token": settings.token}
+    if settings.flush_timeout is not None:
+        conf["flush_timeout"] = settings.flush_timeout
+    if settings.max_queue is not None:
+        conf["max_queue"] = settings.max_queue
+    return AuditorClient(settings.url, **{**conf, **kwargs})

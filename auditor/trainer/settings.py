@@ -1,0 +1,70 @@
+"""Every ``AUDITOR_*`` variable a training rank reads, in one place, parsed leniently.
+
+A typo in a trainer's environment must never stop training: a malformed number is logged
+and ignored (the default applies). Read at the moment of use (:func:`read_settings`), never
+at import, so a launcher may set the variables after ``import auditor``.
+
+==========================  ====================================================================
+variable                    meaning
+==========================  ====================================================================
+``AUDITOR_URL``             service base URL (``http(s)://host:8000``) or ``file:///dir``
+                            (write the spool only); unset or empty: no client, no auditing
+``AUDITOR_TOKEN``           bearer token sent with every request
+``AUDITOR_SPOOL_DIR``       spool directory (default ``~/.cache/auditor/spool``)
+``AUDITOR_FLUSH_TIMEOUT``   seconds ``close`` waits for delivery at exit (float)
+``AUDITOR_MAX_QUEUE``       most reports held in memory (integer)
+``AUDITOR_RUN_ID``          run id of the wrapped whitening (else ``TORCHELASTIC_RUN_ID``)
+``AUDITOR_STATISTIC``       statistic name of the wrapped whitening (default ``advantages``)
+``RANK``                    torchrun's global rank, used in spool file names
+==========================  ====================================================================
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping
+
+log = logging.getLogger("auditor.client")
+
+
+@dataclass(frozen=True)
+class TrainerSettings:
+    """The trainer side's configuration. ``None``: not set (or malformed)."""
+
+    url: str | None
+    token: str | None
+    spool_dir: Path
+    flush_timeout: float | None
+    max_queue: int | None
+    run_id: str | None
+    statistic: str
+    rank: str
+
+
+def _number(env: Mapping[str, str], var: str, cast):
+    raw = env.get(var)
+    if not raw:
+        return None
+    try:
+        return cast(raw)
+    except ValueError:
+        log.warning("auditor client: ignoring %s=%r (not a number)", var, raw)
+        return None
+
+
+def read_settings(env: Mapping[str, str] | None = None) -> TrainerSettings:
+    """The settings in ``env`` (default ``os.environ``) now."""
+    env = os.environ if env is None else env
+    return TrainerSettings(
+        url=(env.get("AUDITOR_URL") or "").strip() or None,
+        token=env.get("AUDITOR_TOKEN") or None,
+        spool_dir=Path(env.get("AUDITOR_SPOOL_DIR") or Path.home() / ".cache" / "auditor" / "spool"),
+        flush_timeout=_number(env, "AUDITOR_FLUSH_TIMEOUT", float),
+        max_queue=_number(env, "AUDITOR_MAX_QUEUE", lambda v: int(float(v))),
+        run_id=env.get("AUDITOR_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or None,
+        statistic=env.get("AUDITOR_STATISTIC") or "advantages",
+        rank=env.get("RANK", "x"),
+    )
