@@ -23,13 +23,14 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import ServerProcess, _pg_database
+from conftest import _pg_database
 from rich.console import Console
 
 from auditor.demo import run_demo
 from auditor.server import free_port
+from auditor.testing.server import ServerProcess
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROM_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 ALERT = "AuditorCPDisagreement"

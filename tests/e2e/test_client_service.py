@@ -8,6 +8,7 @@ offline audit of a spool agrees with the live service. Timing asserts are loose 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -20,9 +21,10 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
-from auditor.trainer.client import AuditorClient
-from conftest import ServerProcess
 from factory import reference_reports
+
+from auditor.testing.server import ServerProcess
+from auditor.trainer.client import AuditorClient
 
 pytestmark = pytest.mark.multiprocess
 
@@ -77,9 +79,9 @@ def server(tmp_path) -> ServerProcess:
 
 
 RANK_SCRIPT = r"""
-import json, sys, time
+import json, os, sys, time
 from pathlib import Path
-sys.path.insert(0, sys.argv[5])
+sys.path[:0] = sys.argv[5].split(os.pathsep)
 from auditor.trainer.client import AuditorClient
 from test_client_service import consistent_reports
 url, run_id, rank, work = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
@@ -106,7 +108,7 @@ def test_down_for_the_first_half_then_up_stores_every_report_exactly_once(server
     first half, so those go to the per-rank spools; it then comes up and the ranks send the
     rest. After flush every report is stored exactly once (2,000 rows, 2,000 distinct keys),
     every step audited consistent, the spools were used and replayed, nothing dropped."""
-    tests_dir = str(Path(__file__).parent)
+    tests_dir = os.pathsep.join([str(Path(__file__).parent), str(Path(__file__).parents[1])])
     procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, server.url, run_id, str(r), str(tmp_path), tests_dir],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(RANKS)]
     try:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROM_DIR = ROOT / "deploy" / "prometheus"
 ALERTS = PROM_DIR / "alerts.yml"
 ALERTS_TEST = PROM_DIR / "alerts_test.yml"

@@ -15,7 +15,7 @@ from auditor.server import free_port
 
 pytestmark = pytest.mark.multiprocess
 
-TESTS = str(Path(__file__).parent)
+TESTS = str(Path(__file__).parents[1])  # factory.py
 
 
 def _worker(rank: int, port: int, spool: str, run_id: str, variant: str) -> None:

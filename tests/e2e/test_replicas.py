@@ -20,11 +20,12 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import sqlalchemy as sa
-from conftest import ServerProcess, _pg_database
+from conftest import _pg_database
 
 from auditor.core import stats
 from auditor.db.engine import head_revision, make_engine
 from auditor.db.tables import faults, series, step_audits
+from auditor.testing.server import ServerProcess
 
 SIZES = {"dp": 2, "cp": 4, "tp": 2, "pp": 1}
 WORLD = 16

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from conftest import ServerProcess
 from factory import reference_reports
 from prometheus_client.mmap_dict import MmapedDict, mmap_key
 from prometheus_client.parser import text_string_to_metric_families
+
+from auditor.testing.server import ServerProcess
 
 RECEIVED = "auditor_reports_received_total"
 REJECTED = "auditor_reports_rejected_total"
