@@ -66,3 +66,17 @@ def run_id(request) -> str:
     """A run id unique to this test."""
     name = re.sub(r"[^A-Za-z0-9._:-]+", "-", request.node.name)[:80]
     return f"{name}-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def service(database_url):
+    """The service's flows in this process (no HTTP) on the session database of the backend.
+    Tests isolate themselves with unique run ids (:func:`run_id`)."""
+    from auditor.db.engine import ensure_schema, make_engine
+    from auditor.service import Service
+
+    engine = make_engine(database_url)
+    ensure_schema(engine, database_url)
+    svc = Service.from_engine(engine)
+    yield svc
+    svc.close()

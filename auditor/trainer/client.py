@@ -89,6 +89,23 @@ class AuditorClient:
         Upper bound of one retry sleep, seconds.
     rank:
         Used in the spool file name (default ``$RANK``).
+
+    Examples
+    --------
+    File-only mode needs no service: reports go to ``<dir>/rank0-….jsonl`` for a later
+    ``auditor import`` or ``auditor audit``.
+
+    >>> import tempfile
+    >>> from auditor import AuditorClient
+    >>> client = AuditorClient("file://" + tempfile.mkdtemp(), rank=0)
+    >>> client.report({"run_id": "doc", "statistic": "advantages", "step": 0, "rank": 0, "world_size": 1,
+    ...                "local": {"count": 2.0, "sum": 1.0, "sum_sq": 0.5},
+    ...                "applied": {"count": 2.0, "sum": 1.0, "sum_sq": 0.5}})
+    >>> client.flush(timeout=10)
+    True
+    >>> client.close()
+    >>> client.stats["spooled"], client.stats["dropped"]
+    (1, 0)
     """
 
     def __init__(

@@ -175,6 +175,25 @@ def wrap_distributed_whiten(
         Precision ``fn`` reduces in (wire ``dtype``).
     reduce_fallback:
         Re-reduce over ``process_group`` when ``fn``'s all-reduce cannot be observed.
+
+    Examples
+    --------
+    Wrap a trainer's own whitening (here auditor's copy of slime's) and audit each call;
+    the report says what the function's all-reduce returned and what it whitened with.
+
+    >>> import json, pathlib, tempfile, torch, torch.distributed as dist
+    >>> from auditor import AuditorClient, distributed_masked_whiten, set_step, wrap_distributed_whiten
+    >>> spool = tempfile.mkdtemp()
+    >>> client = AuditorClient("file://" + spool, rank=0)
+    >>> whiten = wrap_distributed_whiten(distributed_masked_whiten, client=client, run_id="doc")
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> set_step(7)
+    >>> w = whiten(torch.tensor([1.5, -0.5, -1.0]), torch.ones(3))
+    >>> client.close(); dist.destroy_process_group()
+    >>> (line,) = next(pathlib.Path(spool).glob("*.jsonl")).read_text().splitlines()
+    >>> report = json.loads(line)
+    >>> report["step"], report["applied"]["count"], round(report["applied"]["var"], 6), report["group_ranks"]
+    (7, 3.0, 1.75, [0])
     """
     if getattr(fn, "__auditor_wrapped__", False):
         return fn

@@ -1,0 +1,80 @@
+"""The service's flows in this process (no HTTP), on SQLite and PostgreSQL: the same
+verdicts, conflicts and reports as the API serves (tests/server/test_api.py)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from factory import reference_reports
+
+from auditor.schemas import Report, RunRegistration
+from auditor.service import ConflictError, NotFound
+
+
+def batch(run_id: str, buggy: bool, step: int = 0) -> list[Report]:
+    return [Report.model_validate(r) for r in reference_reports(run_id, buggy=buggy, step=step)]
+
+
+def test_ingest_audits_the_reference_case(service, run_id):
+    """Ingest stores and audits the step it completes in one call: the reference bug gives
+    cp_disagreement 0.433154 σ and applied error 0.267869 σ; a re-send is a duplicate."""
+    out = service.ingest(batch(run_id, buggy=True))
+    assert (out.accepted, out.duplicates, [v for _, _, v in out.audited]) == (2, 0, ["inconsistent"])
+    assert service.ingest(batch(run_id, buggy=True)).duplicates == 2
+    rep = service.report(run_id)
+    (s,) = rep["statistics"]
+    assert rep["consistent"] is False and set(s["faults"]) == {"cp_disagreement", "group_mismatch", "wrong_group"}
+    assert s["cp_disagreement_sigma"] == pytest.approx(0.433154, abs=1e-6)
+    assert s["applied_error_sigma"] == pytest.approx(0.267869, abs=1e-6)
+    step = service.step(run_id, "advantages", 0)
+    assert step["verdict"] == "inconsistent" and [r["rank"] for r in step["ranks"]] == [0, 1]
+    assert step["ranks"][0]["correct_mean"] == pytest.approx(0.1, abs=1e-6)
+
+
+def test_conflicts_store_nothing_and_name_the_reports(service, run_id):
+    """A different report under a stored key, another topology or another spec: 409-shaped
+    ConflictError naming the offending index; nothing of the batch is stored."""
+    service.ingest(batch(run_id, buggy=False)[:1])
+    changed = batch(run_id, buggy=True)
+    with pytest.raises(ConflictError) as e:
+        service.ingest(changed)
+    assert e.value.error == "conflicting_report" and e.value.conflicts[0]["index"] == 0
+    assert "the stored report stays" in e.value.message
+    other = reference_reports(run_id, buggy=False)
+    other[0]["world_size"], other[0]["sizes"]["dp"] = 4, 2
+    with pytest.raises(ConflictError) as e:
+        service.ingest([Report.model_validate(other[0])])
+    assert e.value.error == "topology_conflict" and e.value.conflicts == [{"index": 0, "field": "sizes"}]
+    spec = dict(reference_reports(run_id, buggy=False)[1], spec={"reduce_over": ["dp"]})
+    with pytest.raises(ConflictError) as e:
+        service.ingest([Report.model_validate(spec)])
+    assert e.value.error == "spec_conflict"
+    assert service.get_run(run_id)["steps_audited"] == 0  # the step is still open: nothing more was stored
+
+
+def test_sweep_audits_incomplete_steps_once(service, run_id):
+    """A step missing a report is audited by the sweep after the grace period: incomplete,
+    missing_report for rank 1; a second sweep finds nothing of it."""
+    service.ingest(batch(run_id, buggy=False)[:1])
+    assert service.sweep(grace_seconds=0.0, now=time.time() + 1) >= 1
+    step = service.step(run_id, "advantages", 0)
+    assert step["verdict"] == "incomplete" and step["faults"][0]["ranks"] == [1]
+    assert step["faults"][0]["evidence"] == {"missing": 1, "expected": 2}
+    service.sweep(grace_seconds=0.0, now=time.time() + 1)
+    assert service.report(run_id)["statistics"][0]["steps_audited"] == 1
+
+
+def test_registration_and_reads(service, run_id):
+    """register_run fixes the topology (idempotent, 409 on a contradiction); unknown runs,
+    statistics and steps are NotFound; list_runs shows the run."""
+    reg = RunRegistration.model_validate({"world_size": 2, "sizes": {"cp": 2}})
+    assert service.register_run(run_id, reg)["sizes"] == {"dp": 1, "cp": 2, "tp": 1, "pp": 1}
+    assert service.register_run(run_id, reg)["world_size"] == 2
+    with pytest.raises(ConflictError):
+        service.register_run(run_id, RunRegistration.model_validate({"world_size": 2, "sizes": {"dp": 2}}))
+    assert run_id in {r["run_id"] for r in service.list_runs()}
+    for call in (lambda: service.get_run(run_id + "-x"), lambda: service.step(run_id, "nope", 0),
+                 lambda: service.report(run_id, statistic="nope")):
+        with pytest.raises(NotFound):
+            call()
