@@ -17,7 +17,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -81,17 +80,13 @@ def database(kind: str, tag: str = "bench"):
         finally:
             shutil.rmtree(d, ignore_errors=True)
         return
-    import psycopg
+    from auditor.testing.postgres import create_database
 
-    name = f"{tag}_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    base = PG_ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
+    url, drop = create_database(tag, PG_ADMIN_URL)
     try:
-        yield f"{base}/{name}", name
+        yield url, url.rsplit("/", 1)[1]
     finally:
-        with psycopg.connect(PG_ADMIN_URL, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        drop()
 
 
 def database_bytes(kind: str, where) -> int:
