@@ -412,8 +412,8 @@ def client_from_env(**kwargs: Any) -> AuditorClient | None:
     if settings.url is None:
         return None
     conf: dict[str, Any] = {"token": settings.token}
-    if settings.flush_timeout is not None:
-        conf["flush_timeout"] = settings.flush_timeout
-    if settings.max_queue is not None:
-        conf["max_queue"] = settings.max_queue
+    for key in ("flush_timeout", "max_queue"):
+        value = getattr(settings, key)  # parsed (and a malformed value logged) once, here
+        if value is not None:
+            conf[key] = value
     return AuditorClient(settings.url, **{**conf, **kwargs})

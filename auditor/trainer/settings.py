@@ -32,20 +32,34 @@ log = logging.getLogger("auditor.client")
 
 @dataclass(frozen=True)
 class TrainerSettings:
-    """The trainer side's configuration. ``None``: not set (or malformed)."""
+    """The trainer side's configuration. ``None``: not set (or malformed).
+
+    The numbers are parsed when read (:attr:`flush_timeout`, :attr:`max_queue`), so a
+    malformed one is logged where it is used — once per client created — not on every
+    wrapped call that reads the run id.
+    """
 
     url: str | None
     token: str | None
     spool_dir: Path
-    flush_timeout: float | None
-    max_queue: int | None
     run_id: str | None
     statistic: str
     rank: str
+    raw_flush_timeout: str | None = None
+    raw_max_queue: str | None = None
+
+    @property
+    def flush_timeout(self) -> float | None:
+        """``AUDITOR_FLUSH_TIMEOUT`` in seconds."""
+        return _number("AUDITOR_FLUSH_TIMEOUT", self.raw_flush_timeout, float)
+
+    @property
+    def max_queue(self) -> int | None:
+        """``AUDITOR_MAX_QUEUE`` (``1e4`` is accepted)."""
+        return _number("AUDITOR_MAX_QUEUE", self.raw_max_queue, lambda v: int(float(v)))
 
 
-def _number(env: Mapping[str, str], var: str, cast):
-    raw = env.get(var)
+def _number(var: str, raw: str | None, cast):
     if not raw:
         return None
     try:
@@ -62,9 +76,9 @@ def read_settings(env: Mapping[str, str] | None = None) -> TrainerSettings:
         url=(env.get("AUDITOR_URL") or "").strip() or None,
         token=env.get("AUDITOR_TOKEN") or None,
         spool_dir=Path(env.get("AUDITOR_SPOOL_DIR") or Path.home() / ".cache" / "auditor" / "spool"),
-        flush_timeout=_number(env, "AUDITOR_FLUSH_TIMEOUT", float),
-        max_queue=_number(env, "AUDITOR_MAX_QUEUE", lambda v: int(float(v))),
         run_id=env.get("AUDITOR_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or None,
         statistic=env.get("AUDITOR_STATISTIC") or "advantages",
         rank=env.get("RANK", "x"),
+        raw_flush_timeout=env.get("AUDITOR_FLUSH_TIMEOUT"),
+        raw_max_queue=env.get("AUDITOR_MAX_QUEUE"),
     )
