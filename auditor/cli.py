@@ -125,12 +125,13 @@ class ReportSource:
             raise UsageError(f"run {run_id!r} not found") from None
 
     def runs(self) -> list[dict]:
-        """``GET /v1/runs``."""
+        """Every run of ``GET /v1/runs`` (all pages), newest first."""
         if self._service is None:
-            import httpx
+            from auditor.reader import Reader
 
-            return httpx.get(f"{self.url}/v1/runs", timeout=30).raise_for_status().json()
-        return self._service.list_runs()
+            with Reader(self.url) as reader:
+                return list(reader.runs_json(page_size=1000))
+        return self._service.list_runs()[0]
 
 
 def _console() -> Console:

@@ -44,7 +44,7 @@ def render_report(report: dict[str, Any], console: Console, *, max_steps: int = 
     for stat in statistics:
         bad = stat.get("bad_steps") or []
         for step in bad[:max_steps]:
-            _render_bad_step(console, stat["statistic"], step, max_ranks)
+            _render_bad_step(console, stat["statistic"], stat.get("kind", "moments"), step, max_ranks)
         if len(bad) > max_steps:
             console.print(f"  … {len(bad) - max_steps} more bad steps of {stat['statistic']}")
 
@@ -52,7 +52,8 @@ def render_report(report: dict[str, Any], console: Console, *, max_steps: int = 
 def _summary_table(statistics: list[dict[str, Any]]) -> Table:
     table = Table(title="Verdicts per statistic")
     for col, justify in (("statistic", "left"), ("kind", "left"), ("ok/bad/inc", "right"),
-                         ("bad steps (first–last)", "right"), ("faults", "left"), ("CP σ", "right"), ("error σ", "right")):
+                         ("bad steps (first–last)", "right"), ("faults", "left"),
+                         ("CP σ worst @step / latest", "right"), ("error σ worst @step / latest", "right")):
         table.add_column(col, justify=justify)
     for s in statistics:
         faults = "\n".join(f"{k} ×{n}" for k, n in (s.get("faults") or {}).items()) or "—"
@@ -61,13 +62,27 @@ def _summary_table(statistics: list[dict[str, Any]]) -> Table:
         span = "—" if first is None else (str(first) if first == last else f"{first}–{last}")
         table.add_row(
             s.get("statistic", ""), s.get("kind", ""), f"{counts} of {_int(s.get('steps_audited'))}", span,
-            faults, _num(s.get("cp_disagreement_sigma"), sign=False),
-            _num(s.get("applied_error_sigma"), sign=False),
+            faults, _worst_latest(s, "cp_disagreement"), _worst_latest(s, "applied_error"),
         )
     return table
 
 
-def _render_bad_step(console: Console, statistic: str, step: dict[str, Any], max_ranks: int) -> None:
+def _worst_latest(s: dict[str, Any], name: str) -> str:
+    """``worst @step / latest`` of a σ figure ("—" for sum/norm, which have none): the latest
+    alone reads "fine" right after a bad step."""
+    worst, latest = s.get(f"worst_{name}_sigma"), s.get(f"{name}_sigma")
+    if worst is None and latest is None:
+        return "—"
+    at = s.get(f"worst_{name}_step")
+    return f"{_num(worst, sign=False)}{'' if at is None else f' @{at}'} / {_num(latest, sign=False)}"
+
+
+#: Column labels of the value columns per statistic kind: the ``*_mean`` fields of a rank
+#: row hold a mean (moments), a sum (sum) or a squared norm (norm) — DESIGN.md §3.
+VALUE_LABEL = {"moments": "μ", "sum": "Σ", "norm": "‖g‖²"}
+
+
+def _render_bad_step(console: Console, statistic: str, kind: str, step: dict[str, Any], max_ranks: int) -> None:
     console.print(f"[bold]{statistic}[/] step {step.get('step')}: [red]{step.get('verdict')}[/]")
     for fault in step.get("faults") or []:
         ranks = fault.get("ranks") or []
@@ -78,17 +93,23 @@ def _render_bad_step(console: Console, statistic: str, step: dict[str, Any], max
     if not ranks:
         return
     table = Table(box=None, padding=(0, 1), header_style="bold")
-    for col in ("rank", "coords", "n", "local μ", "applied μ", "applied σ", "correct μ", "correct σ", "error σ"):
+    v = VALUE_LABEL.get(kind, "μ")
+    cols = (("rank", "coords", "n", "local μ", "applied μ", "applied σ", "correct μ", "correct σ", "error σ")
+            if kind == "moments" else ("rank", "coords", f"local {v}", f"applied {v}", f"correct {v}", "rel. error"))
+    for col in cols:
         table.add_column(col, justify="left" if col == "coords" else "right")
     for r in ranks[:max_ranks]:
         coords = " ".join(f"{k}{v}" for k, v in (r.get("coords") or {}).items() if k in ("dp", "cp") or v)
         mb = f"/mb{r['microbatch']}" if r.get("microbatch") else ""
-        table.add_row(
-            _int(r.get("rank")) + mb, coords, _num(r.get("local_count"), 0, sign=False),
-            _num(r.get("local_mean")), _num(r.get("applied_mean")), _num(r.get("applied_std"), sign=False),
-            _num(r.get("correct_mean")), _num(r.get("correct_std"), sign=False),
-            _num(r.get("error_sigma"), sign=False),
-        )
+        if kind == "moments":
+            values = (_num(r.get("local_count"), 0, sign=False), _num(r.get("local_mean")),
+                      _num(r.get("applied_mean")), _num(r.get("applied_std"), sign=False),
+                      _num(r.get("correct_mean")), _num(r.get("correct_std"), sign=False),
+                      _num(r.get("error_sigma"), sign=False))
+        else:  # sums and squared norms: no "+" (a negative sum still shows its "-")
+            values = (_num(r.get("local_mean"), sign=False), _num(r.get("applied_mean"), sign=False),
+                      _num(r.get("correct_mean"), sign=False), _num(r.get("relative_error"), sign=False))
+        table.add_row(_int(r.get("rank")) + mb, coords, *values)
     console.print(table)
     if len(ranks) > max_ranks:
         console.print(f"  … {len(ranks) - max_ranks} more ranks")

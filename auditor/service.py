@@ -271,15 +271,26 @@ class Service:
         return audited
 
     # -------------------------------------------------------------------------- reads
-    def list_runs(self) -> list[dict]:
-        """Every run with its topology and per-statistic step counts, newest first."""
+    def list_runs(self, limit: int | None = None, after: tuple[float, str] | None = None,
+                  status: str | None = None) -> tuple[list[dict], tuple[float, str] | None]:
+        """Runs with their topology and per-statistic step counts, newest first, one keyset
+        page at a time (``GET /v1/runs``).
+
+        ``after``: (created_at, run_id) of the last run of the previous page; ``status``:
+        ``inconsistent`` or ``consistent``. Returns (runs, the key to pass as ``after`` for
+        the next page, or None on the last page)."""
+        if status not in (None, "consistent", "inconsistent"):
+            raise ValueError(f"status must be 'consistent' or 'inconsistent', got {status!r}")
         with self.store.read() as conn:
-            run_rows = self.store.runs(conn)
-            srows = self.store.series_rows(conn)
+            run_rows = self.store.runs(conn, None if limit is None else limit + 1, after, status)
+            more = limit is not None and len(run_rows) > limit
+            run_rows = run_rows[:limit] if limit is not None else run_rows
+            srows = self.store.series_rows(conn, [r["run_id"] for r in run_rows]) if run_rows else []
         by_run: dict[str, list] = defaultdict(list)
         for s in srows:
             by_run[s["run_id"]].append(s)
-        return [_run_summary(r, by_run[r["run_id"]]) for r in run_rows]
+        last = (run_rows[-1]["created_at"], run_rows[-1]["run_id"]) if more else None
+        return [_run_summary(r, by_run[r["run_id"]]) for r in run_rows], last
 
     def get_run(self, run_id: str) -> dict:
         """One run's summary; raises :class:`NotFound`."""
@@ -326,6 +337,10 @@ class Service:
             "last_audited_step": s["last_audited_step"],
             "faults": fault_counts,
             "cp_disagreement_sigma": s["cp_disagreement_sigma"], "applied_error_sigma": s["applied_error_sigma"],
+            "worst_cp_disagreement_sigma": s["worst_cp_disagreement_sigma"],
+            "worst_cp_disagreement_step": s["worst_cp_disagreement_step"],
+            "worst_applied_error_sigma": s["worst_applied_error_sigma"],
+            "worst_applied_error_step": s["worst_applied_error_step"],
             "bad_steps": [self._step_detail(conn, info, topo, row) for row in bad_rows],
             "bad_steps_shown": len(bad_rows),
             "bad_steps_total": s["steps_inconsistent"] + s["steps_incomplete"],
@@ -348,6 +363,36 @@ class Service:
                 for f in fault_rows
             ],
             "ranks": [_row_json(r) for r in recomputed.rows],
+        }
+
+    def steps(self, run_id: str, statistic: str, *, start: int | None = None, stop: int | None = None,
+              verdict: str | None = None, limit: int = 1000, after: int | None = None) -> dict:
+        """Step history of one statistic (``GET .../statistics/{statistic}/steps``): one
+        summary per stored step row, in step order, never re-audited: step, verdict
+        (``pending`` while open), reports received of expected, the σ figures and rounding
+        tolerance (σ of the correct statistic), the fault kinds.
+
+        ``start``/``stop``: inclusive step bounds; ``verdict``: ``consistent``,
+        ``inconsistent``, ``incomplete`` or ``pending``; ``after``: the last step of the
+        previous page. Returns ``{"run_id", "statistic", "kind", "steps": [...], "last"}``,
+        ``last`` set when more steps may follow. Raises :class:`NotFound`."""
+        lo = start if after is None else (after + 1 if start is None else max(start, after + 1))
+        with self.store.read() as conn:
+            found = self.store.series_rows(conn, run_id, statistic)
+            if not found:
+                raise NotFound(f"{run_id}/{statistic}" if self.store.run(conn, run_id) is not None else run_id)
+            rows = self.store.step_rows(conn, found[0]["id"], start=lo, stop=stop, verdict=verdict, limit=limit + 1)
+        more = len(rows) > limit
+        rows = rows[:limit]
+        return {
+            "run_id": run_id, "statistic": statistic, "kind": found[0]["kind"],
+            "steps": [{
+                "step": r["step"], "verdict": r["verdict"] or "pending", "reports": r["received"],
+                "expected": r["expected"], "cp_disagreement_sigma": r["cp_disagreement_sigma"],
+                "applied_error_sigma": r["applied_error_sigma"], "tolerance_sigma": r["tolerance_sigma"],
+                "fault_kinds": r["fault_kinds"].split(",") if r["fault_kinds"] else [], "audited_at": r["audited_at"],
+            } for r in rows],
+            "last": rows[-1]["step"] if more and rows else None,
         }
 
     def step(self, run_id: str, statistic: str, step: int) -> dict:

@@ -157,6 +157,10 @@ class StepVerdict:
     groups: list[GroupStat]
     cp_disagreement_sigma: float | None
     applied_error_sigma: float | None
+    #: ``moments``: the largest applied-error σ a correct reduction in the reported dtype can
+    #: show at this step (the gap of the worst corner of the rounding bounds, docs/tolerance.md
+    #: §2); CP peers may differ by up to about twice it. None when nothing was judged.
+    tolerance_sigma: float | None = None
 
     @property
     def fault_kinds(self) -> list[str]:

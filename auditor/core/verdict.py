@@ -97,12 +97,12 @@ def audit_step(
         ))
     rows: list[RankRow] = []
     groups_out: list[GroupStat] = []
-    cp_sigma = err_sigma = None
+    cp_sigma = err_sigma = tol_sigma = None
     if reports:
         with np.errstate(all="ignore"):  # NaN/Inf/overflow are findings, not warnings
             st = Step(reports, sizes, spec, kind, num_microbatches)
             found = Findings(st.rank)
-            rows, groups_out, cp_sigma, err_sigma = _audit(st, _Lazy(history), found)
+            rows, groups_out, cp_sigma, err_sigma, tol_sigma = _audit(st, _Lazy(history), found)
         faults.extend(found.faults())
     if any(f.kind != FaultKind.MISSING_REPORT for f in faults):
         verdict = "inconsistent"
@@ -111,7 +111,7 @@ def audit_step(
     else:
         verdict = "consistent"
     rows.sort(key=lambda row: (row.microbatch, row.rank))
-    return StepVerdict(verdict, faults, rows, groups_out, cp_sigma, err_sigma)
+    return StepVerdict(verdict, faults, rows, groups_out, cp_sigma, err_sigma, tol_sigma)
 
 
 
@@ -158,9 +158,9 @@ def _audit(st: Step, history: "_Lazy", f: Findings):
     checks.membership(st, exp, reduce_over, f)
 
     # rows and σ figures
-    rows, groups_out, err_sigma = _rows(st, exp, e_vals, judged, reduce_over, over_mb, f.of)
+    rows, groups_out, err_sigma, tol_sigma = _rows(st, exp, e_vals, e_tol, judged, reduce_over, over_mb, f.of)
     cp_sigma = checks.cp_disagreement(st, exp, e_vals, e_tol, judged, f)
-    return rows, groups_out, cp_sigma, err_sigma
+    return rows, groups_out, cp_sigma, err_sigma, tol_sigma
 
 
 def _opt(values: np.ndarray, mask: np.ndarray) -> list:
@@ -170,13 +170,14 @@ def _opt(values: np.ndarray, mask: np.ndarray) -> list:
     return out.tolist()
 
 
-def _rows(st: Step, exp: Part, e_vals, judged: np.ndarray, reduce_over, over_mb: bool, faults_of):
+def _rows(st: Step, exp: Part, e_vals, e_tol, judged: np.ndarray, reduce_over, over_mb: bool, faults_of):
     """The per-rank table, the correct statistic of each judged group (in element order) and,
-    for ``moments``, the largest finite applied-error gap in σ. Vectorised per column."""
+    for ``moments``, the largest finite applied-error gap in σ and the largest gap the
+    rounding bounds allow (:attr:`StepVerdict.tolerance_sigma`). Vectorised per column."""
     kind = st.kind
     n = st.n
     groups_out: list[GroupStat] = []
-    err_sigma = None
+    err_sigma = tol_sigma = None
     if kind == "moments":
         n_e, mean_e, var_e = e_vals
         show = judged & (n_e > 0)
@@ -195,6 +196,15 @@ def _rows(st: Step, exp: Part, e_vals, judged: np.ndarray, reduce_over, over_mb:
             finite = np.isfinite(gaps)
             if finite.any():
                 err_sigma = gaps[finite].max()  # np.float64, as stats.transform_gap returns
+            # the gap of a correct reduction at the worst corner of its (mean, var) bounds
+            tm, tv = e_tol[1][idx], e_tol[2][idx]
+            tol = np.zeros(len(idx))
+            for sm in (-1.0, 1.0):
+                for sv in (-1.0, 1.0):
+                    tol = np.fmax(tol, stats.transform_gap_array(mean_e[idx] + sm * tm, var_e[idx] + sv * tv,
+                                                                 mean_e[idx], var_e[idx], lo, hi))
+            if np.isfinite(tol).all():
+                tol_sigma = float(tol.max())
         error_sigma = list(gaps)  # np.float64 scalars, as stats.transform_gap returns
         for i in np.flatnonzero(~np.isfinite(gaps)).tolist():
             error_sigma[i] = None
@@ -229,5 +239,5 @@ def _rows(st: Step, exp: Part, e_vals, judged: np.ndarray, reduce_over, over_mb:
             st.int_rows, st.raw, local_mean, applied_mean, applied_std, correct_mean, correct_std, error_sigma,
             faults_of, relative_error)
     ]
-    return rows, groups_out, err_sigma
+    return rows, groups_out, err_sigma, tol_sigma
 

@@ -350,6 +350,7 @@ class Store:
                 verdict=v.verdict, audited_at=now,
                 cp_disagreement_sigma=finite_or_none(v.cp_disagreement_sigma),
                 applied_error_sigma=finite_or_none(v.applied_error_sigma),
+                tolerance_sigma=finite_or_none(v.tolerance_sigma),
                 fault_kinds=",".join(map(str, v.fault_kinds)) or None, groups=json_safe(groups),
             )
         ).rowcount
@@ -357,6 +358,15 @@ class Store:
             return False
         bad = v.verdict == "inconsistent"
         latest = sa.or_(series.c.last_audited_step.is_(None), series.c.last_audited_step <= step)
+        worst = {}  # the largest σ of any step, and the step that had it
+        for name, value in (("cp_disagreement", v.cp_disagreement_sigma), ("applied_error", v.applied_error_sigma)):
+            value = finite_or_none(value)
+            if value is None:
+                continue
+            col = series.c[f"worst_{name}_sigma"]
+            higher = sa.or_(col.is_(None), col < value)
+            worst[f"worst_{name}_sigma"] = sa.case((higher, value), else_=col)
+            worst[f"worst_{name}_step"] = sa.case((higher, step), else_=series.c[f"worst_{name}_step"])
         conn.execute(
             series.update().where(series.c.id == series_id).values(
                 updated_at=now,
@@ -374,6 +384,7 @@ class Store:
                 applied_error_sigma=sa.case(
                     (latest, finite_or_none(v.applied_error_sigma)), else_=series.c.applied_error_sigma),
                 last_audited_step=sa.case((latest, step), else_=series.c.last_audited_step),
+                **worst,
             )
         )
         if v.faults:
@@ -404,20 +415,38 @@ class Store:
         ).all()]
 
     # -------------------------------------------------------------------------- reads
-    def runs(self, conn: sa.Connection) -> list[Mapping]:
-        """Every run row, newest first."""
-        return conn.execute(sa.select(runs).order_by(runs.c.created_at.desc())).mappings().all()
+    def runs(self, conn: sa.Connection, limit: int | None = None, after: tuple[float, str] | None = None,
+             status: str | None = None) -> list[Mapping]:
+        """Run rows, newest first (``created_at``, then ``run_id``), from the keyset position
+        ``after`` (the last run of the previous page), at most ``limit``. ``status``:
+        ``inconsistent`` (some series has an inconsistent step) or ``consistent``. Served
+        from ``ix_runs_created_at_run_id`` and the per-series aggregates."""
+        q = sa.select(runs).order_by(runs.c.created_at.desc(), runs.c.run_id.desc())
+        bad = sa.exists().where(series.c.run_id == runs.c.run_id, series.c.steps_inconsistent > 0)
+        if status == "inconsistent":
+            q = q.where(bad)
+        elif status == "consistent":
+            q = q.where(~bad)
+        if after is not None:
+            q = q.where(sa.or_(runs.c.created_at < after[0],
+                               sa.and_(runs.c.created_at == after[0], runs.c.run_id < after[1])))
+        if limit is not None:
+            q = q.limit(limit)
+        return conn.execute(q).mappings().all()
 
     def run(self, conn: sa.Connection, run_id: str) -> Mapping | None:
         """The run row of ``run_id``, or None."""
         return conn.execute(sa.select(runs).where(runs.c.run_id == run_id)).mappings().one_or_none()
 
-    def series_rows(self, conn: sa.Connection, run_id: str | None = None, statistic: str | None = None,
-                    ordered: bool = False) -> list[Mapping]:
-        """``series`` rows (all, one run's, or one statistic of it); by statistic if ``ordered``."""
+    def series_rows(self, conn: sa.Connection, run_id: str | Sequence[str] | None = None,
+                    statistic: str | None = None, ordered: bool = False) -> list[Mapping]:
+        """``series`` rows (all, of one run or of several, or one statistic of a run); by
+        statistic if ``ordered``."""
         q = sa.select(series)
-        if run_id is not None:
+        if isinstance(run_id, str):
             q = q.where(series.c.run_id == run_id)
+        elif run_id is not None:
+            q = q.where(series.c.run_id.in_(list(run_id)))
         if statistic is not None:
             q = q.where(series.c.statistic == statistic)
         if ordered:
@@ -446,6 +475,27 @@ class Store:
                    step_audits.c.verdict.in_(("inconsistent", "incomplete")))
             .order_by((step_audits.c.verdict == "incomplete"), step_audits.c.step).limit(limit)
         ).mappings().all()
+
+    def step_rows(self, conn: sa.Connection, series_id: int, *, start: int | None = None, stop: int | None = None,
+                  verdict: str | None = None, limit: int = 1000) -> list[Mapping]:
+        """The stored per-step rows of a series in step order (never re-audited): step,
+        verdict (None while open), received, expected, σ figures, tolerance, fault kinds,
+        audited_at; steps in [``start``, ``stop``], of one ``verdict`` (``pending``: open),
+        at most ``limit``. Keyset reads over the primary key (series_id, step), or over
+        ``ix_step_audits_series_verdict_step`` when filtered by verdict."""
+        a = step_audits.c
+        q = (sa.select(a.step, a.verdict, a.received, a.expected, a.cp_disagreement_sigma, a.applied_error_sigma,
+                       a.tolerance_sigma, a.fault_kinds, a.audited_at)
+             .where(a.series_id == series_id).order_by(a.step).limit(limit))
+        if verdict == "pending":
+            q = q.where(a.verdict.is_(None))
+        elif verdict is not None:
+            q = q.where(a.verdict == verdict)
+        if start is not None:
+            q = q.where(a.step >= start)
+        if stop is not None:
+            q = q.where(a.step <= stop)
+        return conn.execute(q).mappings().all()
 
     def step_row(self, conn: sa.Connection, series_id: int, step: int) -> Mapping | None:
         """The ``step_audits`` row of one step, or None."""

@@ -29,6 +29,7 @@ runs = sa.Table(
     sa.Column("tp", sa.Integer, nullable=False),
     sa.Column("pp", sa.Integer, nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
+    sa.Index("ix_runs_created_at_run_id", "created_at", "run_id"),  # GET /v1/runs keyset pages
 )
 
 # One row per (run, statistic): its kind and spec, and the running aggregates that
@@ -51,6 +52,11 @@ series = sa.Table(
     sa.Column("last_audited_step", BigInt),
     sa.Column("cp_disagreement_sigma", sa.Float),
     sa.Column("applied_error_sigma", sa.Float),
+    # the largest sigma figures of any audited step, and the (first) step that had them
+    sa.Column("worst_cp_disagreement_sigma", sa.Float),
+    sa.Column("worst_cp_disagreement_step", BigInt),
+    sa.Column("worst_applied_error_sigma", sa.Float),
+    sa.Column("worst_applied_error_step", BigInt),
     sa.UniqueConstraint("run_id", "statistic"),
 )
 
@@ -98,9 +104,12 @@ step_audits = sa.Table(
     sa.Column("audited_at", sa.Float),
     sa.Column("cp_disagreement_sigma", sa.Float),
     sa.Column("applied_error_sigma", sa.Float),
+    sa.Column("tolerance_sigma", sa.Float),  # audit.StepVerdict.tolerance_sigma
     sa.Column("fault_kinds", sa.String(256)),  # comma-separated, for listings
     sa.Column("groups", sa.JSON),  # correct statistic per expected group: [[key, mb, count, mean, var]]
     sa.Index("ix_step_audits_open", "verdict", "first_seen"),
+    # step history filtered by verdict (GET .../steps?verdict=), keyset-paginated by step
+    sa.Index("ix_step_audits_series_verdict_step", "series_id", "verdict", "step"),
 )
 
 faults = sa.Table(

@@ -6,18 +6,21 @@ Endpoints (all JSON):
 * ``PUT /v1/runs/{run_id}`` — register a run's topology and statistic specs.
 * ``GET /v1/runs``, ``GET /v1/runs/{run_id}``, ``GET /v1/runs/{run_id}/report``,
   ``GET /v1/runs/{run_id}/statistics/{statistic}/steps/{step}``.
+* ``GET /v1/runs/{run_id}/statistics/{statistic}/steps`` (step history, keyset-paginated).
 * ``GET /healthz``, ``GET /metrics`` (Prometheus text format).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import gc
 import json
 import logging
 import time
-from typing import Any
+from typing import Any, Literal
 
 import sqlalchemy as sa
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
@@ -162,9 +165,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return s.service.register_run(run_id, reg)
 
     @app.get("/v1/runs")
-    def list_runs(s: AppState = Depends(svc)) -> list[dict]:
-        """Every run: topology, statistics, steps audited and inconsistent. Newest first."""
-        return s.service.list_runs()
+    def list_runs(
+        limit: int = Query(100, ge=1, le=1000, description="Runs per page."),
+        cursor: str | None = Query(None, description="`next_cursor` of the previous page."),
+        status: Literal["consistent", "inconsistent"] | None = Query(
+            None, description="Only runs with (inconsistent) or without (consistent) an inconsistent step."),
+        s: AppState = Depends(svc),
+    ) -> dict:
+        """Runs, newest first: ``{"runs": [{run_id, world_size, sizes, created_at,
+        last_activity, statistics, steps_audited, steps_inconsistent, consistent}],
+        "next_cursor": str | null}``. Pass ``next_cursor`` back as ``cursor`` for the next
+        page (opaque; null on the last page). Times are Unix seconds."""
+        after = decode_cursor(cursor, lambda v: (float(v[0]), str(v[1])))
+        rows, last = s.service.list_runs(limit=limit, after=after, status=status)
+        return {"runs": rows, "next_cursor": encode_cursor(list(last)) if last else None}
 
     @app.get("/v1/runs/{run_id}")
     def get_run(run_id: str, s: AppState = Depends(svc)) -> dict:
@@ -179,10 +193,35 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         s: AppState = Depends(svc),
     ) -> dict:
         """Consistency report: per statistic, steps audited/consistent/inconsistent/incomplete/
-        pending, first and last bad step, fault counts by kind, the latest sigma figures, and
+        pending, first and last bad step, fault counts by kind, the latest sigma figures and
+        the worst ones (``worst_cp_disagreement_sigma``/``_step``, ``worst_applied_error_sigma``/
+        ``_step``: the largest of any audited step, and that step), and
         for up to ``bad_steps`` bad steps their faults and per-rank table (rank, coords,
         local count and mean, applied mean/std, correct mean/std, error in σ)."""
         return s.service.report(run_id, bad_steps_limit=bad_steps, statistic=statistic)
+
+    @app.get("/v1/runs/{run_id}/statistics/{statistic}/steps")
+    def get_steps(
+        run_id: str,
+        statistic: str,
+        start: int | None = Query(None, alias="from", ge=0, le=2**62, description="First step (inclusive)."),
+        stop: int | None = Query(None, alias="to", ge=0, le=2**62, description="Last step (inclusive)."),
+        verdict: Literal["consistent", "inconsistent", "incomplete", "pending"] | None = Query(
+            None, description="Only steps with this verdict (pending: not audited yet)."),
+        limit: int = Query(1000, ge=1, le=10_000, description="Steps per page."),
+        cursor: str | None = Query(None, description="`next_cursor` of the previous page."),
+        s: AppState = Depends(svc),
+    ) -> dict:
+        """Step history of one statistic, in step order, from the stored per-step rows (no
+        re-audit): ``{"run_id", "statistic", "kind", "steps": [{step, verdict, reports,
+        expected, cp_disagreement_sigma, applied_error_sigma, tolerance_sigma, fault_kinds,
+        audited_at}], "next_cursor"}``. σ figures are in standard deviations of the correct
+        statistic (``moments`` only; null for ``sum``/``norm``); ``tolerance_sigma`` is the
+        most a correct reduction's rounding can show. 404 for an unknown run or statistic."""
+        after = decode_cursor(cursor, int)
+        page = s.service.steps(run_id, statistic, start=start, stop=stop, verdict=verdict, limit=limit, after=after)
+        last = page.pop("last")
+        return {**page, "next_cursor": encode_cursor(last) if last is not None else None}
 
     @app.get("/v1/runs/{run_id}/statistics/{statistic}/steps/{step}")
     def get_step(run_id: str, statistic: str, step: int = Path(ge=0, le=2**62),
@@ -221,6 +260,24 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+
+
+def encode_cursor(value: Any) -> str:
+    """An opaque pagination cursor: the keyset position as URL-safe base64 of compact JSON."""
+    return base64.urlsafe_b64encode(json.dumps(value, separators=(",", ":")).encode()).decode().rstrip("=")
+
+
+def decode_cursor(cursor: str | None, parse) -> Any:
+    """The position of :func:`encode_cursor`'s ``cursor`` (``parse`` checks its shape); a
+    cursor that is not one of ours is a 422 naming ``cursor``."""
+    if not cursor:  # absent, or empty (`?cursor=`: the first page)
+        return None
+    try:
+        return parse(json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))))
+    except (ValueError, TypeError, IndexError, KeyError, binascii.Error):
+        raise RequestValidationError([{"loc": ("query", "cursor"), "type": "value_error", "input": cursor,
+                                       "msg": "not a cursor of this listing: pass back the next_cursor of the "
+                                              "previous page unchanged"}]) from None
 
 
 def _count_reports(body: bytes) -> int:

@@ -64,3 +64,26 @@ def test_serve_refuses_newer_database_with_exit_code(fresh_database_url):
                           "--port", "1"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2
     assert "newer than this auditor" in out.stderr
+
+
+def test_step_history_revision_backfills_worst_sigma(fresh_database_url):
+    """Revision 0002 fills the worst σ figures (and their steps) of series audited before it
+    from their stored per-step rows; the tolerance of those old steps stays unknown (NULL)."""
+    upgrade(fresh_database_url, "0001")
+    engine = make_engine(fresh_database_url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("INSERT INTO runs (run_id, world_size, dp, cp, tp, pp, created_at) "
+                             "VALUES ('r', 2, 1, 2, 1, 1, 0)"))
+        conn.execute(sa.text("INSERT INTO series (id, run_id, statistic, kind, spec, created_at, updated_at) "
+                             "VALUES (1, 'r', 'advantages', 'moments', '{}', 0, 0)"))
+        for step, cp, err in ((0, 0.0, 1e-9), (1, 0.433154, 0.267869), (2, 0.1, 0.3), (3, None, None)):
+            conn.execute(sa.text("INSERT INTO step_audits (series_id, step, expected, received, first_seen, "
+                                 "verdict, cp_disagreement_sigma, applied_error_sigma) "
+                                 "VALUES (1, :s, 2, 2, 0, 'consistent', :c, :e)"), {"s": step, "c": cp, "e": err})
+    upgrade(fresh_database_url)
+    with engine.connect() as conn:
+        row = conn.execute(sa.text("SELECT worst_cp_disagreement_sigma, worst_cp_disagreement_step, "
+                                   "worst_applied_error_sigma, worst_applied_error_step FROM series")).one()
+        tol = conn.execute(sa.text("SELECT count(*) FROM step_audits WHERE tolerance_sigma IS NULL")).scalar_one()
+    engine.dispose()
+    assert tuple(row) == (0.433154, 1, 0.3, 2) and tol == 4

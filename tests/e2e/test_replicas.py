@@ -352,6 +352,6 @@ def test_replicas_starting_at_once_migrate_an_empty_database_once(pg_databases, 
     _, reports = make_run("startup", 7)
     with httpx.Client() as http:
         _post(http, procs[0].url, [r for r in reports if r["step"] == 0])
-    runs = [s.get("/v1/runs").json() for s in procs]
+    runs = [s.get("/v1/runs").json()["runs"] for s in procs]
     assert runs[0] == runs[1] == runs[2] and runs[0][0]["run_id"] == "startup"
 
