@@ -17,6 +17,8 @@ name                            what it is
 ``audited_norm_sq``             squared gradient norm over the model-parallel group (``norm``)
 ``report_statistic``            enqueue one report of any kind
 ``masked_moments``              a rank's masked moments (the wire ``local`` block)
+``Reader``                      read client for notebooks and CI (not for ranks): typed runs,
+                                reports, step history (:mod:`auditor.reader`)
 ==============================  ==============================================================
 """
 
@@ -37,6 +39,8 @@ _TRAINER_API = {
     "wrap_distributed_whiten": "auditor.trainer.wrap",
     "set_step": "auditor.trainer.wrap",
     "step_context": "auditor.trainer.wrap",
+    # not run inside training ranks: the typed read client for notebooks and CI scripts
+    "Reader": "auditor.reader",
 }
 
 __all__ = sorted(_TRAINER_API)

@@ -33,6 +33,12 @@ class Format(str, Enum):
     json = "json"
 
 
+class ReportFormat(str, Enum):
+    table = "table"
+    json = "json"
+    html = "html"
+
+
 class UsageError(Exception):
     """A user-facing error: printed as one line, exit code 2."""
 
@@ -123,6 +129,29 @@ class ReportSource:
             return self._service.report(run_id, bad_steps_limit=bad_steps)
         except NotFound:
             raise UsageError(f"run {run_id!r} not found") from None
+
+    # the reads of a run page (auditor.web.PageSource)
+    def report_json(self, run_id: str, *, bad_steps: int = 20) -> dict:
+        return self.report(run_id, bad_steps)
+
+    def steps_json(self, run_id: str, statistic: str):
+        if self._service is None:
+            from auditor.reader import Reader
+
+            with Reader(self.url) as reader:
+                yield from reader.steps_json(run_id, statistic, page_size=10_000)
+            return
+        from auditor.service import PageReads
+
+        yield from PageReads(self._service).steps_json(run_id, statistic)
+
+    def step_json(self, run_id: str, statistic: str, step: int) -> dict:
+        if self._service is None:
+            from auditor.reader import Reader
+
+            with Reader(self.url) as reader:
+                return reader.step_json(run_id, statistic, step)
+        return self._service.step(run_id, statistic, step)
 
     def runs(self) -> list[dict]:
         """Every run of ``GET /v1/runs`` (all pages), newest first."""
@@ -219,17 +248,33 @@ def report(
     run_id: str,
     url: Optional[str] = ServiceUrl,
     database_url: Optional[str] = DatabaseUrl,
-    format: Format = typer.Option(Format.table, "--format", "-f"),
+    format: ReportFormat = typer.Option(
+        ReportFormat.table, "--format", "-f",
+        help="table, json, or html: the run page with its plots as one self-contained file (plotly.js inlined; "
+             "opens offline), e.g. `auditor report RUN --format html > run.html`."),
     bad_steps: int = typer.Option(20, min=0, help="Bad steps shown per statistic."),
 ) -> None:
     """Print the consistency report of RUN_ID (exit 2: run, service or database not found)."""
+    if format is ReportFormat.html:
+        typer.echo(_report_html(run_id, url, database_url, bad_steps), nl=False)
+        return
     data = _fetch_report(run_id, url, database_url, bad_steps)
-    if format is Format.json:
+    if format is ReportFormat.json:
         typer.echo(json.dumps(data, indent=2))
         return
     from auditor.render import render_report
 
     render_report(data, _console())
+
+
+def _report_html(run_id: str, url: str | None, database_url: str | None, bad_steps: int) -> str:
+    """The run page of RUN_ID as one self-contained HTML document, read from a service
+    (``--url``) or straight from the database — the same page ``GET /runs/{run_id}`` serves."""
+    from auditor import web
+
+    with ReportSource(url, database_url) as source:
+        page = web.gather_run_page(source, run_id, bad_steps=bad_steps)
+    return web.render_run_page(**page, inline_assets=True)
 
 
 @app.command()
@@ -279,6 +324,8 @@ def runs(url: Optional[str] = ServiceUrl, database_url: Optional[str] = Database
 def demo(
     dp: int = typer.Option(1, min=1, help="Data-parallel size."),
     cp: int = typer.Option(2, min=1, help="Context-parallel size."),
+    steps: int = typer.Option(1, min=1, max=1000, help="Rollout steps per run: step 0 is the reference case, later "
+                                                         "steps whiten fresh rewards (a history for the run page)."),
     url: Optional[str] = typer.Option(None, "--url", help="Use a running service instead of starting one."),
     database_url: Optional[str] = DatabaseUrl,
 ) -> None:
@@ -288,21 +335,30 @@ def demo(
     from auditor.demo import run_demo
 
     console = _console()
+    if cp < 2:
+        console.print("[yellow]note: with --cp 1 there is no context parallelism, so the DP group without CP is "
+                      "the right group and the '-buggy' run is consistent; the bug needs --cp 2 or more[/]")
     if url:
-        from auditor.server import wait_healthy
+        from auditor.server.run import wait_healthy
 
         try:
             wait_healthy(url.rstrip("/"), timeout=10)
         except TimeoutError as e:
             raise UsageError(str(e)) from None
-        run_demo(url.rstrip("/"), dp=dp, cp=cp, console=console)
+        result = run_demo(url.rstrip("/"), dp=dp, cp=cp, steps=steps, console=console)
+        console.print(f"Run pages: {url.rstrip('/')}/runs/{result.buggy_run_id}  {url.rstrip('/')}/runs/"
+                      f"{result.fixed_run_id}", highlight=False, soft_wrap=True)
         return
-    from auditor.server import BackgroundServer
+    from auditor.server.run import BackgroundServer
 
     settings = Settings(database_url=_db_url(database_url))
     console.print(f"[dim]auditor service on {settings.database_url}[/dim]")
     with BackgroundServer(settings) as base:
-        run_demo(base, dp=dp, cp=cp, console=console)
+        result = run_demo(base, dp=dp, cp=cp, steps=steps, console=console)
+    db = "" if database_url is None else f" --database-url {settings.database_url}"
+    console.print(f"See them in a browser: `auditor serve{db}`, then http://127.0.0.1:8000/runs/{result.buggy_run_id}"
+                  f" — or `auditor report {result.buggy_run_id}{db} --format html > run.html`",
+                  highlight=False, soft_wrap=True)
 
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import sqlalchemy as sa
 
@@ -413,6 +413,32 @@ class Service:
     def metric_series(self, since: float) -> list[dict]:
         """Per-series aggregates for /metrics, for series active after ``since`` (Unix s)."""
         return self.store.metric_series(since)
+
+
+class PageReads:
+    """The three reads of a run page (:class:`auditor.web.PageSource`) from a
+    :class:`Service`: the same JSON documents as the endpoints they name."""
+
+    def __init__(self, service: Service):
+        self.service = service
+
+    def report_json(self, run_id: str, *, bad_steps: int = 20) -> dict:
+        """``GET /v1/runs/{run_id}/report``."""
+        return self.service.report(run_id, bad_steps_limit=bad_steps)
+
+    def steps_json(self, run_id: str, statistic: str) -> Iterator[dict]:
+        """Every item of ``GET .../statistics/{statistic}/steps``, page by page."""
+        after = None
+        while True:
+            page = self.service.steps(run_id, statistic, limit=10_000, after=after)
+            yield from page["steps"]
+            after = page["last"]
+            if after is None:
+                return
+
+    def step_json(self, run_id: str, statistic: str, step: int) -> dict:
+        """``GET .../statistics/{statistic}/steps/{step}``."""
+        return self.service.step(run_id, statistic, step)
 
 
 def _run_summary(r, srows) -> dict:

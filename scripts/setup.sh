@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up a fresh machine: a virtualenv in .venv with the package and its extras.
 #   scripts/setup.sh          service + trainer side (torch CPU wheel, megatron-core)
-#   scripts/setup.sh --test   also the test tools: pytest, promtool/prometheus and
-#                             docker-compose (Debian packages), and a running PostgreSQL
+#   scripts/setup.sh --test   also the test tools: pytest, playwright, promtool/prometheus,
+#                             docker-compose and chromium (Debian packages; the browser tests
+#                             drive /usr/bin/chromium), and a running PostgreSQL
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +24,7 @@ fi
 missing=()
 command -v promtool >/dev/null || missing+=(prometheus)
 command -v docker-compose >/dev/null || missing+=(docker-compose)
+[ -x /usr/bin/chromium ] || missing+=(chromium fonts-dejavu-core)
 if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq && apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

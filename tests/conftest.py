@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -80,3 +82,21 @@ def service(database_url):
     svc = Service.from_engine(engine)
     yield svc
     svc.close()
+
+
+CHROMIUM = os.environ.get("AUDITOR_CHROMIUM", "/usr/bin/chromium")
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless Chromium for the session: Debian's (`scripts/setup.sh --test` installs
+    it), driven by Playwright through `executable_path` (Playwright's own browser download
+    is never used)."""
+    if not Path(CHROMIUM).exists():
+        pytest.fail(f"{CHROMIUM} not found: run scripts/setup.sh --test (apt chromium) or set AUDITOR_CHROMIUM")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        yield b
+        b.close()

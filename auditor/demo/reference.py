@@ -69,6 +69,16 @@ REFERENCE_SAMPLES: tuple[Sample, ...] = tuple(
 # ---------------------------------------------------------------------------- sharding
 
 
+def step_advantages(samples: Sequence[Sample], step: int) -> np.ndarray:
+    """Per-sample advantages of rollout ``step``, float32 of shape (len(samples),): step 0 is
+    the reference case (each sample's own advantage); later steps draw fresh rewards
+    (seeded by the step) and centre them as GRPO does, so every step has other statistics."""
+    if step == 0:
+        return np.array([s.advantage for s in samples], dtype=np.float32)
+    rewards = np.random.default_rng(step).normal(size=len(samples))
+    return np.array(grpo_advantages(rewards.tolist()), dtype=np.float32)
+
+
 def dp_rank_of(sample_index: int, dp: int) -> int:
     """Data-parallel rank that holds sample ``sample_index``: i mod dp."""
     return sample_index % dp
@@ -183,8 +193,9 @@ class RankResult:
     delivered: bool = True
 
 
-def _whiten_on_rank(rank, world, port, dp, cp, samples, url, run_ids, timeout) -> RankResult:
-    """Body of one worker process: join the gloo world, build Megatron groups, whiten twice."""
+def _whiten_on_rank(rank, world, port, dp, cp, samples, url, run_ids, timeout, steps) -> RankResult:
+    """Body of one worker process: join the gloo world, build Megatron groups, whiten twice
+    per step (``whitened`` records step 0, the reference case)."""
     import torch
     import torch.distributed as dist
 
@@ -207,10 +218,13 @@ def _whiten_on_rank(rank, world, port, dp, cp, samples, url, run_ids, timeout) -
                                     ps.get_data_parallel_group(with_context_parallel=True))))
         client = AuditorClient(url) if url else None
         whitened = {}
-        for run_id, group in groups.items():
-            w = distributed_masked_whiten(values, mask, process_group=group, client=client,
-                                          run_id=run_id, statistic="advantages", step=0).double()
-            whitened[run_id] = {i: float(w[ids == i].mean()) for i in held}
+        for step in range(steps):
+            step_values = values if step == 0 else torch.from_numpy(step_advantages(samples, step)[batch.sample_ids])
+            for run_id, group in groups.items():
+                w = distributed_masked_whiten(step_values, mask, process_group=group, client=client,
+                                              run_id=run_id, statistic="advantages", step=step).double()
+                if step == 0:
+                    whitened[run_id] = {i: float(w[ids == i].mean()) for i in held}
         delivered = client.flush(timeout) if client else True
         if client:
             client.close()
@@ -233,13 +247,15 @@ def run_workers(
     run_ids: tuple[str, str],
     url: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    steps: int = 1,
 ) -> list[RankResult]:
-    """Spawn dp·cp gloo workers that whiten ``samples`` for the (buggy, fixed) ``run_ids``.
+    """Spawn dp·cp gloo workers that whiten ``samples`` for the (buggy, fixed) ``run_ids``,
+    ``steps`` rollout steps each (:func:`step_advantages`).
 
     Each worker reports to ``url`` (none when ``None``) and flushes before exiting.
     Returns RankResults sorted by global rank; raises as :func:`auditor.testing.world.spawn_world`.
     """
-    return spawn_world(_whiten_on_rank, dp * cp, (dp, cp, tuple(samples), url, run_ids, timeout), timeout)
+    return spawn_world(_whiten_on_rank, dp * cp, (dp, cp, tuple(samples), url, run_ids, timeout, steps), timeout)
 
 
 # ---------------------------------------------------------------------------- demo
@@ -280,6 +296,7 @@ def run_demo(
     *,
     prefix: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
+    steps: int = 1,
 ) -> DemoResult:
     """Run the reference case on dp·cp real workers against the service at ``url``, print it.
 
@@ -300,6 +317,9 @@ def run_demo(
         ``demo-{dp}x{cp}-{timestamp}``.
     timeout:
         Bound on the worker run, seconds (see :func:`run_workers`).
+    steps:
+        Rollout steps per run: step 0 is the reference case, later steps whiten fresh
+        rewards (:func:`step_advantages`), so the run page has a history to plot.
     """
     console = console or Console()
     samples = tuple(sequences or REFERENCE_SAMPLES)
@@ -307,7 +327,7 @@ def run_demo(
     run_ids = (f"{prefix}-buggy", f"{prefix}-fixed")
     console.print(f"[bold]Whitening {len(samples)} sequences on dp={dp} × cp={cp} gloo workers[/] "
                   f"(runs {run_ids[0]}, {run_ids[1]})")
-    ranks = run_workers(samples, dp, cp, run_ids, url=url, timeout=timeout)
+    ranks = run_workers(samples, dp, cp, run_ids, url=url, timeout=timeout, steps=steps)
     result = DemoResult(dp, cp, samples, *run_ids, ranks)
     _print_local(console, result)
     _print_whitened(console, result)

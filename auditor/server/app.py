@@ -8,6 +8,11 @@ Endpoints (all JSON):
   ``GET /v1/runs/{run_id}/statistics/{statistic}/steps/{step}``.
 * ``GET /v1/runs/{run_id}/statistics/{statistic}/steps`` (step history, keyset-paginated).
 * ``GET /healthz``, ``GET /metrics`` (Prometheus text format).
+
+HTML (Jinja2 templates of :mod:`auditor.web`): ``GET /`` (runs), ``GET /runs/{run_id}`` (the
+run page with its plots). Every asset — plotly.js from the plotly package, Swagger UI and
+ReDoc from fastapi-offline, our CSS/JS — is served by this process (``/static``,
+``/static-offline-docs``): no CDN, so air-gapped clusters see the pages and ``/docs``.
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ import sqlalchemy as sa
 from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.staticfiles import StaticFiles
+from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 
@@ -35,7 +42,7 @@ from auditor.config import Settings
 from auditor.db.engine import current_revision, ensure_schema, make_engine
 from auditor.schemas import RUN_ID_PATTERN, IngestResult, ReportBatch, RunRegistration
 from auditor.server.metrics import scrape_registry
-from auditor.service import ConflictError, NotFound, Service
+from auditor.service import ConflictError, NotFound, PageReads, Service
 
 log = logging.getLogger("auditor.api")
 
@@ -92,8 +99,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                 await sweeper
             svc.close()
 
-    app = FastAPI(title="auditor", version=__version__, lifespan=lifespan,
-                  description="Audits the statistics distributed trainers all-reduce across ranks.")
+    # FastAPIOffline: /docs and /redoc with Swagger UI and ReDoc shipped inside the
+    # fastapi-offline package (stock FastAPI loads them from a CDN: blank when air-gapped).
+    app = FastAPIOffline(title="auditor", version=__version__, lifespan=lifespan,
+                         description="Audits the statistics distributed trainers all-reduce across ranks.")
 
     def svc(request: Request) -> AppState:
         return request.app.state.svc
@@ -187,6 +196,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/v1/runs/{run_id}/report")
     def get_report(
+        request: Request,
         run_id: str,
         statistic: str | None = None,
         bad_steps: int = Query(20, ge=0, le=1000, description="Bad steps shown per statistic."),
@@ -198,7 +208,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ``_step``: the largest of any audited step, and that step), and
         for up to ``bad_steps`` bad steps their faults and per-rank table (rank, coords,
         local count and mean, applied mean/std, correct mean/std, error in σ)."""
-        return s.service.report(run_id, bad_steps_limit=bad_steps, statistic=statistic)
+        out = s.service.report(run_id, bad_steps_limit=bad_steps, statistic=statistic)
+        out["page"] = str(request.url_for("run_page", run_id=run_id))
+        return out
 
     @app.get("/v1/runs/{run_id}/statistics/{statistic}/steps")
     def get_steps(
@@ -228,6 +240,41 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                  s: AppState = Depends(svc)) -> dict:
         """One step's verdict, faults and per-rank table; 404 if not seen."""
         return s.service.step(run_id, statistic, step)
+
+    # ---------------------------------------------------------------- HTML pages
+    from auditor import web
+
+    @app.get("/static/plotly.min.js", include_in_schema=False)
+    def plotly_js() -> FileResponse:
+        return FileResponse(web.plotly_js_path(), media_type="text/javascript",
+                            headers={"Cache-Control": "public, max-age=86400"})
+
+    app.mount("/static", StaticFiles(directory=web.STATIC_DIR), name="static")
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    def runs_page(
+        request: Request,
+        cursor: str | None = None,
+        status: Literal["consistent", "inconsistent"] | None = None,
+        s: AppState = Depends(svc),
+    ) -> HTMLResponse:
+        after = decode_cursor(cursor, lambda v: (float(v[0]), str(v[1])))
+        rows, last = s.service.list_runs(limit=100, after=after, status=status)
+        return HTMLResponse(web.render_runs_page(rows, next_cursor=encode_cursor(list(last)) if last else None,
+                                                 status=status, root_path=request.scope.get("root_path", "")))
+
+    @app.get("/runs/{run_id}", response_class=HTMLResponse, name="run_page", include_in_schema=False)
+    def run_page(
+        request: Request,
+        run_id: str,
+        statistic: str | None = None,
+        step: int | None = Query(None, ge=0, le=2**62),
+        s: AppState = Depends(svc),
+    ) -> HTMLResponse:
+        """The run page: verdict counts, σ per step, faults per step, per-rank detail of the
+        bad steps (``?statistic=&step=`` selects one)."""
+        page = web.gather_run_page(PageReads(s.service), run_id, statistic=statistic, step=step)
+        return HTMLResponse(web.render_run_page(**page, root_path=request.scope.get("root_path", "")))
 
     @app.get("/healthz")
     def healthz(s: AppState = Depends(svc)) -> JSONResponse:

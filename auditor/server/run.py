@@ -93,7 +93,8 @@ class BackgroundServer:
         self.url = f"http://127.0.0.1:{self.port}"
         from auditor.server.app import create_app  # not at import: workers of the demo need only free_port
 
-        config = uvicorn.Config(create_app(settings), host="127.0.0.1", port=self.port,
+        self.app = create_app(settings)
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
                                 log_level="warning", lifespan="on")
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="auditor-server", daemon=True)

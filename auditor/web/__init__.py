@@ -1,0 +1,187 @@
+"""HTML views of the auditor: the run list and the run page (Jinja2 templates, plotly.js).
+
+One renderer for two uses: the service's pages (``GET /``, ``GET /runs/{run_id}``; plotly.js
+and our CSS/JS served by the package itself under ``/static``) and the self-contained file of
+``auditor report --format html`` (the same page with every asset inlined). Nothing here
+talks to the service or the database: callers pass the service's JSON documents. No asset
+comes from a CDN, so air-gapped clusters see the plots.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from importlib import resources
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Protocol, Sequence
+
+import jinja2
+
+from auditor.web import plots
+
+STATIC_DIR = Path(__file__).parent / "static"
+TEMPLATE_DIR = Path(__file__).parent / "templates"
+#: Our own assets, served under ``/static/<name>`` (plotly.js comes from the plotly package).
+ASSETS = ("auditor.css", "run.js")
+_END_TAG = re.compile(r"</(script|style)", re.IGNORECASE)
+
+
+def plotly_js_path() -> Path:
+    """plotly.min.js as shipped inside the ``plotly`` Python package (``package_data``).
+
+    Raises ``FileNotFoundError`` when the installed plotly does not ship it."""
+    path = Path(str(resources.files("plotly") / "package_data" / "plotly.min.js"))
+    if not path.is_file():
+        raise FileNotFoundError(f"plotly.min.js not found at {path}; reinstall plotly")
+    return path
+
+
+@functools.lru_cache(maxsize=1)
+def environment() -> jinja2.Environment:
+    """The Jinja2 environment of the pages (autoescaping on; ``num``/``sigma`` filters)."""
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
+                             autoescape=jinja2.select_autoescape(default=True),
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters["num"] = _num
+    env.filters["ts"] = _timestamp
+    env.filters["sigma"] = _sigma
+    env.globals["fault_colour"] = plots.fault_colour
+    return env
+
+
+def _num(x: Any, digits: int = 6, sign: bool = False) -> str:
+    if x is None:
+        return "—"
+    x = float(x)
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
+
+
+def _sigma(x: Any) -> str:
+    """A σ figure: 3 decimals, or 3 significant digits below 0.001 (so 4e-7 does not read 0)."""
+    if x is None:
+        return "—"
+    x = float(x)
+    if not math.isfinite(x):
+        return str(x)
+    return f"{x:.3g}" if 0 < abs(x) < 1e-3 else f"{x:.3f}"
+
+
+def _timestamp(x: Any) -> str:
+    import datetime as dt
+
+    if x is None:
+        return "—"
+    return dt.datetime.fromtimestamp(float(x), dt.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _assets(inline: bool) -> dict[str, Any]:
+    if not inline:
+        return {"inline": False}
+    texts = {"plotly_js": plotly_js_path().read_text(encoding="utf-8"),
+             **{name.replace(".", "_"): (STATIC_DIR / name).read_text(encoding="utf-8") for name in ASSETS}}
+    # "</script" inside an inlined script would end the element early; "<\/script" means the
+    # same inside a JS string or regex literal (the only places it can occur)
+    return {"inline": True, **{k: _END_TAG.sub(r"<\\/\1", v) for k, v in texts.items()}}
+
+
+def page_model(report: Mapping[str, Any], steps: Mapping[str, Sequence[dict]],
+               details: Mapping[str, Mapping[int, dict]] | None = None,
+               selected: tuple[str, int] | None = None) -> dict[str, Any]:
+    """What the run page shows, per statistic: the report's summary, its σ and fault figures
+    and, for each step with a detail (the report's bad steps plus ``details``), the per-rank
+    figure. The initially shown step is ``selected`` if given, else the first inconsistent
+    step. Also the JSON embedded in the page (``figures``) for ``run.js``."""
+    details = details or {}
+    statistics, figures = [], {}
+    for i, stat in enumerate(report.get("statistics") or []):
+        name, kind = stat["statistic"], stat.get("kind", "moments")
+        history = list(steps.get(name) or [])
+        shown: dict[int, dict] = {d["step"]: d for d in stat.get("bad_steps") or []}
+        shown.update({int(k): v for k, v in (details.get(name) or {}).items()})
+        order = sorted(shown)
+        first = selected[1] if selected and selected[0] == name and selected[1] in shown else (
+            order[0] if order else None)
+        key = f"s{i}"
+        figures[key] = {
+            "sigma": plots.sigma_figure(history, name) if kind == "moments" else None,
+            "timeline": plots.fault_timeline_figure(history, name),
+            "steps": {str(s): plots.rank_figure(shown[s], name, kind) for s in order},
+            "selected": None if first is None else str(first),
+        }
+        statistics.append({
+            "key": key, "stat": stat, "kind": kind, "labels": plots.VALUE_LABELS.get(kind, plots.VALUE_LABELS["moments"]),
+            "steps_plotted": len(history), "details": [shown[s] for s in order], "selected": first,
+            "bad_not_shown": max(0, int(stat.get("bad_steps_total") or 0) - len(order)),
+        })
+    return {"statistics": statistics, "figures": figures}
+
+
+def render_run_page(report: Mapping[str, Any], steps: Mapping[str, Sequence[dict]], *,
+                    details: Mapping[str, Mapping[int, dict]] | None = None,
+                    selected: tuple[str, int] | None = None, inline_assets: bool = False,
+                    root_path: str = "") -> str:
+    """The run page as one HTML document.
+
+    Parameters
+    ----------
+    report:
+        ``GET /v1/runs/{run_id}/report`` (its ``bad_steps`` give the per-rank details).
+    steps:
+        Per statistic, the step summaries of ``GET /v1/runs/{run_id}/statistics/{s}/steps``
+        (every page): the per-step σ lines and the fault timeline.
+    details:
+        Extra step details per statistic and step (``GET .../steps/{step}``), e.g. a step
+        the reader asked for that is not among the report's bad steps.
+    selected:
+        (statistic, step) shown first in that statistic's per-rank chart.
+    inline_assets:
+        True: plotly.js, CSS and JS inlined (a self-contained file, ~5 MB, that opens with no
+        server and no network); False: linked from the service's ``/static``.
+    root_path:
+        Prefix of the service's URLs (ASGI ``root_path``) for links and assets.
+    """
+    model = page_model(report, steps, details, selected)
+    return environment().get_template("run.html").render(
+        report=report, root=root_path, assets=_assets(inline_assets), **model)
+
+
+class PageSource(Protocol):
+    """Where a run page's documents come from: the service over HTTP
+    (:class:`auditor.reader.Reader`) or a database (``auditor.api.StoreSource``). Each
+    method returns the JSON of the endpoint it names and raises on an unknown run."""
+
+    def report_json(self, run_id: str, *, bad_steps: int = 20) -> dict:
+        """``GET /v1/runs/{run_id}/report``."""
+
+    def steps_json(self, run_id: str, statistic: str) -> Iterable[dict]:
+        """Every item of ``GET /v1/runs/{run_id}/statistics/{statistic}/steps``."""
+
+    def step_json(self, run_id: str, statistic: str, step: int) -> dict:
+        """``GET /v1/runs/{run_id}/statistics/{statistic}/steps/{step}``."""
+
+
+def gather_run_page(source: PageSource, run_id: str, *, statistic: str | None = None, step: int | None = None,
+                    bad_steps: int = 20) -> dict[str, Any]:
+    """Read what :func:`render_run_page` needs for ``run_id`` from ``source``: the report
+    (with up to ``bad_steps`` bad-step details per statistic), every step summary of each
+    statistic and, if ``statistic`` and ``step`` are given, that step's detail (selected).
+    Returns the keyword arguments of :func:`render_run_page` (without the rendering options).
+    Raises what ``source`` raises for an unknown run, statistic or step."""
+    report = source.report_json(run_id, bad_steps=bad_steps)
+    steps = {s["statistic"]: list(source.steps_json(run_id, s["statistic"])) for s in report["statistics"]}
+    details: dict[str, dict[int, dict]] = {}
+    selected = None
+    if statistic is not None and step is not None:
+        details[statistic] = {step: source.step_json(run_id, statistic, step)}
+        selected = (statistic, step)
+    return {"report": report, "steps": steps, "details": details, "selected": selected}
+
+
+def render_runs_page(runs: Sequence[Mapping[str, Any]], *, next_cursor: str | None = None,
+                     status: str | None = None, root_path: str = "") -> str:
+    """The run list (``GET /``): one row per run of ``GET /v1/runs``, linked to its page."""
+    return environment().get_template("runs.html").render(
+        runs=runs, next_cursor=next_cursor, status=status, root=root_path, assets=_assets(False))

@@ -1,0 +1,209 @@
+"""Plotly figures of a run page, built as plain JSON dicts (plotly.js's figure schema).
+
+Inputs are the service's JSON documents: a step summary list (``GET .../steps``) and a step
+detail (``GET .../steps/{step}``); outputs are ``{"data": [...], "layout": {...}}`` dicts
+that ``Plotly.newPlot`` draws. Pure functions, no I/O: the HTML page, the self-contained
+``auditor report --format html`` file and the tests use the same figures.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Sequence
+
+#: Most points one per-step line carries. Longer runs are reduced to the largest value of
+#: each bucket of consecutive steps (so a spike is never averaged away).
+MAX_POINTS = 4000
+
+#: One colour per verdict and per fault kind (kinds outside the table get grey).
+VERDICT_COLOURS = {"consistent": "#2e7d32", "inconsistent": "#c62828", "incomplete": "#ef6c00",
+                   "pending": "#757575"}
+FAULT_COLOURS = {
+    "cp_disagreement": "#d62728", "group_mismatch": "#9467bd", "wrong_group": "#e377c2",
+    "skipped_collective": "#8c564b", "missing_report": "#ff7f0e", "replica_divergence": "#bcbd22",
+    "replica_overcount": "#17becf", "variance_convention": "#1f77b4", "precision_loss": "#7f7f7f",
+    "non_finite": "#000000", "empty_global": "#aec7e8", "stale_statistic": "#ffbb78",
+}
+OK_COLOUR = "#2e7d32"
+CORRECT_COLOUR = "#424242"
+
+#: What the value columns of a rank row hold, per statistic kind (DESIGN.md §3 table).
+VALUE_LABELS = {
+    "moments": ("mean μ", "std σ"),
+    "sum": ("sum Σ", None),
+    "norm": ("squared norm ‖g‖²", None),
+}
+
+_LAYOUT = {"margin": {"l": 60, "r": 20, "t": 40, "b": 50}, "height": 320,
+           "legend": {"orientation": "h", "y": -0.25}, "hovermode": "closest",
+           "font": {"family": "DejaVu Sans, Arial, sans-serif", "size": 12}}
+
+
+def fault_colour(kind: str | None) -> str:
+    """Colour of a fault kind (``None``: no fault)."""
+    return OK_COLOUR if kind is None else FAULT_COLOURS.get(kind, "#999999")
+
+
+def downsample_max(steps: Sequence[int], values: Sequence[float | None],
+                   max_points: int = MAX_POINTS) -> tuple[list[int], list[float]]:
+    """Drop null values; if more than ``max_points`` remain, keep the largest of each bucket
+    of ⌈n / max_points⌉ consecutive points (with its own step). Returns (steps, values)."""
+    pts = [(s, float(v)) for s, v in zip(steps, values) if v is not None and math.isfinite(float(v))]
+    if len(pts) <= max_points:
+        return [s for s, _ in pts], [v for _, v in pts]
+    k = math.ceil(len(pts) / max_points)
+    best = [max(pts[i:i + k], key=lambda p: p[1]) for i in range(0, len(pts), k)]
+    return [s for s, _ in best], [v for _, v in best]
+
+
+def sigma_figure(steps: Sequence[dict[str, Any]], statistic: str) -> dict:
+    """Per-step CP-disagreement σ and applied-error σ of a ``moments`` statistic (log scale),
+    with the rounding tolerance of each step as a dashed line when the steps carry one
+    (``tolerance_sigma``). Steps are the summaries of ``GET .../steps``, any order.
+
+    Zero is not drawable on a log axis: exact zeros are drawn at a floor one decade below
+    the smallest positive value (hover shows the true value)."""
+    steps = sorted(steps, key=lambda s: s["step"])
+    xs = [s["step"] for s in steps]
+    series = [
+        ("CP disagreement σ", "cp_disagreement_sigma", "#d62728", "solid"),
+        ("applied error σ", "applied_error_sigma", "#1f77b4", "solid"),
+        ("rounding tolerance σ", "tolerance_sigma", "#616161", "dash"),
+    ]
+    positives = [float(s[k]) for s in steps for _, k, _, _ in series
+                 if s.get(k) is not None and math.isfinite(float(s[k])) and float(s[k]) > 0]
+    floor = min(positives) / 10 if positives else 1e-12
+    data = []
+    for name, key, colour, dash in series:
+        x, y = downsample_max(xs, [s.get(key) for s in steps])
+        if not x and key == "tolerance_sigma":
+            continue
+        data.append({
+            "type": "scatter", "mode": "lines+markers" if len(x) <= 200 else "lines", "name": name,
+            "x": x, "y": [max(v, floor) for v in y], "customdata": y,
+            "line": {"color": colour, "dash": dash, "width": 1.5 if dash == "dash" else 2},
+            "marker": {"size": 5},
+            "hovertemplate": f"step %{{x}}<br>{name} %{{customdata:.6g}}<extra></extra>",
+        })
+    return {"data": data, "layout": {
+        **_LAYOUT, "title": {"text": f"{statistic}: σ per step", "font": {"size": 14}},
+        "xaxis": {"title": {"text": "step"}, "zeroline": False},
+        "yaxis": {"title": {"text": "σ of the correct statistic"}, "type": "log", "exponentformat": "power"},
+    }}
+
+
+def fault_timeline_figure(steps: Sequence[dict[str, Any]], statistic: str) -> dict:
+    """One row per fault kind (and ``incomplete``), a marker at every step it occurred in:
+    the steps where a run went bad, at a glance. Consistent steps appear as a thin green
+    rug along the bottom row ``ok``."""
+    steps = sorted(steps, key=lambda s: s["step"])
+    by_kind: dict[str, list[int]] = {}
+    ok: list[int] = []
+    for s in steps:
+        kinds = list(s.get("fault_kinds") or [])
+        if s.get("verdict") == "incomplete" and not kinds:
+            kinds = ["incomplete"]
+        if not kinds and s.get("verdict") == "consistent":
+            ok.append(s["step"])
+        for k in kinds:
+            by_kind.setdefault(k, []).append(s["step"])
+    data = []
+    if ok:
+        x, _ = downsample_max(ok, [0.0] * len(ok))
+        data.append({"type": "scatter", "mode": "markers", "name": "ok", "x": x, "y": ["ok"] * len(x),
+                     "marker": {"symbol": "line-ns-open", "size": 10, "color": OK_COLOUR},
+                     "hovertemplate": "step %{x}: consistent<extra></extra>"})
+    for kind in sorted(by_kind):
+        x, _ = downsample_max(by_kind[kind], [0.0] * len(by_kind[kind]))
+        data.append({"type": "scatter", "mode": "markers", "name": kind, "x": x, "y": [kind] * len(x),
+                     "marker": {"symbol": "square", "size": 9, "color": fault_colour(kind)},
+                     "hovertemplate": f"step %{{x}}: {kind}<extra></extra>"})
+    rows = (["ok"] if ok else []) + sorted(by_kind)
+    return {"data": data, "layout": {
+        **_LAYOUT, "height": 120 + 28 * max(1, len(rows)), "showlegend": False,
+        "title": {"text": f"{statistic}: faults per step", "font": {"size": 14}},
+        "xaxis": {"title": {"text": "step"}, "zeroline": False},
+        "yaxis": {"type": "category", "categoryorder": "array", "categoryarray": rows, "automargin": True},
+    }}
+
+
+#: Which of a rank's fault kinds colours it: diagnoses (the cause) before symptoms, the
+#: generic ``group_mismatch`` last.
+FAULT_PRIORITY = ("non_finite", "wrong_group", "replica_overcount", "variance_convention", "stale_statistic",
+                  "skipped_collective", "missing_report", "empty_global", "replica_divergence", "precision_loss",
+                  "cp_disagreement", "group_mismatch")
+
+
+def primary_fault(kinds: Iterable[str]) -> str | None:
+    """The fault kind a rank is coloured by: the first of :data:`FAULT_PRIORITY` it has
+    (unknown kinds after those), ``None`` without faults."""
+    kinds = list(kinds)
+    if not kinds:
+        return None
+    rank = {k: i for i, k in enumerate(FAULT_PRIORITY)}
+    return min(kinds, key=lambda k: rank.get(k, len(rank)))
+
+
+def _rank_label(row: dict) -> str:
+    mb = f"/mb{row['microbatch']}" if row.get("microbatch") else ""
+    return f"{row['rank']}{mb}"
+
+
+def rank_figure(detail: dict[str, Any], statistic: str, kind: str) -> dict:
+    """Per-rank chart of one step: what each rank applied (markers coloured by its
+    :func:`primary_fault`, green when it has none) against the correct value of its expected group
+    (grey bars). ``moments``: two panels, mean and standard deviation; ``sum``/``norm``:
+    one panel of the value (sum, or squared norm). ``detail`` is a step detail
+    (``GET .../steps/{step}``); one point per rank row (rank, microbatch)."""
+    rows = detail.get("ranks") or []
+    labels = [_rank_label(r) for r in rows]
+    value_label, spread_label = VALUE_LABELS.get(kind, VALUE_LABELS["moments"])
+    panels = [("mean", "applied_mean", "correct_mean", value_label)]
+    if spread_label is not None:
+        panels.append(("std", "applied_std", "correct_std", spread_label))
+    data: list[dict] = []
+    groups: dict[str | None, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(primary_fault(r.get("faults") or ()), []).append(i)
+    for p, (_, applied, correct, label) in enumerate(panels):
+        axis = "" if p == 0 else str(p + 1)
+        data.append({
+            "type": "bar", "name": "correct (expected group)", "legendgroup": "correct", "showlegend": p == 0,
+            "x": labels, "y": [r.get(correct) for r in rows], "xaxis": f"x{axis}", "yaxis": f"y{axis}",
+            "marker": {"color": "rgba(66,66,66,0.25)", "line": {"color": CORRECT_COLOUR, "width": 1}},
+            "hovertemplate": f"rank %{{x}}<br>correct {label} %{{y:.6f}}<extra></extra>",
+        })
+        for fault, idx in groups.items():
+            name = f"applied — {fault or 'no fault'}"
+            data.append({
+                "type": "scatter", "mode": "markers", "name": name, "legendgroup": name, "showlegend": p == 0,
+                "x": [labels[i] for i in idx], "y": [rows[i].get(applied) for i in idx],
+                "xaxis": f"x{axis}", "yaxis": f"y{axis}",
+                "marker": {"color": fault_colour(fault), "size": 11, "symbol": "diamond",
+                           "line": {"color": "white", "width": 1}},
+                "customdata": [", ".join(rows[i].get("faults") or []) or "none" for i in idx],
+                "hovertemplate": f"rank %{{x}}<br>applied {label} %{{y:.6f}}<br>faults: %{{customdata}}<extra></extra>",
+            })
+    layout: dict[str, Any] = {
+        **_LAYOUT, "height": 360, "barmode": "overlay",
+        "title": {"text": f"{statistic} step {detail.get('step')}: applied vs correct per rank", "font": {"size": 14}},
+    }
+    n = len(panels)
+    for p, (_, _, _, label) in enumerate(panels):
+        axis = "" if p == 0 else str(p + 1)
+        lo, hi = p / n + (0.04 if p else 0), (p + 1) / n - (0.04 if p < n - 1 else 0)
+        layout[f"xaxis{axis}"] = {"domain": [lo, hi], "type": "category", "title": {"text": "rank"},
+                                  "anchor": f"y{axis}"}
+        layout[f"yaxis{axis}"] = {"title": {"text": label}, "anchor": f"x{axis}", "zeroline": True}
+    return {"data": data, "layout": layout}
+
+
+def count_points(figure: dict) -> int:
+    """Points a figure draws (the sum of its traces' x lengths): what the browser tests compare
+    against the plotted DOM."""
+    return sum(len(t.get("x") or ()) for t in figure["data"])
+
+
+def bad_steps_of(steps: Iterable[dict[str, Any]]) -> list[int]:
+    """Steps whose verdict is not consistent, ascending."""
+    return sorted(s["step"] for s in steps if s.get("verdict") in ("inconsistent", "incomplete"))
