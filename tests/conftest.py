@@ -12,6 +12,10 @@ import pytest
 from auditor.testing.postgres import PG_ADMIN_URL, create_database
 from auditor.testing.server import ServerProcess  # noqa: F401 - tests import it from here
 
+# The `audited` fixture (multi-process tests). Also auto-loaded through its entry point;
+# named here so the suite needs it even with PYTEST_DISABLE_PLUGIN_AUTOLOAD set.
+pytest_plugins = ["auditor.pytest_plugin"]
+
 
 def _pg_database(tmp_name: str):
     """Create a throw-away PostgreSQL database; return (url, drop)."""

@@ -2,8 +2,9 @@
 
 For every (dp, cp) factorization the same worker pool whitens the reference sequences plus
 two prompt-heavy ones twice — over ``get_data_parallel_group()`` (slime's bug) and over
-``get_data_parallel_group(with_context_parallel=True)`` (the fix) — and reports to a real
-``auditor serve`` process (the ``live_server`` fixture, SQLite).
+``get_data_parallel_group(with_context_parallel=True)`` (the fix) — and reports to the
+in-process service of ``auditor.pytest_plugin`` (the ``audited`` fixture, SQLite), which
+also fails the test if any run but the expected-buggy one is inconsistent.
 """
 
 from __future__ import annotations
@@ -32,17 +33,19 @@ SAMPLES = (
 )
 
 
-@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 @pytest.mark.parametrize(("dp", "cp"), FACTORIZATIONS, ids=[f"dp{d}-cp{c}" for d, c in FACTORIZATIONS])
-def test_whitening_across_factorizations(live_server, dp, cp):
+def test_whitening_across_factorizations(audited, dp, cp):
     """Per factorization: every rank holds its zigzag slice (empty where expected, and some
     rank is empty for dp=2, cp=2) and delivered both reports; the fixed run's whitened value
     of each sample is bit-identical on every rank holding it and equals the single-rank
     float64 baseline to 1e-6; the buggy run equals the per-CP-slice statistic, and its CP
     ranks disagree iff cp > 1; the service calls the fixed run consistent and flags the
-    buggy one with cp_disagreement iff cp > 1 (also in /metrics)."""
+    buggy one with cp_disagreement iff cp > 1 (also in /metrics); the pytest plugin then
+    requires the buggy run to be inconsistent iff cp > 1 and everything else consistent."""
     prefix = f"mp-{dp}x{cp}-{uuid.uuid4().hex[:8]}"
-    result = run_demo(live_server.url, dp, cp, sequences=SAMPLES, console=Console(file=io.StringIO()), prefix=prefix)
+    if cp > 1:
+        audited.expect_inconsistent(f"{prefix}-buggy")
+    result = run_demo(audited.url, dp, cp, sequences=SAMPLES, console=Console(file=io.StringIO()), prefix=prefix)
     buggy, fixed = result.buggy_run_id, result.fixed_run_id
 
     assert sorted((r.dp, r.cp) for r in result.ranks) == [(d, c) for d in range(dp) for c in range(cp)]

@@ -1,0 +1,54 @@
+"""auditor.pytest_plugin as a framework maintainer uses it: a separate pytest run of a
+regression test that spawns gloo ranks (tests/data/cp_whitening_regression.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.multiprocess
+
+EXAMPLE = Path(__file__).parent / "data" / "cp_whitening_regression.py"
+
+
+def run_pytest(directory: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                          cwd=directory, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
+
+
+def test_seed_bug_fails_with_the_diagnosis_and_the_fix_passes(tmp_path):
+    """`pytest -p auditor.pytest_plugin`: the test reproducing the seed's bug fails, its
+    one-line summary naming cp_disagreement and the fix (`use
+    get_data_parallel_group(with_context_parallel=True)`); the same test on the fixed group
+    passes. With plugin auto-loading disabled, `-p` alone loads it."""
+    shutil.copy(EXAMPLE, tmp_path / "test_cp_whitening.py")
+    out = run_pytest(tmp_path, "-p", "auditor.pytest_plugin", "-rf",
+                     env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "COLUMNS": "1000"})  # summary lines uncut
+    text = out.stdout + out.stderr
+    assert out.returncode == 1, text
+    assert "1 failed, 1 passed" in text, text
+    (summary,) = [ln for ln in text.splitlines() if ln.startswith("FAILED")]
+    assert summary.startswith("FAILED test_cp_whitening.py::test_cp_whitening[buggy] - Failed: auditor: run "
+                              "'grpo-buggy' is INCONSISTENT — advantages step 0: cp_disagreement"), summary
+    assert "use get_data_parallel_group(with_context_parallel=True)" in summary, summary
+    assert "reduced over ['dp'] where ['dp', 'cp'] was expected" in text
+
+
+def test_plugin_autoloads_and_a_silent_test_fails(tmp_path):
+    """Installed, the plugin auto-loads (entry point pytest11) — `-p auditor.pytest_plugin`
+    on top registers it once; an `audited` test whose ranks never report fails instead of
+    passing silently (min_steps)."""
+    (tmp_path / "test_silent.py").write_text(
+        "import pytest\n\n@pytest.mark.audited\ndef test_nothing_reported(audited):\n"
+        "    assert audited.url.startswith('http://127.0.0.1:')\n")
+    for args in ((), ("-p", "auditor.pytest_plugin")):
+        out = run_pytest(tmp_path, *args)
+        text = out.stdout + out.stderr
+        assert out.returncode == 1 and "1 failed" in text, text
+        assert "0 step(s) audited, expected at least 1" in text, text
