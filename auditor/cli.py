@@ -14,7 +14,21 @@ from rich.console import Console
 from auditor.config import DEFAULT_DATABASE_URL, Settings
 
 app = typer.Typer(help="Audit the statistics distributed trainers all-reduce across ranks.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+                  no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode="markdown")
+
+
+def _version(value: bool) -> None:
+    if value:
+        from auditor import __version__
+
+        typer.echo(f"auditor {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                       help="Print the version and exit.")) -> None:
+    """Audit the statistics distributed trainers all-reduce across ranks."""
 db_app = typer.Typer(help="Database schema (Alembic migrations).", no_args_is_help=True)
 app.add_typer(db_app, name="db")
 
@@ -85,7 +99,28 @@ def _service_url(url: str | None) -> str | None:
     if url.startswith("file:"):
         raise UsageError(f"AUDITOR_URL={url} is a spool directory, not a service: audit it with "
                          f"`auditor audit {url.removeprefix('file://')} --check`, or pass --database-url")
+    import httpx
+
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL:
+        parsed = None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+        raise UsageError(f"--url/AUDITOR_URL must be the http(s) URL of an auditor service, e.g. "
+                         f"http://127.0.0.1:8000, got {url!r}")
     return url.rstrip("/")
+
+
+def _require_existing_sqlite(url: str) -> None:
+    """Read-only commands must not create a SQLite file (connecting would): refuse a missing one."""
+    import sqlalchemy as sa
+
+    u = sa.make_url(url)
+    if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:":
+        from pathlib import Path
+
+        if not Path(u.database).expanduser().is_file():
+            raise UsageError(f"no auditor database at {u.database} (pass --database-url or --url)")
 
 
 class ReportSource:
@@ -100,6 +135,7 @@ class ReportSource:
             from auditor.db.engine import current_revision, make_engine
             from auditor.service import Service
 
+            _require_existing_sqlite(_db_url(database_url))
             engine = make_engine(_db_url(database_url))
             if current_revision(engine) is None:
                 where = engine.url.render_as_string(hide_password=True)
@@ -163,6 +199,26 @@ class ReportSource:
         return self._service.list_runs()[0]
 
 
+def _require_torch() -> None:
+    """`auditor demo` spawns torch.distributed ranks with Megatron-core groups: name the
+    missing extra (and how to install it) before anything is created."""
+    import importlib.util
+
+    missing = [m for m in ("torch", "megatron.core") if _find(importlib.util, m) is None]
+    if missing:
+        raise UsageError(f"auditor demo needs the torch extra ({' and '.join(missing)} not installed; the service "
+                         "image does not ship it): install torch==2.13.0 (the CPU wheel on machines without a GPU), "
+                         "then pip install 'auditor[torch]' — or run scripts/setup.sh in a checkout. Nothing was "
+                         "created")
+
+
+def _find(util, module: str):
+    try:
+        return util.find_spec(module)
+    except (ImportError, ValueError):  # a parent package is missing
+        return None
+
+
 def _console() -> Console:
     """A console for tables; when output is piped (CI logs), wide enough not to cut numbers."""
     console = Console()
@@ -179,8 +235,11 @@ def serve(
         1, min=1, help="uvicorn worker processes. With more than one, the ingest metrics use prometheus-client's "
                        "multiprocess mode in $PROMETHEUS_MULTIPROC_DIR (wiped at start; a fresh temporary "
                        "directory if unset)."),
-    grace_seconds: Optional[float] = typer.Option(None, help="Grace period before missing_report [default: 60]."),
-    log_level: str = typer.Option("info"),
+    grace_seconds: Optional[float] = typer.Option(
+        None, min=0, envvar="AUDITOR_GRACE_SECONDS", show_default=False,
+        help=f"Seconds a step may stay incomplete before it is audited with missing_report "
+             f"[default: {Settings.model_fields['grace_seconds'].default:g}]."),
+    log_level: str = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug."),
 ) -> None:
     """Run the HTTP service. Migrates an empty database first (under a PostgreSQL advisory lock,
     so replicas may start at once); refuses a database whose schema is at another revision
@@ -231,6 +290,7 @@ def db_current(database_url: Optional[str] = DatabaseUrl) -> None:
     """Print the database's schema revision and the code's head."""
     from auditor.db.engine import current_revision, head_revision, make_engine
 
+    _require_existing_sqlite(_db_url(database_url))
     engine = make_engine(_db_url(database_url))
     typer.echo(f"database: {current_revision(engine) or '(empty)'}  code head: {head_revision()}")
     engine.dispose()
@@ -332,29 +392,43 @@ def demo(
     """The reference case end to end: real gloo ranks with Megatron-core process groups whiten
     GRPO advantages under zigzag CP sharding twice — reduced over the DP group without CP
     (slime's bug) and with CP (the fix) — push to the auditor, and print both reports."""
+    _require_torch()
     from auditor.demo import run_demo
 
     console = _console()
     if cp < 2:
         console.print("[yellow]note: with --cp 1 there is no context parallelism, so the DP group without CP is "
                       "the right group and the '-buggy' run is consistent; the bug needs --cp 2 or more[/]")
+    url = _service_url(url)
     if url:
         from auditor.server.run import wait_healthy
 
         try:
-            wait_healthy(url.rstrip("/"), timeout=10)
+            wait_healthy(url, timeout=10)
         except TimeoutError as e:
             raise UsageError(str(e)) from None
-        result = run_demo(url.rstrip("/"), dp=dp, cp=cp, steps=steps, console=console)
+        result = run_demo(url, dp=dp, cp=cp, steps=steps, console=console)
         console.print(f"Run pages: {url.rstrip('/')}/runs/{result.buggy_run_id}  {url.rstrip('/')}/runs/"
                       f"{result.fixed_run_id}", highlight=False, soft_wrap=True)
         return
     from auditor.server.run import BackgroundServer
 
+    from auditor.db.engine import SchemaError, ensure_schema, make_engine
+
     settings = Settings(database_url=_db_url(database_url))
+    engine = make_engine(settings.database_url)  # bad URL, missing directory, unreachable: exit 2 now
+    try:
+        ensure_schema(engine, settings.database_url)
+    except SchemaError as e:
+        raise UsageError(str(e)) from None
+    finally:
+        engine.dispose()
     console.print(f"[dim]auditor service on {settings.database_url}[/dim]")
-    with BackgroundServer(settings) as base:
-        result = run_demo(base, dp=dp, cp=cp, steps=steps, console=console)
+    try:
+        with BackgroundServer(settings) as base:
+            result = run_demo(base, dp=dp, cp=cp, steps=steps, console=console)
+    except TimeoutError as e:
+        raise UsageError(str(e)) from None
     db = "" if database_url is None else f" --database-url {settings.database_url}"
     console.print(f"See them in a browser: `auditor serve{db}`, then http://127.0.0.1:8000/runs/{result.buggy_run_id}"
                   f" — or `auditor report {result.buggy_run_id}{db} --format html > run.html`",
@@ -376,8 +450,7 @@ def import_spools(
 ) -> None:
     """Upload trainer spools to a service. Resumable (each file's `.offset` sidecar records what
     was delivered) and idempotent (the service ignores identical re-sends)."""
-    if not url.startswith(("http://", "https://")):
-        raise UsageError(f"--url must be an http(s) URL, got {url!r}")
+    url = _service_url(url)
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
     from auditor.offline import upload

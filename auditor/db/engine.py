@@ -29,12 +29,17 @@ class SchemaError(RuntimeError):
 def make_engine(url: str, **kwargs) -> sa.Engine:
     """Create an engine for ``url`` with the dialect settings above.
 
-    Raises ``sqlalchemy.exc.ArgumentError`` for a malformed URL.
+    Raises ``sqlalchemy.exc.ArgumentError`` for a malformed URL, and for a SQLite file whose
+    directory does not exist: a mistyped path must not silently become a new empty database
+    (nor create directories).
     """
     u = sa.make_url(url)
     if u.get_backend_name() == "sqlite":
-        if u.database and u.database != ":memory:":
-            Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        if u.database and u.database != ":memory:" and not u.database.startswith("file:"):
+            parent = Path(u.database).expanduser().absolute().parent
+            if not parent.is_dir():
+                raise sa.exc.ArgumentError(f"the directory of SQLite database {u.database} does not exist ({parent}); "
+                                           "create it, or fix the path")
         engine = sa.create_engine(
             u, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False}, **kwargs
         )

@@ -101,7 +101,7 @@ class BackgroundServer:
 
     def __enter__(self) -> str:
         self._thread.start()
-        wait_healthy(self.url)
+        wait_healthy(self.url, alive=self._thread.is_alive)  # a failed start-up fails at once
         return self.url
 
     def __exit__(self, *exc) -> None:

@@ -1,0 +1,73 @@
+"""The `auditor` command as a new user meets it: one-line errors, exit 2, nothing created."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def auditor(*args: str, cwd=None, code: str | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "auditor", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=cwd)
+
+
+def test_version_and_help_reflow():
+    """`auditor --version` prints the package version; help paragraphs are reflowed, not cut
+    where the docstring's lines end; --grace-seconds names its default and variable."""
+    from auditor import __version__
+
+    out = auditor("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"auditor {__version__}"
+    out = subprocess.run([sys.executable, "-m", "auditor", "serve", "--help"], capture_output=True, text=True,
+                         timeout=60, env={"COLUMNS": "200", "PATH": "/usr/bin:/bin", "NO_COLOR": "1"})
+    assert "advisory lock, so replicas may start at once" in out.stdout, out.stdout
+    grace = " ".join(ln for ln in out.stdout.splitlines() if "grace" in ln or "AUDITOR_GRACE" in ln)
+    assert "[default: 60]" in grace and "AUDITOR_GRACE_SECONDS" in out.stdout
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (("demo", "--database-url", "bogus://x"), "bad database URL: Can't load plugin: sqlalchemy.dialects:bogus"),
+    (("demo", "--database-url", "sqlite:////nonexistent-dir/a.db"), "directory of SQLite database"),
+    (("serve", "--database-url", "sqlite:////nonexistent-dir/a.db"), "directory of SQLite database"),
+    (("runs", "--database-url", "sqlite:///typo/auditor.db"), "no auditor database at typo/auditor.db"),
+    (("report", "r", "--database-url", "sqlite:///typo.db"), "no auditor database at typo.db"),
+    (("db", "current", "--database-url", "sqlite:///typo.db"), "no auditor database at typo.db"),
+    (("report", "r", "--url", "not-a-url"), "must be the http(s) URL of an auditor service"),
+    (("runs", "--url", "ftp://host"), "must be the http(s) URL of an auditor service"),
+    (("import", "x.jsonl", "--url", "not-a-url"), "must be the http(s) URL of an auditor service"),
+])
+def test_mistakes_are_one_line_exit_2_and_create_nothing(tmp_path, args, message):
+    """A bad database URL, a mistyped SQLite path or a non-HTTP service URL: one line naming
+    the problem, exit 2, at once (no server start, no 30 s wait), and no file or directory
+    left behind."""
+    out = auditor(*args, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: ") and message in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and list(tmp_path.iterdir()) == []
+
+
+def test_demo_on_a_missing_postgresql_database_exits_2_at_once(tmp_path):
+    out = auditor("demo", "--database-url", "postgresql+psycopg://127.0.0.1:5432/no_such_db_here", cwd=tmp_path)
+    assert out.returncode == 2 and 'database "no_such_db_here" does not exist' in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_demo_without_the_torch_extra_names_it_and_creates_nothing(tmp_path):
+    """As in the Docker image (no torch): name the extra and how to install it; no
+    ./auditor.db appears."""
+    code = ("import sys; sys.modules['torch'] = None; sys.modules['megatron'] = None\n"
+            "from auditor.cli import app; app(['demo'], prog_name='auditor')")
+    out = auditor(code=code, cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert "needs the torch extra" in out.stderr and "pip install 'auditor[torch]'" in out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_with_cp_1_says_the_bug_needs_cp_2(tmp_path):
+    """`--cp 1` cannot show the bug (without CP the DP group is the right one): the demo says
+    so before it starts (here it then stops at the bad --url, exit 2)."""
+    out = auditor("demo", "--cp", "1", "--url", "not-a-url", cwd=tmp_path)
+    assert out.returncode == 2
+    assert "the bug needs --cp 2 or more" in " ".join(out.stdout.split())
