@@ -119,23 +119,37 @@ def replica_overcount(st: Step, exp: Part, p: Part, hit, first: int, axes, varia
     core = {d for d in dims if sizes[d] > 1 and (variant != "value" or d not in spec.replicas)}
     if core != {d for d in reduce_over if sizes[d] > 1} or mb != over_mb:
         wrong_group(st, exp, once, hit, first, dims, mb, reduce_over, over_mb, f)
+    # which ratio ``factor`` is: of counts (moments), of sums, or of squared norms — for a
+    # norm the clipping norm itself is off by the square root of it
+    evidence = {"factor": factor, "factor_of": {"moments": "count", "sum": "sum", "norm": "sum_sq"}[kind]}
+    if kind == "norm":
+        evidence["norm_factor"] = math.sqrt(factor)
     if variant == "value_rep_each":
         k = float(p.vals["rep_factor"][p.inv[first]])
         f.flag(FaultKind.REPLICA_OVERCOUNT, (axes, p.dedupe, variant), hit,
                lambda ranks, k=k, x=factor, d=dims: (
                    f"ranks {compress_ranks(ranks)} {verb} a squared norm that counts the replicated parameters "
                    f"(replicated_sum_sq, e.g. TP-duplicated layer norms) {k:.3g}× — once per rank of the reduction "
-                   f"over {dims_text(d)} — where once was expected: the applied value is {x:.6g}× the correct one. "
+                   f"over {dims_text(d)} — where once was expected: {_ratio_text(kind, what, x, 'correct')}. "
                    "Add the replicated gradients' squares on one rank only (or after the all-reduce)"),
-               {"factor": factor, "replicated_counted": k, "found": list(dims), "expected": list(reduce_over)})
+               {**evidence, "replicated_counted": k, "found": list(dims), "expected": list(reduce_over)})
     else:
         f.flag(FaultKind.REPLICA_OVERCOUNT, (axes, p.dedupe, variant), hit,
                lambda ranks, x=factor, d=dims: (
                    f"ranks {compress_ranks(ranks)} summed replicas along {dims_text(spec.replicas)} (ranks that hold "
-                   f"the same data): reduced over {dims_text(d)} counting each replica, so the applied "
-                   + ("count" if kind == "moments" else what) + f" is {x:.6g}× the true one. Reduce over "
-                   f"{dims_text(reduce_over)} only, or count replicated data once"),
-               {"factor": factor, "found": list(dims), "expected": list(reduce_over)})
+                   f"the same data): reduced over {dims_text(d)} counting each replica, so "
+                   f"{_ratio_text(kind, what, x, 'true')}. Reduce over {dims_text(reduce_over)} only, or count "
+                   "replicated data once"),
+               {**evidence, "found": list(dims), "expected": list(reduce_over)})
+
+
+def _ratio_text(kind: str, what: str, factor: float, reference: str) -> str:
+    """How far off an over-counted value is, naming which ratio it is: the count (moments),
+    the sum, or — for a gradient norm — the squared norm and the norm itself (√ of it)."""
+    if kind == "norm":
+        return (f"the applied squared norm (sum_sq) is {factor:.6g}× the {reference} one — the norm it clips with "
+                f"is √{factor:.6g} = {math.sqrt(factor):.6g}× the {reference} norm")
+    return f"the applied {'count' if kind == 'moments' else what} is {factor:.6g}× the {reference} one"
 
 
 def wrong_group(st: Step, exp: Part, p: Part, hit, first: int, dims, mb: bool, reduce_over, over_mb: bool,

@@ -332,7 +332,8 @@ def norm_reports(applied_fn, sizes=(2, 1, 2, 1), rep=0.25):
 def test_norm_correct_replicated_overcount_and_not_reduced():
     """Grad norm² over tp (dp replicas): 1.5 + 2.5 + 0.25 = 4.25 is consistent; adding the
     replicated part before the all-reduce (4.5) is replica_overcount with
-    replicated_counted 2; not reducing at all is wrong_group without tp."""
+    replicated_counted 2, quoting both the squared-norm ratio 1.058824 (named sum_sq) and
+    the norm ratio √ of it, 1.028992; not reducing at all is wrong_group without tp."""
     sizes = (2, 1, 2, 1)
     spec = Spec(reduce_over=("tp", "pp"), replicas=("dp", "cp"))
     ok = core.audit_step(norm_reports(lambda c: 4.25), sizes, spec, kind="norm")
@@ -340,7 +341,11 @@ def test_norm_correct_replicated_overcount_and_not_reduced():
     f = by_kind(core.audit_step(norm_reports(lambda c: 4.5), sizes, spec, kind="norm"))
     assert set(f) == {"group_mismatch", "replica_overcount"}
     assert f["replica_overcount"].evidence["replicated_counted"] == 2.0
-    assert f["replica_overcount"].evidence["factor"] == pytest.approx(4.5 / 4.25, abs=1e-6)
+    assert f["replica_overcount"].evidence["factor"] == pytest.approx(1.058824, abs=1e-6)
+    assert f["replica_overcount"].evidence["factor_of"] == "sum_sq"
+    assert f["replica_overcount"].evidence["norm_factor"] == pytest.approx(1.028992, abs=1e-6)
+    assert ("the applied squared norm (sum_sq) is 1.05882× the correct one — the norm it clips with is "
+            "√1.05882 = 1.02899× the correct norm") in f["replica_overcount"].message
     f = by_kind(core.audit_step(norm_reports(lambda c: 1.75 + c[2]), sizes, spec, kind="norm"))
     assert "tp" not in f["wrong_group"].evidence["found"] and f["wrong_group"].evidence["expected"] == ["tp", "pp"]
     assert "get_model_parallel_group" in f["wrong_group"].message
