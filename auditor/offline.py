@@ -126,13 +126,18 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
         for path in spool_files(paths):
             counts["files"] += 1
             batch: list[Report] = []
-            for line, _end in iter_lines(path):
+            where = _LineNumbers(path)
+            invalid = 0
+            for line, end in iter_lines(path):
                 counts["reports"] += 1
                 try:
                     r = Report.model_validate_json(line)
                 except ValidationError as exc:
                     counts["invalid"] += 1
-                    log.warning("%s: invalid report skipped: %s", path, str(exc).splitlines()[0])
+                    invalid += 1
+                    if invalid <= MAX_INVALID_LOGGED:
+                        log.warning("%s:%d: invalid report skipped: %s", path, where.line_before(end),
+                                    invalid_reason(exc))
                     continue
                 if run_id is not None and r.run_id != run_id:
                     continue
@@ -144,6 +149,9 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
                     batch = []
             if batch:
                 ingest(batch)
+            if invalid > MAX_INVALID_LOGGED:
+                log.warning("%s: %d more invalid line(s) skipped (%d in all)", path, invalid - MAX_INVALID_LOGGED,
+                            invalid)
         now = time.time() + 1.0
         while service.sweep(grace_seconds=0.0, now=now):
             pass
@@ -153,6 +161,43 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
         engine.dispose()
         if tmp is not None:
             tmp.cleanup()
+
+
+#: Invalid lines of one spool file named one by one (the rest are counted): a file that is
+#: not a spool at all must not print one identical line per line.
+MAX_INVALID_LOGGED = 5
+
+
+def invalid_reason(exc: ValidationError) -> str:
+    """Why a spool line is not a report, naming the wire field (``local.count``,
+    ``coords.cp``) as the service's 422 does: the first error, and how many more there are."""
+    errors = exc.errors(include_url=False, include_input=False)
+    if not errors:
+        return str(exc).splitlines()[0]
+    e = errors[0]
+    if e["type"] == "json_invalid":
+        return f"not JSON ({e['msg']})"
+    field = ""
+    for part in e["loc"]:
+        field += f"[{part}]" if isinstance(part, int) else (f".{part}" if field else str(part))
+    more = f" (+{len(errors) - 1} more error{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
+    return f"{field or 'report'}: {e['msg']}{more}"
+
+
+class _LineNumbers:
+    """1-based line numbers of byte offsets in one file, for offsets asked in increasing order
+    (each byte is scanned once)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path, self.offset, self.lines = path, 0, 0
+
+    def line_before(self, end: int) -> int:
+        """The number of the line that ends just before byte ``end``."""
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            self.lines += f.read(end - self.offset).count(b"\n")
+        self.offset = end
+        return self.lines
 
 
 def _has_run(service: Service, run_id: str) -> bool:

@@ -71,3 +71,25 @@ def test_demo_with_cp_1_says_the_bug_needs_cp_2(tmp_path):
     out = auditor("demo", "--cp", "1", "--url", "not-a-url", cwd=tmp_path)
     assert out.returncode == 2
     assert "the bug needs --cp 2 or more" in " ".join(out.stdout.split())
+
+
+def test_audit_names_file_line_and_field_of_bad_lines(tmp_path):
+    """`auditor audit` on a file with bad lines says, per line, FILE:LINE and the wire field
+    (or "not JSON"), names at most 5 per file and counts the rest — not 30 identical lines
+    of "7 validation errors"."""
+    import json
+
+    bad = {"run_id": "r", "statistic": "a", "step": 0, "rank": 0, "world_size": 2,
+           "coords": {"dp": 0, "cp": 0, "tp": 0, "pp": 0}, "sizes": {"dp": 1, "cp": 2, "tp": 1, "pp": 1},
+           "local": {"count": 3, "sum": 1, "sum_sq": 1}, "applied": None, "dtype": "float99"}
+    lines = ["this is not a report"] * 30
+    lines[2] = json.dumps(bad)
+    spool = tmp_path / "x.jsonl"
+    spool.write_text("\n".join(lines) + "\n")
+    out = auditor("audit", str(spool))
+    assert out.returncode == 2
+    warnings = [ln for ln in out.stderr.splitlines() if "invalid report skipped" in ln]
+    assert len(warnings) == 5
+    assert warnings[0].startswith(f"{spool}:1: invalid report skipped: not JSON")
+    assert warnings[2].startswith(f"{spool}:3: invalid report skipped: dtype: ")
+    assert f"{spool}: 25 more invalid line(s) skipped (30 in all)" in out.stderr
