@@ -22,7 +22,7 @@ from auditor.demo import run_demo
 
 pytestmark = [pytest.mark.browser, pytest.mark.parametrize("backend", ["sqlite"], indirect=True)]
 
-ARTIFACTS = Path(os.environ.get("AUDITOR_ARTIFACTS") or Path(__file__).parent.parent / "test-artifacts")
+ARTIFACTS = Path(os.environ.get("AUDITOR_ARTIFACTS") or Path(__file__).parents[2] / "test-artifacts")
 #: Steps of the demo runs: the reference case at step 0, fresh rewards on later steps.
 DEMO_STEPS = 12
 

@@ -1,5 +1,5 @@
 """auditor.pytest_plugin as a framework maintainer uses it: a separate pytest run of a
-regression test that spawns gloo ranks (tests/data/cp_whitening_regression.py)."""
+regression test that spawns gloo ranks (tests/e2e/data/cp_whitening_regression.py)."""
 
 from __future__ import annotations
 
