@@ -476,8 +476,10 @@ def import_spools(
         except ConnectionError as e:
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(1) from None
-    typer.echo(f"imported {counts['sent']} report(s) from {counts['files']} file(s); "
-               f"{counts['rejected']} rejected, {counts['retries']} retried request(s)")
+    new = counts["sent"] - counts["duplicates"]
+    typer.echo(f"imported {new} new report(s) from {counts['files']} file(s)"
+               + (f" ({counts['duplicates']} already stored, not counted)" if counts["duplicates"] else "")
+               + f"; {counts['rejected']} rejected, {counts['retries']} retried request(s)")
     if counts["rejected"]:
         raise typer.Exit(1)
 

@@ -38,13 +38,14 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
     service. Reports the service refuses (409/422) are counted ``rejected`` and skipped.
 
     ``on_progress(path, done_bytes, total_bytes)`` is called after every batch. Returns
-    counters ``files``, ``sent``, ``rejected``, ``retries``. Raises ``ConnectionError`` after
+    counters ``files``, ``sent`` (delivered), ``duplicates`` (of those, already stored: an
+    identical re-send), ``rejected``, ``retries``. Raises ``ConnectionError`` after
     ``max_attempts`` consecutive transient failures (the sidecar then marks where to resume).
     """
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    counts = dict.fromkeys(("files", "sent", "rejected", "retries"), 0)
+    counts = dict.fromkeys(("files", "sent", "duplicates", "rejected", "retries"), 0)
     url = url.rstrip("/")
     with httpx.Client(timeout=timeout, headers=headers) as http:
         for path in spool_files(paths):
@@ -60,6 +61,7 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
             def on_final(kind: str, chunk: list[bytes], _pending: list, out: Outcome, path=path) -> None:
                 if kind == "sent":
                     counts["sent"] += len(chunk)
+                    counts["duplicates"] += out.duplicates
                 elif kind == "partial":
                     log.warning("%s: %d reports rejected: %s", path, len(out.rejected), out.message)
                     counts["rejected"] += len(out.rejected)

@@ -42,6 +42,8 @@ class Outcome:
     delay: float = 0.0
     rejected: frozenset[int] = field(default_factory=frozenset)
     message: str = ""
+    #: ``sent``: how many of the batch the service already had (identical re-sends).
+    duplicates: int = 0
 
 
 def post_lines(http: httpx.Client, url: str, lines: list[bytes]) -> Outcome:
@@ -59,7 +61,11 @@ def post_lines(http: httpx.Client, url: str, lines: list[bytes]) -> Outcome:
         return Outcome("retry", 0.0, message=f"{type(exc).__name__}: {exc}")
     status = response.status_code
     if status < 300:
-        return Outcome("sent")
+        try:
+            duplicates = int(response.json().get("duplicates", 0))
+        except (ValueError, AttributeError, TypeError):
+            duplicates = 0
+        return Outcome("sent", duplicates=duplicates)
     if status in TRANSIENT or status >= 500:
         return Outcome("retry", retry_after(response), message=f"HTTP {status}: {response.text[:200]}")
     if status == 413 and len(lines) > 1:

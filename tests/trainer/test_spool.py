@@ -39,21 +39,24 @@ def test_spool_commit_truncates_when_drained(tmp_path):
 def test_import_is_resumable_and_idempotent(live_server, tmp_path, run_id):
     """`auditor import` uploads a spool and records the offset; a second import sends nothing;
     with the sidecar rewound to the middle it resends only the rest, and the service stores
-    each report once (the re-sent ones are duplicates)."""
+    each report once (the re-sent ones are duplicates); --restart re-sends everything and says
+    that none of it was new."""
     reports = [r for s in range(5) for r in reference_reports(run_id, buggy=False, step=s)]
     path = tmp_path / "rank0.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in reports))
     cmd = [sys.executable, "-m", "auditor", "import", str(tmp_path), "--url", live_server.url, "--batch-size", "3"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert "imported 10 report(s) from 1 file(s); 0 rejected" in out.stdout
+    assert "imported 10 new report(s) from 1 file(s); 0 rejected" in out.stdout
     assert read_offset(path) == path.stat().st_size
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-    assert "imported 0 report(s)" in out.stdout
+    assert "imported 0 new report(s)" in out.stdout
+    out = subprocess.run([*cmd, "--restart"], capture_output=True, text=True, timeout=120)
+    assert "imported 0 new report(s) from 1 file(s) (10 already stored, not counted); 0 rejected" in out.stdout
     half = len("".join(json.dumps(r) + "\n" for r in reports[:4]))
     (tmp_path / "rank0.jsonl.offset").write_text(str(half))
     counts = upload([path], live_server.url, batch_size=4)
-    assert counts == {"files": 1, "sent": 6, "rejected": 0, "retries": 0}
+    assert counts == {"files": 1, "sent": 6, "duplicates": 6, "rejected": 0, "retries": 0}
     (stat,) = live_server.get(f"/v1/runs/{run_id}/report").json()["statistics"]
     assert stat["steps_audited"] == stat["steps_consistent"] == 5
 
