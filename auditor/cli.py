@@ -196,7 +196,7 @@ class ReportSource:
 
             with Reader(self.url) as reader:
                 return list(reader.runs_json(page_size=1000))
-        return self._service.list_runs()[0]
+        return self._service.list_runs()
 
 
 def _require_torch() -> None:

@@ -271,7 +271,12 @@ class Service:
         return audited
 
     # -------------------------------------------------------------------------- reads
-    def list_runs(self, limit: int | None = None, after: tuple[float, str] | None = None,
+    def list_runs(self, status: str | None = None) -> list[dict]:
+        """Every run (optionally of one ``status``) with its topology and per-statistic step
+        counts, newest first."""
+        return self.runs_page(status=status)[0]
+
+    def runs_page(self, limit: int | None = None, after: tuple[float, str] | None = None,
                   status: str | None = None) -> tuple[list[dict], tuple[float, str] | None]:
         """Runs with their topology and per-statistic step counts, newest first, one keyset
         page at a time (``GET /v1/runs``).

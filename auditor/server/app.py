@@ -186,7 +186,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         "next_cursor": str | null}``. Pass ``next_cursor`` back as ``cursor`` for the next
         page (opaque; null on the last page). Times are Unix seconds."""
         after = decode_cursor(cursor, lambda v: (float(v[0]), str(v[1])))
-        rows, last = s.service.list_runs(limit=limit, after=after, status=status)
+        rows, last = s.service.runs_page(limit=limit, after=after, status=status)
         return {"runs": rows, "next_cursor": encode_cursor(list(last)) if last else None}
 
     @app.get("/v1/runs/{run_id}")
@@ -259,7 +259,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         s: AppState = Depends(svc),
     ) -> HTMLResponse:
         after = decode_cursor(cursor, lambda v: (float(v[0]), str(v[1])))
-        rows, last = s.service.list_runs(limit=100, after=after, status=status)
+        rows, last = s.service.runs_page(limit=100, after=after, status=status)
         return HTMLResponse(web.render_runs_page(rows, next_cursor=encode_cursor(list(last)) if last else None,
                                                  status=status, root_path=request.scope.get("root_path", "")))
 
