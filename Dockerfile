@@ -9,6 +9,8 @@ WORKDIR /src
 COPY pyproject.toml README.md alembic.ini ./
 COPY auditor ./auditor
 COPY migrations ./migrations
+# the alert runbook, served at /runbook (auditor/web/runbook.md links to it)
+COPY docs/alerts.md ./docs/alerts.md
 RUN python -m venv /opt/venv \
  && /opt/venv/bin/pip install ".[postgres]"
 

@@ -251,6 +251,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.mount("/static", StaticFiles(directory=web.STATIC_DIR), name="static")
 
+    @app.get("/runbook", response_class=HTMLResponse, include_in_schema=False)
+    def runbook(request: Request) -> HTMLResponse:
+        """The alert runbook (docs/alerts.md): where every alert's runbook_url points."""
+        return HTMLResponse(web.render_runbook(root_path=request.scope.get("root_path", "")))
+
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def runs_page(
         request: Request,

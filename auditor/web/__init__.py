@@ -180,6 +180,25 @@ def gather_run_page(source: PageSource, run_id: str, *, statistic: str | None = 
     return {"report": report, "steps": steps, "details": details, "selected": selected}
 
 
+def render_runbook(*, root_path: str = "") -> str:
+    """The alert runbook (docs/alerts.md, shipped as ``auditor/web/runbook.md``) as an HTML
+    page whose sections carry the anchors the alerts' ``runbook_url`` point to
+    (``#auditordown``: the heading text, lower case, alphanumerics only)."""
+    from markdown_it import MarkdownIt
+
+    text = (Path(__file__).parent / "runbook.md").read_text(encoding="utf-8")
+    html = MarkdownIt("commonmark").enable("table").render(text)
+    html = _HEADING.sub(lambda m: f'<h{m[1]} id="{_anchor(m[2])}">{m[2]}</h{m[1]}>', html)
+    return environment().get_template("runbook.html").render(body=html, root=root_path, assets=_assets(False))
+
+
+_HEADING = re.compile(r"<h([23])>(.*?)</h\1>")
+
+
+def _anchor(heading_html: str) -> str:
+    return re.sub(r"[^a-z0-9]", "", re.sub(r"<[^>]+>", "", heading_html).lower())
+
+
 def render_runs_page(runs: Sequence[Mapping[str, Any]], *, next_cursor: str | None = None,
                      status: str | None = None, root_path: str = "") -> str:
     """The run list (``GET /``): one row per run of ``GET /v1/runs``, linked to its page."""

@@ -213,7 +213,9 @@ def test_every_alert_has_unit_test_runbook_and_annotations():
         name = block.split()[0]
         for key in ("summary:", "description:", "runbook_url:"):
             assert key in block, f"{name} has no {key}"
-        assert f'runbook_url: "docs/alerts.md#{name.lower()}"' in block, name
+        # absolute (clickable in Alertmanager and Grafana), base from the auditor_url external label
+        assert ('runbook_url: "{{ with $externalLabels.auditor_url }}{{ . }}{{ else }}http://localhost:8000{{ end }}'
+                f'/runbook#{name.lower()}"') in block, name
         assert re.search(rf"^## {name}\b", doc, re.M), f"docs/alerts.md has no section '## {name}'"
         if name != "AuditorDown" and "reason" not in block:
             assert "{{ $labels.run }}" in block and "{{ $labels.statistic }}" in block, name

@@ -136,6 +136,8 @@ def test_runs_page_and_offline_docs(browser, live_server, demo):
     page.click(f"text={demo.fixed_run_id}")
     wait_ready(page)
     assert page.inner_text("#run-verdict") == "consistent"
+    page.goto(f"{live_server.url}/runbook#auditordown")
+    assert "Prometheus failed to scrape" in page.inner_text("#auditordown + p")
     page.goto(f"{live_server.url}/docs")
     page.wait_for_selector(".swagger-ui .info .title", timeout=30_000)
     assert "auditor" in page.inner_text(".swagger-ui .info .title")

@@ -44,9 +44,12 @@ pytestmark = [
 
 def prometheus_config(auditor_port: int, prometheus_port: int) -> dict:
     """deploy/prometheus/prometheus.yml with 1 s intervals, the rules file by absolute path,
-    no Alertmanager, and the targets on loopback."""
+    no Alertmanager, the targets on loopback and ``auditor_url`` (the runbook's base) the
+    auditor under test."""
     cfg = yaml.safe_load(PROM_CONFIG.read_text())
     cfg["global"].update(scrape_interval="1s", evaluation_interval="1s", scrape_timeout="1s")
+    assert "auditor_url" in cfg["global"]["external_labels"]
+    cfg["global"]["external_labels"]["auditor_url"] = f"http://127.0.0.1:{auditor_port}"
     assert cfg["rule_files"] == ["alerts.yml"]
     cfg["rule_files"] = [str(ALERTS)]
     cfg.pop("alerting", None)
@@ -144,7 +147,7 @@ def test_buggy_demo_fires_cp_disagreement_alert_fixed_run_does_not(pg_url, tmp_p
     (dp=1, cp=2 gloo workers) whitens the reference case with slime's bug and with the fix.
     AuditorCPDisagreement goes to *firing* for the buggy run, labelled with its run and
     statistic and carrying the auditor's cp_disagreement_sigma (0.433 σ, far above the 0.01 σ
-    threshold); after Prometheus has scraped the fixed run's gauge (0) and evaluated the rules
+    threshold) and an absolute runbook_url the auditor serves; after Prometheus has scraped the fixed run's gauge (0) and evaluated the rules
     again, no alert of any kind names the fixed run. The scrape target is up."""
     server = ServerProcess(pg_url, tmp_path / "auditor.log", args=("--workers", "2"),
                            AUDITOR_GRACE_SECONDS="5", AUDITOR_SWEEP_INTERVAL_SECONDS="0.5")
@@ -172,6 +175,11 @@ def test_buggy_demo_fires_cp_disagreement_alert_fixed_run_does_not(pg_url, tmp_p
             assert alert["labels"]["severity"] == "critical"
             assert float(alert["value"]) == pytest.approx(sigma, rel=1e-9)
             assert buggy in alert["annotations"]["summary"]
+            # the runbook link is absolute, built from the auditor_url external label, and the
+            # auditor serves the section it points to
+            runbook = alert["annotations"]["runbook_url"]
+            assert runbook == f"{server.url}/runbook#{ALERT.lower()}"
+            assert f'id="{ALERT.lower()}"' in httpx.get(runbook.split("#")[0], timeout=10).text
 
             # The fixed run has been scraped (its gauge is 0) and the rules evaluated since.
             prom._wait(lambda: prom.api("query", query=f'auditor_cp_disagreement_sigma{{run="{fixed}"}}')["result"],

@@ -50,6 +50,17 @@ def test_figures_count_one_point_per_step_and_rank():
     assert plots.count_points(norm) == 8 and norm["layout"]["yaxis"]["title"]["text"] == "squared norm ‖g‖²"
 
 
+def test_runbook_page_has_every_alerts_anchor():
+    """/runbook renders docs/alerts.md with one anchor per alert of alerts.yml: the target of
+    each alert's (absolute) runbook_url."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    alerts = re.findall(r"^\s*-\s*alert:\s*(\S+)", (root / "deploy/prometheus/alerts.yml").read_text(), re.M)
+    html = web.render_runbook()
+    assert alerts and all(f'id="{a.lower()}"' in html for a in alerts), alerts
+
+
 def test_page_escapes_what_trainers_send_and_inlines_assets_on_request():
     """Statistic names and fault messages come from trainers: they are escaped in the HTML and
     in the embedded figure JSON. Inline mode carries plotly.js itself; linked mode loads it
