@@ -17,6 +17,8 @@ threads, workers and replicas, and the lock order, are the store's
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -25,16 +27,19 @@ from typing import Any, Iterator, Sequence
 import sqlalchemy as sa
 
 from auditor import core
-from auditor.core import DIMS, RankReport
+from auditor.core import DIMS, REPLACEABLE, RankReport
 from auditor.db.store import COLUMNS, COMPARED, Arrival, SeriesRow, Store, json_safe, rank_report, report_row
-from auditor.schemas import DEFAULT_SPECS, Report, RunRegistration, StatisticSpec
+from auditor.schemas import DEFAULT_SPECS, Report, RunRegistration, StatisticSpec, expected_reports
+
+log = logging.getLogger("auditor.service")
 
 
 class ConflictError(Exception):
     """A batch contradicts what is stored (HTTP 409); nothing of the batch was stored.
 
-    ``error`` is ``conflicting_report``, ``topology_conflict`` or ``spec_conflict``;
-    ``conflicts`` lists ``{"index": i, "field": ..., ...}`` per offending report.
+    ``error`` is ``conflicting_report``, ``coordinate_conflict``, ``topology_conflict`` or
+    ``spec_conflict``; ``conflicts`` lists ``{"index": i, "fields": [wire names], ...}`` per
+    offending report.
     """
 
     def __init__(self, error: str, message: str, conflicts: list[dict]):
@@ -44,6 +49,15 @@ class ConflictError(Exception):
 
 class NotFound(Exception):
     """No such run, statistic or step (HTTP 404)."""
+
+
+class LimitError(Exception):
+    """A request would take the service past a configured limit (HTTP 422); nothing was
+    stored. ``field`` is the wire field (``reports[3].statistic``, ``statistics.NAME``)."""
+
+    def __init__(self, field: str, loc: list, message: str):
+        super().__init__(message)
+        self.field, self.loc, self.message = field, loc, message
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,14 +95,15 @@ class Service:
     """The flows over one database. Thread-safe; holds no state but immutable caches (a
     run's topology and a series' kind/spec never change once stored)."""
 
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, *, max_statistics_per_run: int | None = None):
         self.store = store
+        self.max_statistics_per_run = max_statistics_per_run
         self._topology: dict[str, Topology] = {}
         self._series: dict[tuple[str, str], SeriesInfo] = {}
 
     @classmethod
-    def from_engine(cls, engine: sa.Engine) -> "Service":
-        return cls(Store(engine))
+    def from_engine(cls, engine: sa.Engine, **limits) -> "Service":
+        return cls(Store(engine), **limits)
 
     def close(self) -> None:
         self.store.dispose()
@@ -126,6 +141,8 @@ class Service:
         info = self._series.get((run_id, statistic))
         if info is None:
             want = (spec or DEFAULT_SPECS[kind]).model_dump()
+            if self.max_statistics_per_run is not None:
+                self._check_statistics_limit(conn, run_id, statistic, index)
             info = SeriesInfo.of(self.store.ensure_series(conn, run_id, statistic, kind, want, now))
         if info.kind != kind or (spec is not None and spec != info.spec):
             raise ConflictError(
@@ -136,14 +153,40 @@ class Service:
             )
         return info
 
+    def _check_statistics_limit(self, conn: sa.Connection, run_id: str, statistic: str, index: int | None) -> None:
+        limit = self.max_statistics_per_run
+        names = self.store.statistic_names(conn, run_id, limit + 1)
+        if statistic in names or len(names) < limit:
+            return
+        field, loc = ((f"reports[{index}].statistic", ["reports", index, "statistic"]) if index is not None
+                      else (f"statistics.{statistic}", ["statistics", statistic]))
+        raise LimitError(field, loc, f"run {run_id!r} already has {len(names)} statistics, the most one run may have "
+                                     f"(AUDITOR_MAX_STATISTICS_PER_RUN={limit}); {statistic!r} was not added")
+
     # ------------------------------------------------------------------------- ingest
     def ingest(self, batch: Sequence[Report], now: float | None = None) -> IngestOutcome:
+        """Store a validated batch in one transaction and audit the steps it completes
+        (:meth:`_ingest`). A foreign-key violation means a cached run or series was deleted
+        meanwhile (``DELETE /v1/runs``, retention, maybe on another replica): the caches are
+        dropped and the batch is tried once more."""
+        try:
+            return self._ingest(batch, now)
+        except Exception as exc:
+            if not _is_integrity_error(exc):
+                raise
+            self._topology.clear()
+            self._series.clear()
+            return self._ingest(batch, now)
+
+    def _ingest(self, batch: Sequence[Report], now: float | None = None) -> IngestOutcome:
         """Store a validated batch in one transaction and audit the steps it completes.
 
         Re-sent identical reports are counted as duplicates and change nothing. Raises
         :class:`ConflictError` (and stores nothing of the batch) when a report differs from
-        a stored one with the same key, or contradicts its run's topology or its
-        statistic's kind/spec, or its step's ``num_microbatches``.
+        a stored one with the same key, claims the coordinates another rank holds in its
+        step, or contradicts its run's topology, its statistic's kind/spec, or its step's
+        ``num_microbatches``. A report completing a step audited while incomplete re-audits
+        it (once, across replicas: :meth:`auditor.db.store.Store.record_verdict`).
         """
         now = time.time() if now is None else now
         store = self.store
@@ -187,7 +230,7 @@ class Service:
                 rows[key] = row
                 index_of[key] = i
                 sk = key[:2]
-                n = r.world_size * r.num_microbatches
+                n = expected_reports(r)
                 if expected.setdefault(sk, n) != n:
                     raise _microbatch_conflict(i, r, expected[sk] // r.world_size)
 
@@ -202,6 +245,10 @@ class Service:
                 leftover = [k for k in rows if k not in inserted_keys]
                 if leftover:
                     stored = store.fetch_reports(conn, leftover)
+                    taken = [k for k in leftover if k not in stored]
+                    if taken:  # not stored under its key: another rank holds its coordinates
+                        raise self._coordinate_conflict(conn, [(index_of[k], rows[k]) for k in taken], batch,
+                                                        index_of)
                     clashes = [(index_of[k], k, stored[k], rows[k])
                                for k in leftover if stored[k][:-1] != rows[k][:-1]]
                     if clashes:
@@ -219,56 +266,159 @@ class Service:
                 by_id = {info.id: info for info in series_of.values()}
                 by_step: dict[tuple[int, int], list[tuple]] | None = None
                 for p in sorted(progress, key=lambda p: (p.series_id, p.step)):
-                    if p.verdict is None and p.received >= p.expected:
-                        info = by_id[p.series_id]
-                        mine = None
-                        if all_new and p.received == added[(p.series_id, p.step)]:
-                            # Every stored report of the step is one this transaction just
-                            # wrote: audit the rows in hand instead of reading them back.
-                            if by_step is None:
-                                by_step = defaultdict(list)
-                                for row in ordered:
-                                    by_step[row[:2]].append(row)
-                            mine = [rank_report(row) for row in by_step[(p.series_id, p.step)]]
-                        topo = self._topology.get(info.run_id) or new_topology[info.run_id]
-                        v = self._audit(conn, info, topo, p, now, mine)
-                        if v is not None:
-                            out.audited.append((p.series_id, p.step, v))
+                    if p.received < p.expected:
+                        continue
+                    # first audit, or a late report completed a step audited while incomplete
+                    previous = None
+                    if p.verdict is not None:
+                        if p.complete_at_audit is None or p.complete_at_audit or p.verdict not in REPLACEABLE:
+                            continue
+                        previous = p.verdict
+                    info = by_id[p.series_id]
+                    mine = None
+                    if all_new and p.received == added[(p.series_id, p.step)]:
+                        # Every stored report of the step is one this transaction just
+                        # wrote: audit the rows in hand instead of reading them back.
+                        if by_step is None:
+                            by_step = defaultdict(list)
+                            for row in ordered:
+                                by_step[row[:2]].append(row)
+                        mine = [rank_report(row) for row in by_step[(p.series_id, p.step)]]
+                    topo = self._topology.get(info.run_id) or new_topology[info.run_id]
+                    v = self._audit(conn, info, topo, p, now, mine, previous=previous)
+                    if v is not None:
+                        out.audited.append((p.series_id, p.step, v))
         self._topology.update(new_topology)
         self._series.update(new_series)
         return out
 
+    def _judge(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, step: int, expected: int,
+               rank_reports: list[RankReport]) -> core.StepVerdict:
+        """Run the engine on one step. Never raises: an exception of the engine (or findings
+        that cannot be stored) becomes the verdict ``audit_error`` with the exception as the
+        step's one fault, logged once; nothing else of the batch is affected."""
+        try:
+            v = core.audit_step(
+                rank_reports, topo.sizes, info.engine_spec,
+                num_microbatches=max(1, expected // topo.world_size),
+                history=self.store.history(conn, info.id, step), kind=info.kind,
+            )
+            json.dumps(json_safe([[[list(g.key), g.microbatch, g.count, g.mean, g.var] for g in v.groups],
+                                  [f.evidence for f in v.faults]]), allow_nan=False)  # storable
+            return v
+        except Exception as exc:  # noqa: BLE001 - contained to this step (verdict audit_error)
+            log.exception("audit of %s/%s step %d raised; recorded as audit_error", info.run_id, info.statistic, step)
+            message = (f"the audit engine raised {type(exc).__name__}: {str(exc)[:500]} — this step has no verdict; "
+                       "please report it with the step's reports (GET .../steps/{step})")
+            fault = core.Fault(core.FaultKind.AUDIT_ERROR, message, [], {"exception": type(exc).__name__})
+            return core.StepVerdict("audit_error", [fault], [], [], None, None)
+
     def _audit(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, p: Arrival, now: float,
-               rank_reports: list[RankReport] | None = None) -> str | None:
+               rank_reports: list[RankReport] | None = None, previous: str | None = None) -> str | None:
         """Audit one step inside the caller's transaction and record the verdict; return it,
         or None if another transaction recorded it first. ``rank_reports``: every stored
-        report of the step, if the caller holds them (else they are read)."""
+        report of the step, if the caller holds them (else they are read). ``previous``:
+        re-audit a step whose verdict ``previous`` was recorded while reports were missing."""
         store = self.store
         if rank_reports is None:
             rank_reports = store.step_reports(conn, info.id, p.step)
-        v = core.audit_step(
-            rank_reports, topo.sizes, info.engine_spec,
-            num_microbatches=max(1, p.expected // topo.world_size),
-            history=store.history(conn, info.id, p.step), kind=info.kind,
-        )
-        return v.verdict if store.record_verdict(conn, info.id, p.step, v, now) else None
+        v = self._judge(conn, info, topo, p.step, p.expected, rank_reports)
+        done = store.record_verdict(conn, info.id, p.step, v, now, complete=len(rank_reports) >= p.expected,
+                                    previous=previous)
+        return v.verdict if done else None
 
-    def sweep(self, grace_seconds: float, now: float | None = None, limit: int = 1000) -> int:
-        """Audit steps still incomplete ``grace_seconds`` after their first report
-        (``missing_report``), one transaction per step. Safe to run on every replica at
-        once: each step's verdict is recorded exactly once. Returns the steps this call audited."""
+    def sweep(self, grace_seconds: float, now: float | None = None, limit: int = 1000,
+              max_seconds: float | None = None) -> int:
+        """One bounded sweep round; returns the number of steps it audited.
+
+        Audits (a) steps still incomplete ``grace_seconds`` after their first report
+        (``missing_report``) and (b) steps audited while incomplete that late reports have
+        completed since, if the ingest that completed them did not (steps stored before
+        revision 0003). At most ``limit`` steps, each in its own short write transaction (so
+        ingest never waits behind a whole round), and no new step after ``max_seconds``. A
+        step's cost is O(its reports + world_size + num_microbatches), never O(expected).
+        Safe on every replica at once: each verdict is recorded exactly once.
+        """
         now = time.time() if now is None else now
+        t0 = time.monotonic()
         with self.store.read() as conn:
-            due = self.store.due_steps(conn, now - grace_seconds, limit)
+            due = [(*d, None) for d in self.store.due_steps(conn, now - grace_seconds, limit)]
+            if len(due) < limit:
+                due += self.store.reaudit_steps(conn, limit - len(due))
         audited = 0
-        for series_id, step, expected in due:
+        for series_id, step, expected, previous in due:
+            if max_seconds is not None and time.monotonic() - t0 > max_seconds:
+                break
             with self.store.write() as conn:
-                srow, run = self.store.series_by_id(conn, series_id)
+                found = self.store.series_by_id(conn, series_id)
+                if found is None:
+                    continue  # deleted meanwhile
+                srow, run = found
                 topo = Topology(run.world_size, run.sizes)
-                if self._audit(conn, SeriesInfo.of(srow), topo, Arrival(series_id, step, 0, expected, None),
-                               now) is not None:
+                if self._audit(conn, SeriesInfo.of(srow), topo, Arrival(series_id, step, 0, expected, previous),
+                               now, previous=previous) is not None:
                     audited += 1
         return audited
+
+    # ---------------------------------------------------------------------- lifecycle
+    def delete_run(self, run_id: str, chunk_rows: int = 5000, max_chunks: int | None = None) -> dict | None:
+        """Delete a run with its reports, verdicts and faults (``DELETE /v1/runs/{run_id}``,
+        ``auditor runs delete``, retention), in transactions of at most ``chunk_rows``
+        reports each (whole steps, or rank ranges of one larger step), so ingest and reads
+        interleave and no transaction holds the write lock for long. Returns
+        ``{"run_id", "reports", "steps", "statistics"}``, or None when ``max_chunks`` ran out
+        first (call again to go on). Raises :class:`NotFound`. Reports arriving for the run
+        meanwhile are deleted with it."""
+        store = self.store
+        with store.read() as conn:
+            run = store.run(conn, run_id)
+            if run is None:
+                raise NotFound(run_id)
+            sids = [s["id"] for s in store.series_rows(conn, run_id)]
+        self._forget(run_id)
+        world = max(1, run["world_size"])
+        counts = {"run_id": run_id, "reports": 0, "steps": 0, "statistics": len(sids)}
+        chunks = 0
+        for sid in sids:
+            while True:
+                if max_chunks is not None and chunks >= max_chunks:
+                    return None
+                chunks += 1
+                with store.write() as conn:
+                    steps = store.first_steps(conn, sid, chunk_rows)
+                    if not steps:
+                        break
+                    first, received, expected = steps[0]
+                    last = first
+                    if received > chunk_rows:  # one large step: a range of ranks at a time
+                        n = store.delete_rank_range(conn, sid, first, max(1, chunk_rows * world // max(expected, 1)))
+                        if n is not None:
+                            counts["reports"] += n
+                            continue
+                    else:
+                        total = 0
+                        for step, k, _ in steps:
+                            if total + k > chunk_rows:
+                                break
+                            total, last = total + k, step
+                    n, m = store.delete_steps(conn, sid, first, last)
+                    counts["reports"] += n
+                    counts["steps"] += m
+        with store.write() as conn:
+            store.delete_run_rows(conn, run_id, sids)
+        self._forget(run_id)
+        return counts
+
+    def _forget(self, run_id: str) -> None:
+        self._topology.pop(run_id, None)
+        for key in [k for k in self._series if k[0] == run_id]:
+            self._series.pop(key, None)
+
+    def idle_runs(self, idle_seconds: float, now: float | None = None, limit: int = 10) -> list[str]:
+        """Runs with no report for ``idle_seconds``, oldest first, at most ``limit``."""
+        now = time.time() if now is None else now
+        with self.store.read() as conn:
+            return self.store.idle_runs(conn, now - idle_seconds, limit)
 
     # -------------------------------------------------------------------------- reads
     def list_runs(self, status: str | None = None) -> list[dict]:
@@ -322,7 +472,9 @@ class Service:
                 out["statistics"].append(self._series_report(conn, s, run, bad_steps_limit))
         if statistic is not None and not out["statistics"]:
             raise NotFound(f"{run_id}/{statistic}")
-        out["consistent"] = all(s["steps_inconsistent"] == 0 for s in out["statistics"])
+        # an audit_error is no evidence of consistency: never report such a run consistent
+        out["consistent"] = all(s["steps_inconsistent"] == 0 and s["steps_audit_error"] == 0
+                                for s in out["statistics"])
         return out
 
     def _series_report(self, conn: sa.Connection, s, run: dict, limit: int) -> dict:
@@ -332,12 +484,15 @@ class Service:
         bad_rows = store.bad_steps(conn, s["id"], limit)
         info = SeriesInfo.of(SeriesRow(s["id"], s["run_id"], s["statistic"], s["kind"], s["spec"]))
         topo = Topology(run["world_size"], tuple(run["sizes"][d] for d in DIMS))
-        audited = s["steps_consistent"] + s["steps_inconsistent"] + s["steps_incomplete"]
+        audited = sum(s[f"steps_{v}"] for v in core.VERDICTS)
         return {
             "statistic": s["statistic"], "kind": s["kind"], "spec": s["spec"],
             "steps_audited": audited, "steps_consistent": s["steps_consistent"],
             "steps_inconsistent": s["steps_inconsistent"], "steps_incomplete": s["steps_incomplete"],
+            "steps_audit_error": s["steps_audit_error"],
             "steps_pending": pending,
+            # verdicts a late report replaced (each such step's previous_verdict says which)
+            "steps_reaudited": sum(s[f"superseded_{v}"] for v in REPLACEABLE),
             "first_bad_step": s["first_bad_step"], "last_bad_step": s["last_bad_step"],
             "last_audited_step": s["last_audited_step"],
             "faults": fault_counts,
@@ -348,17 +503,22 @@ class Service:
             "worst_applied_error_step": s["worst_applied_error_step"],
             "bad_steps": [self._step_detail(conn, info, topo, row) for row in bad_rows],
             "bad_steps_shown": len(bad_rows),
-            "bad_steps_total": s["steps_inconsistent"] + s["steps_incomplete"],
+            "bad_steps_total": s["steps_inconsistent"] + s["steps_incomplete"] + s["steps_audit_error"],
         }
 
     def _step_detail(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, row) -> dict:
         fault_rows = self.store.step_faults(conn, info.id, row["step"])
-        recomputed = core.audit_step(
-            self.store.step_reports(conn, info.id, row["step"]), topo.sizes, info.engine_spec,
-            num_microbatches=max(1, row["expected"] // topo.world_size), kind=info.kind,
-        )
+        try:  # the per-rank table is recomputed; a read must never fail on odd data
+            ranks = [_row_json(r) for r in core.audit_step(
+                self.store.step_reports(conn, info.id, row["step"]), topo.sizes, info.engine_spec,
+                num_microbatches=max(1, row["expected"] // topo.world_size), kind=info.kind,
+            ).rows]
+        except Exception:  # noqa: BLE001 - the stored verdict (audit_error) already says it
+            log.exception("per-rank table of %s/%s step %d", info.run_id, info.statistic, row["step"])
+            ranks = []
         return {
             "step": row["step"], "verdict": row["verdict"], "audited_at": row["audited_at"],
+            "previous_verdict": row["previous_verdict"], "verdict_changed_at": row["verdict_changed_at"],
             "reports": row["received"], "expected": row["expected"],
             "cp_disagreement_sigma": row["cp_disagreement_sigma"],
             "applied_error_sigma": row["applied_error_sigma"],
@@ -367,7 +527,7 @@ class Service:
                  "evidence": f["evidence"]}
                 for f in fault_rows
             ],
-            "ranks": [_row_json(r) for r in recomputed.rows],
+            "ranks": ranks,
         }
 
     def steps(self, run_id: str, statistic: str, *, start: int | None = None, stop: int | None = None,
@@ -415,9 +575,33 @@ class Service:
             topo = Topology(run["world_size"], tuple(run["sizes"][d] for d in DIMS))
             return {"run_id": run_id, "statistic": statistic, **self._step_detail(conn, info, topo, row)}
 
-    def metric_series(self, since: float) -> list[dict]:
-        """Per-series aggregates for /metrics, for series active after ``since`` (Unix s)."""
-        return self.store.metric_series(since)
+    def metric_series(self, since: float, max_series: int | None = None) -> list[dict]:
+        """Per-series figures for /metrics (:meth:`auditor.db.store.Store.metric_series`)."""
+        return self.store.metric_series(since, max_series)
+
+    def _coordinate_conflict(self, conn: sa.Connection, taken: list[tuple[int, tuple]], batch: Sequence[Report],
+                             index_of: dict[tuple, int]) -> ConflictError:
+        """409 for reports whose (step, microbatch, coordinates) another rank already holds,
+        stored or earlier in the same batch: naming both ranks and the shared coordinates."""
+        conflicts = []
+        for i, row in taken:
+            sid, step, mb = row[0], row[1], row[2]
+            other = self.store.rank_at(conn, sid, step, mb, tuple(row[4:8]))
+            r = batch[i]
+            entry = {"index": i, "run_id": r.run_id, "statistic": r.statistic, "step": r.step, "microbatch": mb,
+                     "rank": r.rank, "other_rank": other, "coords": r.coords.model_dump(),
+                     "fields": ["rank", "coords"]}
+            j = index_of.get((sid, step, mb, other))
+            if j is not None and j != i:
+                entry["other_index"] = j
+            conflicts.append(entry)
+        first = conflicts[0]
+        where = f"reports[{first['other_index']}]" if "other_index" in first else "a stored report"
+        coords = ", ".join(f"{k}={v}" for k, v in first["coords"].items())
+        message = (f"reports[{first['index']}] (rank {first['rank']}) and {where} (rank {first['other_rank']}) both "
+                   f"claim coords {coords} of step {first['step']} microbatch {first['microbatch']}: one place in "
+                   "the world holds one rank; nothing of this batch was stored")
+        return ConflictError("coordinate_conflict", message, conflicts)
 
 
 class PageReads:
@@ -447,14 +631,16 @@ class PageReads:
 
 
 def _run_summary(r, srows) -> dict:
-    audited = sum(s["steps_consistent"] + s["steps_inconsistent"] + s["steps_incomplete"] for s in srows)
+    audited = sum(s[f"steps_{v}"] for s in srows for v in core.VERDICTS)
     bad = sum(s["steps_inconsistent"] for s in srows)
+    errors = sum(s["steps_audit_error"] for s in srows)
     return {
         "run_id": r["run_id"], "world_size": r["world_size"],
         "sizes": {d: r[d] for d in DIMS}, "created_at": r["created_at"],
         "last_activity": max((s["updated_at"] for s in srows), default=r["created_at"]),
         "statistics": sorted(s["statistic"] for s in srows),
-        "steps_audited": audited, "steps_inconsistent": bad, "consistent": bad == 0,
+        "steps_audited": audited, "steps_inconsistent": bad, "steps_audit_error": errors,
+        "consistent": bad == 0 and errors == 0,
     }
 
 
@@ -480,7 +666,7 @@ def _conflict(clashes: list[tuple[int, tuple, tuple, tuple]], batch: Sequence[Re
     conflicts = []
     for i, _key, stored, sent in clashes:
         stored, sent = dict(zip(COLUMNS, stored)), dict(zip(COLUMNS, sent))
-        fields = [c for c in COMPARED if stored[c] != sent[c]]
+        fields = list(dict.fromkeys(_wire_fields(stored, sent)))
         r = batch[i]
         conflicts.append({
             "index": i, "run_id": r.run_id, "statistic": r.statistic, "step": r.step,
@@ -497,3 +683,35 @@ def _conflict(clashes: list[tuple[int, tuple, tuple, tuple]], batch: Sequence[Re
                    f"{first['rank']}) differs in {', '.join(first['fields'])}; the stored report stays, "
                    "nothing of this batch was stored")
     return ConflictError("conflicting_report", message, conflicts)
+
+
+#: ``reports`` column → the wire field it stores (409 bodies name wire fields).
+_WIRE_FIELD = {
+    **{f"local_{f}": f"local.{f}" for f in ("count", "sum", "sum_sq", "min", "max", "replicated_sum_sq")},
+    **{f"applied_{f}": f"applied.{f}" for f in ("count", "sum", "sum_sq", "mean", "var")},
+    **{d: f"coords.{d}" for d in DIMS},
+}
+
+
+def _wire_fields(stored: dict, sent: dict):
+    """Wire names of the fields in which two ``reports`` rows differ (``non_finite`` holds
+    the column names of NaN/Inf values, so a difference there names those fields)."""
+    for c in COMPARED:
+        if stored[c] == sent[c]:
+            continue
+        if c == "non_finite":
+            names = set((stored[c] or "").split(",")) ^ set((sent[c] or "").split(","))
+            yield from (_WIRE_FIELD.get(n, n) for n in sorted(names) if n)
+        else:
+            yield _WIRE_FIELD.get(c, c)
+
+
+def _is_integrity_error(exc: BaseException) -> bool:
+    """SQLAlchemy's IntegrityError, or the driver's (raised by the COPY fast path)."""
+    if isinstance(exc, sa.exc.IntegrityError):
+        return True
+    try:
+        import psycopg
+    except ImportError:  # pragma: no cover - SQLite-only installs
+        return False
+    return isinstance(exc, psycopg.errors.IntegrityError)

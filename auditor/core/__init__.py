@@ -20,6 +20,7 @@ kind                     function                                           find
 ``stale_statistic``      :func:`auditor.core.diagnose.stale_statistic`      an earlier step's value
 ``cp_disagreement``      :func:`auditor.core.checks.cp_disagreement`        CP peers applied different values
 ``missing_report``       :func:`auditor.core.verdict.audit_step`            expected reports never arrived
+``audit_error``          :meth:`auditor.service.Service._judge`             the engine raised on the step
 =======================  =================================================  ===================================
 
 Modules: :mod:`~auditor.core.types` (dims, :class:`Spec`, :class:`FaultKind`, reports and
@@ -33,13 +34,13 @@ recorded once), :mod:`~auditor.core.checks`, :mod:`~auditor.core.diagnose`,
 from auditor.core.checks import PRECISION_LOSS_THRESHOLD
 from auditor.core.diagnose import STALE_LOOKBACK
 from auditor.core.types import (
-    DIMS, KINDS, VERDICTS, Coord, Fault, FaultKind, GroupStat, RankReport, RankRow, Spec, StepVerdict,
+    DIMS, KINDS, REPLACEABLE, VERDICTS, Coord, Fault, FaultKind, GroupStat, RankReport, RankRow, Spec, StepVerdict,
     compress_ranks, expand_ranks,
 )
 from auditor.core.verdict import audit_step
 
 __all__ = [
-    "DIMS", "KINDS", "VERDICTS", "Coord", "Fault", "FaultKind", "GroupStat", "PRECISION_LOSS_THRESHOLD",
+    "DIMS", "KINDS", "REPLACEABLE", "VERDICTS", "Coord", "Fault", "FaultKind", "GroupStat", "PRECISION_LOSS_THRESHOLD",
     "RankReport", "RankRow", "STALE_LOOKBACK", "Spec", "StepVerdict", "audit_step", "compress_ranks",
     "expand_ranks",
 ]

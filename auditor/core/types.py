@@ -21,8 +21,11 @@ Coord = tuple[int, int, int, int]
 #: Statistic kinds (DESIGN.md §3 table).
 KINDS: tuple[str, ...] = ("moments", "sum", "norm")
 
-#: Step verdicts, in the order reports and metrics list them.
-VERDICTS: tuple[str, ...] = ("consistent", "inconsistent", "incomplete")
+#: Step verdicts, in the order reports and metrics list them. ``audit_error``: the engine
+#: raised on the step (recorded by the service, never returned by :func:`audit_step`).
+VERDICTS: tuple[str, ...] = ("consistent", "inconsistent", "incomplete", "audit_error")
+#: Verdicts a re-audit may replace (recorded while reports were missing).
+REPLACEABLE: tuple[str, ...] = ("incomplete", "inconsistent", "audit_error")
 
 
 class FaultKind(str, enum.Enum):
@@ -41,6 +44,9 @@ class FaultKind(str, enum.Enum):
     NON_FINITE = "non_finite"
     EMPTY_GLOBAL = "empty_global"
     STALE_STATISTIC = "stale_statistic"
+    #: Not decided by the engine: the service records it as a step's one fault (verdict
+    #: ``audit_error``) when the engine raised on that step.
+    AUDIT_ERROR = "audit_error"
 
     __str__ = str.__str__
     __format__ = str.__format__

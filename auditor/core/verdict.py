@@ -81,20 +81,9 @@ def audit_step(
         raise ValueError(f"unknown statistic kind {kind!r}; expected one of {sorted(VERB)}")
     world = math.prod(sizes)
     faults: list[Fault] = []
-    mr = np.array([_MB_RANK(r) for r in reports], dtype=np.int64).reshape(-1, 2)
-    missing = []
-    for mb in range(num_microbatches):
-        absent = np.setdiff1d(np.arange(world, dtype=np.int64), mr[mr[:, 0] == mb, 1])
-        missing.extend((rank, mb) for rank in absent.tolist())
-    if missing:
-        mranks = sorted({rank for rank, _ in missing})
-        faults.append(Fault(
-            FaultKind.MISSING_REPORT,
-            f"{len(missing)} of {world * num_microbatches} expected reports never arrived "
-            f"(ranks {compress_ranks(mranks)}): those ranks crashed, hung, or their auditor client could not send",
-            mranks,
-            {"missing": len(missing), "expected": world * num_microbatches},
-        ))
+    missing = _missing(reports, world, num_microbatches)
+    if missing is not None:
+        faults.append(missing)
     rows: list[RankRow] = []
     groups_out: list[GroupStat] = []
     cp_sigma = err_sigma = tol_sigma = None
@@ -106,13 +95,43 @@ def audit_step(
         faults.extend(found.faults())
     if any(f.kind != FaultKind.MISSING_REPORT for f in faults):
         verdict = "inconsistent"
-    elif missing:
+    elif missing is not None:
         verdict = "incomplete"
     else:
         verdict = "consistent"
     rows.sort(key=lambda row: (row.microbatch, row.rank))
     return StepVerdict(verdict, faults, rows, groups_out, cp_sigma, err_sigma, tol_sigma)
 
+
+def _missing(reports: Sequence[RankReport], world: int, num_microbatches: int) -> Fault | None:
+    """The ``missing_report`` finding of a step, or None when every expected report is here.
+
+    Summarised as ranges, never materialised per (rank, microbatch): O(reports + world +
+    num_microbatches) time and memory, so a step that expects 2^30 reports and holds one is
+    as cheap as any. Reports are unique per (microbatch, rank) with rank < world and
+    microbatch < num_microbatches (the wire schema and the primary key guarantee it).
+    """
+    expected = world * num_microbatches
+    n = len(reports)
+    if n >= expected:
+        return None
+    mr = np.array([_MB_RANK(r) for r in reports], dtype=np.int64).reshape(-1, 2)
+    per_rank = np.bincount(mr[:, 1], minlength=world)[:world]
+    mranks = np.flatnonzero(per_rank < num_microbatches).tolist()
+    evidence: dict = {"missing": expected - n, "expected": expected}
+    text = f"ranks {compress_ranks(mranks)}"
+    if num_microbatches > 1:
+        per_mb = np.bincount(mr[:, 0], minlength=num_microbatches)[:num_microbatches]
+        mbs = compress_ranks(np.flatnonzero(per_mb < world).tolist())
+        evidence["microbatches"] = mbs
+        text += f", microbatches {mbs}"
+    return Fault(
+        FaultKind.MISSING_REPORT,
+        f"{expected - n} of {expected} expected reports never arrived ({text}): those ranks crashed, hung, "
+        "or their auditor client could not send",
+        mranks,
+        evidence,
+    )
 
 
 class _Lazy:

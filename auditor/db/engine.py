@@ -26,9 +26,12 @@ class SchemaError(RuntimeError):
     """The database schema is not the one this code expects."""
 
 
-def make_engine(url: str, **kwargs) -> sa.Engine:
+def make_engine(url: str, *, lock_timeout: float | None = None, **kwargs) -> sa.Engine:
     """Create an engine for ``url`` with the dialect settings above.
 
+    ``lock_timeout`` (s): longest wait for a lock before the statement fails with
+    ``OperationalError`` (the API answers 503): SQLite's busy timeout (default
+    :data:`SQLITE_BUSY_TIMEOUT_MS`), PostgreSQL's ``lock_timeout`` (default: none).
     Raises ``sqlalchemy.exc.ArgumentError`` for a malformed URL, and for a SQLite file whose
     directory does not exist: a mistyped path must not silently become a new empty database
     (nor create directories).
@@ -40,23 +43,25 @@ def make_engine(url: str, **kwargs) -> sa.Engine:
             if not parent.is_dir():
                 raise sa.exc.ArgumentError(f"the directory of SQLite database {u.database} does not exist ({parent}); "
                                            "create it, or fix the path")
-        engine = sa.create_engine(
-            u, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False}, **kwargs
-        )
-        _configure_sqlite(engine)
+        busy_ms = int(lock_timeout * 1000) if lock_timeout is not None else SQLITE_BUSY_TIMEOUT_MS
+        engine = sa.create_engine(u, connect_args={"timeout": busy_ms / 1000, "check_same_thread": False}, **kwargs)
+        _configure_sqlite(engine, busy_ms)
         return engine
     kwargs.setdefault("pool_pre_ping", True)
     kwargs.setdefault("pool_size", 10)
+    if lock_timeout is not None:
+        kwargs["connect_args"] = {**kwargs.get("connect_args", {}),
+                                  "options": f"-c lock_timeout={int(lock_timeout * 1000)}"}
     return sa.create_engine(u, isolation_level="READ COMMITTED", **kwargs)
 
 
-def _configure_sqlite(engine: sa.Engine) -> None:
+def _configure_sqlite(engine: sa.Engine, busy_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> None:
     @sa.event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: sqlite3.Connection, _record) -> None:
         dbapi_conn.isolation_level = None  # let SQLAlchemy's begin event emit BEGIN
         cur = dbapi_conn.cursor()
         cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cur.execute(f"PRAGMA busy_timeout={busy_ms}")
         cur.execute("PRAGMA foreign_keys=ON")
         cur.execute("PRAGMA synchronous=NORMAL")
         cur.close()

@@ -25,10 +25,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from auditor.core import STALE_LOOKBACK, RankReport, StepVerdict, compress_ranks, expand_ranks
+from auditor.core import REPLACEABLE, STALE_LOOKBACK, VERDICTS, RankReport, StepVerdict, compress_ranks, expand_ranks
 from auditor.db.engine import write_begin
 from auditor.db.tables import faults, reports, runs, series, series_faults, step_audits
 
@@ -83,17 +84,29 @@ class Arrival:
     received: int
     expected: int
     verdict: str | None
+    #: False when ``verdict`` was recorded while reports were missing (the report that
+    #: completes the step re-audits it); None while open.
+    complete_at_audit: bool | None = None
 
 
 def json_safe(obj: Any) -> Any:
-    """JSON columns (and the API's JSON) must not hold NaN/Inf: they become strings."""
+    """Plain JSON for JSON columns (and the API's JSON): numpy scalars and arrays become
+    Python values, NaN/Inf become strings (PostgreSQL's json rejects them; :func:`as_float`
+    reads them back)."""
+    if isinstance(obj, np.generic):
+        obj = obj.item()
     if isinstance(obj, float) and not math.isfinite(obj):
         return str(obj)
     if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
+        return {str(k): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple, np.ndarray)):
         return [json_safe(v) for v in obj]
     return obj
+
+
+def as_float(x: Any) -> float:
+    """A number stored by :func:`json_safe` (``"inf"``/``"nan"`` strings included)."""
+    return float(x) if x is not None else math.nan
 
 
 def finite_or_none(x: float | None) -> float | None:
@@ -112,7 +125,7 @@ def report_row(r, series_id: int, now: float) -> tuple:
     non_finite = None
     try:  # one C-level pass for the common all-finite case
         finite = math.isfinite(math.fsum([v for v in vals if v is not None]))
-    except OverflowError:  # finite values whose sum overflows: decide field by field
+    except (OverflowError, ValueError):  # overflow, or +Inf and -Inf together: field by field
         finite = False
     if not finite:
         bad = [n for n, v in zip(_FLOAT_NAMES, vals) if v is not None and not math.isfinite(v)]
@@ -194,13 +207,20 @@ class Store:
         ).one()
         return SeriesRow(row.id, run_id, statistic, row.kind, row.spec)
 
-    def series_by_id(self, conn: sa.Connection, series_id: int) -> tuple[SeriesRow, RunRow]:
-        """A series and its run."""
+    def statistic_names(self, conn: sa.Connection, run_id: str, limit: int) -> list[str]:
+        """Up to ``limit`` statistic names of a run."""
+        return conn.execute(sa.select(series.c.statistic).where(series.c.run_id == run_id).limit(limit)
+                            ).scalars().all()
+
+    def series_by_id(self, conn: sa.Connection, series_id: int) -> tuple[SeriesRow, RunRow] | None:
+        """A series and its run; None if it was deleted."""
         row = conn.execute(
             sa.select(series.c.id, series.c.run_id, series.c.statistic, series.c.kind, series.c.spec,
                       runs.c.world_size, runs.c.dp, runs.c.cp, runs.c.tp, runs.c.pp, runs.c.created_at)
             .join(runs, runs.c.run_id == series.c.run_id).where(series.c.id == series_id)
-        ).one()
+        ).one_or_none()
+        if row is None:
+            return None
         return SeriesRow(row.id, row.run_id, row.statistic, row.kind, row.spec), _run_row(row)
 
     # ------------------------------------------------------------------------ reports
@@ -269,6 +289,16 @@ class Store:
                     out[k] = tuple(row[c] for c in COLUMNS)
         return out
 
+    def rank_at(self, conn: sa.Connection, series_id: int, step: int, microbatch: int,
+                coords: tuple[int, int, int, int]) -> int | None:
+        """The rank stored at these coordinates of a step and microbatch, or None."""
+        c = reports.c
+        dp, cp, tp, pp = coords
+        return conn.execute(
+            sa.select(c.rank).where(c.series_id == series_id, c.step == step, c.microbatch == microbatch,
+                                    c.dp == dp, c.cp == cp, c.tp == tp, c.pp == pp)
+        ).scalar_one_or_none()
+
     def step_reports(self, conn: sa.Connection, series_id: int, step: int) -> list[RankReport]:
         """Every stored report of one step. Read with the driver's cursor (one step can hold
         thousands of rows and this is on the verdict-latency path); SQLite's 0/1 ``applied``
@@ -306,7 +336,7 @@ class Store:
             set_={"received": step_audits.c.received + stmt.excluded.received},
         ).returning(
             step_audits.c.series_id, step_audits.c.step, step_audits.c.received,
-            step_audits.c.expected, step_audits.c.verdict,
+            step_audits.c.expected, step_audits.c.verdict, step_audits.c.complete_at_audit,
         )
         progress = conn.execute(stmt, [
             {"series_id": s, "step": st, "received": n, "expected": expected[(s, st)], "first_seen": now}
@@ -327,13 +357,23 @@ class Store:
                 .order_by(step_audits.c.step.desc()).limit(STALE_LOOKBACK)
             ):
                 for key, _mb, count, mean, var in row.groups or []:
-                    hist[tuple(key)].append((row.step, count, mean, var))
+                    hist[tuple(key)].append((row.step, as_float(count), as_float(mean), as_float(var)))
             return {k: v[::-1] for k, v in hist.items()}
         return load
 
-    def record_verdict(self, conn: sa.Connection, series_id: int, step: int, v: StepVerdict, now: float) -> bool:
-        """Record the verdict of an open step, its faults and the series aggregates. False
-        (and nothing written) if another transaction recorded the step's verdict first.
+    def record_verdict(self, conn: sa.Connection, series_id: int, step: int, v: StepVerdict, now: float,
+                       complete: bool = True, previous: str | None = None) -> bool:
+        """Record the verdict of a step, its faults and the series aggregates. False (and
+        nothing written) if another transaction recorded it first. ``complete``: all
+        expected reports were audited (else the report that completes the step re-audits).
+
+        ``previous``: replace the verdict ``previous`` recorded while reports were missing
+        (a re-audit): the step row matches only while ``complete_at_audit`` is false, so one
+        transaction wins across replicas; the old faults are deleted and taken out of
+        ``series_faults`` (their ``superseded`` keeps the total), the old verdict out of
+        ``steps_<previous>`` (into ``superseded_<previous>``), first/last bad step recomputed
+        when the step stops being bad, and the step keeps ``previous_verdict`` and
+        ``verdict_changed_at``.
 
         Lock order: the ``step_audits`` row, then the ``series`` row, then ``series_faults``
         rows. The series row is updated before ``series_faults`` so that every auditing
@@ -341,49 +381,67 @@ class Store:
         auditing two steps with different fault kinds deadlocked with one auditing a third
         (PostgreSQL).
         """
+        sa_ = step_audits.c
         groups = [[list(g.key), g.microbatch, g.count, g.mean, g.var] for g in v.groups]
+        if previous is None:
+            cond, extra = sa_.verdict.is_(None), {}
+        else:
+            cond = sa.and_(sa_.verdict == previous, sa_.complete_at_audit.is_(False))
+            extra = {"previous_verdict": previous, "verdict_changed_at": now}
         done = conn.execute(
             step_audits.update()
-            .where(step_audits.c.series_id == series_id, step_audits.c.step == step,
-                   step_audits.c.verdict.is_(None))
+            .where(sa_.series_id == series_id, sa_.step == step, cond)
             .values(
-                verdict=v.verdict, audited_at=now,
+                verdict=v.verdict, audited_at=now, complete_at_audit=complete,
                 cp_disagreement_sigma=finite_or_none(v.cp_disagreement_sigma),
                 applied_error_sigma=finite_or_none(v.applied_error_sigma),
                 tolerance_sigma=finite_or_none(v.tolerance_sigma),
-                fault_kinds=",".join(map(str, v.fault_kinds)) or None, groups=json_safe(groups),
+                fault_kinds=",".join(map(str, v.fault_kinds)) or None, groups=json_safe(groups), **extra,
             )
         ).rowcount
         if done != 1:
             return False
+        old_faults: dict[str, int] = {}
+        if previous is not None:
+            old_faults = dict(conn.execute(
+                sa.select(faults.c.kind, sa.func.count()).where(faults.c.series_id == series_id, faults.c.step == step)
+                .group_by(faults.c.kind)
+            ).all())
+            conn.execute(faults.delete().where(faults.c.series_id == series_id, faults.c.step == step))
+        s = series.c
         bad = v.verdict == "inconsistent"
-        latest = sa.or_(series.c.last_audited_step.is_(None), series.c.last_audited_step <= step)
+        latest = sa.or_(s.last_audited_step.is_(None), s.last_audited_step <= step)
         worst = {}  # the largest σ of any step, and the step that had it
         for name, value in (("cp_disagreement", v.cp_disagreement_sigma), ("applied_error", v.applied_error_sigma)):
             value = finite_or_none(value)
             if value is None:
                 continue
-            col = series.c[f"worst_{name}_sigma"]
+            col = s[f"worst_{name}_sigma"]
             higher = sa.or_(col.is_(None), col < value)
             worst[f"worst_{name}_sigma"] = sa.case((higher, value), else_=col)
-            worst[f"worst_{name}_step"] = sa.case((higher, step), else_=series.c[f"worst_{name}_step"])
+            worst[f"worst_{name}_step"] = sa.case((higher, step), else_=s[f"worst_{name}_step"])
+        counts: dict[str, Any] = {f"steps_{v.verdict}": s[f"steps_{v.verdict}"] + 1}
+        first_bad = sa.case((sa.and_(sa.literal(bad), sa.or_(s.first_bad_step.is_(None), s.first_bad_step > step)),
+                             step), else_=s.first_bad_step)
+        last_bad = sa.case((sa.and_(sa.literal(bad), sa.or_(s.last_bad_step.is_(None), s.last_bad_step < step)),
+                            step), else_=s.last_bad_step)
+        if previous is not None:
+            counts[f"superseded_{previous}"] = s[f"superseded_{previous}"] + 1
+            # (the same verdict again: steps_<v> unchanged, one more recorded in superseded_<v>)
+            counts[f"steps_{previous}"] = s[f"steps_{previous}"] + (0 if previous == v.verdict else -1)
+            if previous == "inconsistent" and not bad:  # the step no longer counts as bad
+                first_bad, last_bad = conn.execute(
+                    sa.select(sa.func.min(sa_.step), sa.func.max(sa_.step))
+                    .where(sa_.series_id == series_id, sa_.verdict == "inconsistent")
+                ).one()
         conn.execute(
-            series.update().where(series.c.id == series_id).values(
-                updated_at=now,
-                **{f"steps_{v.verdict}": series.c[f"steps_{v.verdict}"] + 1},
-                first_bad_step=sa.case(
-                    (sa.and_(sa.literal(bad), sa.or_(series.c.first_bad_step.is_(None),
-                                                     series.c.first_bad_step > step)), step),
-                    else_=series.c.first_bad_step),
-                last_bad_step=sa.case(
-                    (sa.and_(sa.literal(bad), sa.or_(series.c.last_bad_step.is_(None),
-                                                     series.c.last_bad_step < step)), step),
-                    else_=series.c.last_bad_step),
+            series.update().where(s.id == series_id).values(
+                updated_at=now, **counts, first_bad_step=first_bad, last_bad_step=last_bad,
                 cp_disagreement_sigma=sa.case(
-                    (latest, finite_or_none(v.cp_disagreement_sigma)), else_=series.c.cp_disagreement_sigma),
+                    (latest, finite_or_none(v.cp_disagreement_sigma)), else_=s.cp_disagreement_sigma),
                 applied_error_sigma=sa.case(
-                    (latest, finite_or_none(v.applied_error_sigma)), else_=series.c.applied_error_sigma),
-                last_audited_step=sa.case((latest, step), else_=series.c.last_audited_step),
+                    (latest, finite_or_none(v.applied_error_sigma)), else_=s.applied_error_sigma),
+                last_audited_step=sa.case((latest, step), else_=s.last_audited_step),
                 **worst,
             )
         )
@@ -393,16 +451,21 @@ class Store:
                  "message": f.message, "evidence": json_safe(f.evidence)}
                 for f in v.faults
             ])
-            counts: dict[str, int] = defaultdict(int)
-            for f in v.faults:
-                counts[str(f.kind)] += 1
+        new_faults: dict[str, int] = defaultdict(int)
+        for f in v.faults:
+            new_faults[str(f.kind)] += 1
+        deltas = [{"series_id": series_id, "kind": k, "count": new_faults.get(k, 0) - old_faults.get(k, 0),
+                   "superseded": old_faults.get(k, 0)}
+                  for k in sorted(set(new_faults) | set(old_faults))]
+        if deltas:
             stmt = self._insert(series_faults)
             conn.execute(
                 stmt.on_conflict_do_update(
                     index_elements=["series_id", "kind"],
-                    set_={"count": series_faults.c.count + stmt.excluded.count},
+                    set_={"count": series_faults.c.count + stmt.excluded.count,
+                          "superseded": series_faults.c.superseded + stmt.excluded.superseded},
                 ),
-                [{"series_id": series_id, "kind": k, "count": n} for k, n in sorted(counts.items())],
+                deltas,
             )
         return True
 
@@ -413,6 +476,61 @@ class Store:
             .where(step_audits.c.verdict.is_(None), step_audits.c.first_seen <= before)
             .order_by(step_audits.c.series_id, step_audits.c.step).limit(limit)
         ).all()]
+
+    def reaudit_steps(self, conn: sa.Connection, limit: int) -> list[tuple[int, int, int, str]]:
+        """Steps audited while incomplete that have all their reports now:
+        ``(series_id, step, expected, verdict)``, in key order (the ingest that completed them
+        normally re-audits them; these are left from before revision 0003)."""
+        sa_ = step_audits.c
+        return [tuple(r) for r in conn.execute(
+            sa.select(sa_.series_id, sa_.step, sa_.expected, sa_.verdict)
+            .where(sa_.complete_at_audit.is_(False), sa_.received >= sa_.expected, sa_.verdict.in_(REPLACEABLE))
+            .order_by(sa_.series_id, sa_.step).limit(limit)
+        ).all()]
+
+    # ---------------------------------------------------------------------- lifecycle
+    def first_steps(self, conn: sa.Connection, series_id: int, limit: int) -> list[tuple[int, int, int]]:
+        """The first ``limit`` steps of a series: ``(step, received, expected)``."""
+        sa_ = step_audits.c
+        return [tuple(r) for r in conn.execute(
+            sa.select(sa_.step, sa_.received, sa_.expected).where(sa_.series_id == series_id)
+            .order_by(sa_.step).limit(limit)
+        ).all()]
+
+    def delete_steps(self, conn: sa.Connection, series_id: int, first: int, last: int) -> tuple[int, int]:
+        """Delete the reports, faults and step rows of steps ``first..last`` of a series:
+        ``(reports deleted, steps deleted)``."""
+        n = conn.execute(reports.delete().where(reports.c.series_id == series_id,
+                                                reports.c.step.between(first, last))).rowcount
+        conn.execute(faults.delete().where(faults.c.series_id == series_id, faults.c.step.between(first, last)))
+        m = conn.execute(step_audits.delete().where(step_audits.c.series_id == series_id,
+                                                    step_audits.c.step.between(first, last))).rowcount
+        return n, m
+
+    def delete_rank_range(self, conn: sa.Connection, series_id: int, step: int, span: int) -> int | None:
+        """Delete the reports of one step from its lowest stored rank up to ``span`` ranks
+        on; the number deleted, or None when the step holds no report any more."""
+        c = reports.c
+        lo = conn.execute(sa.select(sa.func.min(c.rank)).where(c.series_id == series_id, c.step == step)).scalar_one()
+        if lo is None:
+            return None
+        return conn.execute(reports.delete().where(c.series_id == series_id, c.step == step,
+                                                   c.rank < lo + span)).rowcount
+
+    def delete_run_rows(self, conn: sa.Connection, run_id: str, series_ids: Sequence[int]) -> None:
+        """Delete a run's series_faults and the run (its series, and whatever reports,
+        steps and faults arrived meanwhile, go with it: ON DELETE CASCADE)."""
+        if series_ids:
+            conn.execute(series_faults.delete().where(series_faults.c.series_id.in_(list(series_ids))))
+        conn.execute(runs.delete().where(runs.c.run_id == run_id))
+
+    def idle_runs(self, conn: sa.Connection, before: float, limit: int) -> list[str]:
+        """Runs with no activity since ``before`` (newest series update, else creation), oldest first."""
+        last = sa.func.coalesce(sa.func.max(series.c.updated_at), runs.c.created_at)
+        return conn.execute(
+            sa.select(runs.c.run_id).select_from(runs.outerjoin(series, series.c.run_id == runs.c.run_id))
+            .group_by(runs.c.run_id, runs.c.created_at).having(last < before).order_by(last).limit(limit)
+        ).scalars().all()
 
     # -------------------------------------------------------------------------- reads
     def runs(self, conn: sa.Connection, limit: int | None = None, after: tuple[float, str] | None = None,
@@ -457,7 +575,7 @@ class Store:
         """Faults found so far in a series, by kind (sorted)."""
         return dict(conn.execute(
             sa.select(series_faults.c.kind, series_faults.c.count)
-            .where(series_faults.c.series_id == series_id).order_by(series_faults.c.kind)
+            .where(series_faults.c.series_id == series_id, series_faults.c.count > 0).order_by(series_faults.c.kind)
         ).all())
 
     def pending_steps(self, conn: sa.Connection, series_id: int) -> int:
@@ -468,11 +586,12 @@ class Store:
         ).scalar_one()
 
     def bad_steps(self, conn: sa.Connection, series_id: int, limit: int) -> list[Mapping]:
-        """Up to ``limit`` step rows of a series judged inconsistent (first) or incomplete, by step."""
+        """Up to ``limit`` step rows of a series judged inconsistent or audit_error (first) or
+        incomplete, by step."""
         return conn.execute(
             sa.select(step_audits)
             .where(step_audits.c.series_id == series_id,
-                   step_audits.c.verdict.in_(("inconsistent", "incomplete")))
+                   step_audits.c.verdict.in_(("inconsistent", "audit_error", "incomplete")))
             .order_by((step_audits.c.verdict == "incomplete"), step_audits.c.step).limit(limit)
         ).mappings().all()
 
@@ -510,19 +629,57 @@ class Store:
             .where(faults.c.series_id == series_id, faults.c.step == step).order_by(faults.c.id)
         ).mappings().all()
 
-    def metric_series(self, since: float) -> list[dict]:
-        """Per-series aggregates for /metrics, for series active after ``since`` (Unix s),
-        each with ``faults``: {kind: count}."""
+    def metric_series(self, since: float, max_series: int | None = None) -> list[dict]:
+        """Per-series figures for /metrics, for series active after ``since`` (Unix s).
+
+        Each dict: ``run_id``, ``statistic``, ``steps`` (verdict → verdicts ever recorded:
+        current + superseded by re-audits, so the exported counters never go down),
+        ``faults`` (kind → findings ever recorded), ``cp_disagreement_sigma``,
+        ``applied_error_sigma``, ``last_audited_step``. At most ``max_series`` series (the
+        most recently active) get their own dict; the others are summed into one with
+        ``run_id`` and ``statistic`` ``"_other"`` (gauges: their maximum), so a scrape is
+        bounded however many runs exist.
+        """
+        s = series.c
+        verdict_cols = [(v, s[f"steps_{v}"] + (s[f"superseded_{v}"] if v in REPLACEABLE else 0)) for v in VERDICTS]
+        fsum = series_faults.c.count + series_faults.c.superseded
         with self.read() as conn:
-            rows = conn.execute(
-                sa.select(series).where(series.c.updated_at >= since)
-            ).mappings().all()
+            q = (sa.select(s.id, s.run_id, s.statistic, s.cp_disagreement_sigma, s.applied_error_sigma,
+                           s.last_audited_step, *[c.label(v) for v, c in verdict_cols])
+                 .where(s.updated_at >= since).order_by(s.updated_at.desc(), s.id))
+            if max_series is not None:
+                q = q.limit(max_series)
+            rows = conn.execute(q).mappings().all()
             ids = [r["id"] for r in rows]
             fcounts: dict[int, dict[str, int]] = defaultdict(dict)
             if ids:
                 for sid, kind, n in conn.execute(
-                    sa.select(series_faults.c.series_id, series_faults.c.kind, series_faults.c.count)
+                    sa.select(series_faults.c.series_id, series_faults.c.kind, fsum)
                     .where(series_faults.c.series_id.in_(ids))
                 ):
                     fcounts[sid][kind] = n
-        return [dict(r, faults=fcounts.get(r["id"], {})) for r in rows]
+            out = [{"run_id": r["run_id"], "statistic": r["statistic"], "steps": {v: r[v] for v in VERDICTS},
+                    "faults": fcounts.get(r["id"], {}),
+                    **{k: r[k] for k in ("cp_disagreement_sigma", "applied_error_sigma", "last_audited_step")}}
+                   for r in rows]
+            if max_series is None or len(rows) < max_series:
+                return out
+            rest = sa.and_(s.updated_at >= since, s.id.not_in(ids)) if ids else (s.updated_at >= since)
+            agg = conn.execute(
+                sa.select(sa.func.count(), *[sa.func.coalesce(sa.func.sum(c), 0) for _, c in verdict_cols],
+                          sa.func.max(s.cp_disagreement_sigma), sa.func.max(s.applied_error_sigma),
+                          sa.func.max(s.last_audited_step)).where(rest)
+            ).one()
+            if not agg[0]:
+                return out
+            kinds = dict(conn.execute(
+                sa.select(series_faults.c.kind, sa.func.sum(fsum))
+                .join(series, series.c.id == series_faults.c.series_id).where(rest).group_by(series_faults.c.kind)
+            ).all())
+            n_v = len(VERDICTS)
+            out.append({"run_id": "_other", "statistic": "_other",
+                        "steps": {v: int(agg[1 + i]) for i, v in enumerate(VERDICTS)},
+                        "faults": {k: int(n) for k, n in kinds.items()},
+                        "cp_disagreement_sigma": agg[1 + n_v], "applied_error_sigma": agg[2 + n_v],
+                        "last_audited_step": agg[3 + n_v]})
+        return out

@@ -47,6 +47,13 @@ series = sa.Table(
     sa.Column("steps_consistent", BigInt, nullable=False, server_default="0"),
     sa.Column("steps_inconsistent", BigInt, nullable=False, server_default="0"),
     sa.Column("steps_incomplete", BigInt, nullable=False, server_default="0"),
+    sa.Column("steps_audit_error", BigInt, nullable=False, server_default="0"),
+    # Verdicts replaced by a re-audit (a late report completed a step audited while
+    # incomplete). steps_<v> counts steps whose *current* verdict is v; steps_<v> +
+    # superseded_<v> counts verdicts v ever recorded (monotonic: what /metrics exports).
+    sa.Column("superseded_incomplete", BigInt, nullable=False, server_default="0"),
+    sa.Column("superseded_inconsistent", BigInt, nullable=False, server_default="0"),
+    sa.Column("superseded_audit_error", BigInt, nullable=False, server_default="0"),
     sa.Column("first_bad_step", BigInt),
     sa.Column("last_bad_step", BigInt),
     sa.Column("last_audited_step", BigInt),
@@ -58,6 +65,7 @@ series = sa.Table(
     sa.Column("worst_applied_error_sigma", sa.Float),
     sa.Column("worst_applied_error_step", BigInt),
     sa.UniqueConstraint("run_id", "statistic"),
+    sa.Index("ix_series_updated_at", "updated_at"),
 )
 
 reports = sa.Table(
@@ -87,6 +95,8 @@ reports = sa.Table(
     sa.Column("non_finite", sa.String(256)),  # fields that were NaN/Inf on the wire (NaN is stored as NULL)
     sa.Column("group_ranks", sa.Text),  # compressed ranges, e.g. "0-3,8-11" (audit.compress_ranks)
     sa.Column("received_at", sa.Float, nullable=False),
+    # One rank per coordinate: two ranks claiming the same place in the world are a 409.
+    sa.Index("uq_reports_coords", "series_id", "step", "microbatch", "dp", "cp", "tp", "pp", unique=True),
 )
 
 # One row per (series, step): created by the step's first report, counts arrivals, and
@@ -102,6 +112,11 @@ step_audits = sa.Table(
     sa.Column("first_seen", sa.Float, nullable=False),
     sa.Column("verdict", sa.String(16)),  # NULL while the step is open
     sa.Column("audited_at", sa.Float),
+    # False when the verdict was recorded while reports were missing (sweep): the report
+    # that completes the step re-audits it, once.
+    sa.Column("complete_at_audit", sa.Boolean),
+    sa.Column("previous_verdict", sa.String(16)),  # the verdict a re-audit replaced
+    sa.Column("verdict_changed_at", sa.Float),
     sa.Column("cp_disagreement_sigma", sa.Float),
     sa.Column("applied_error_sigma", sa.Float),
     sa.Column("tolerance_sigma", sa.Float),  # audit.StepVerdict.tolerance_sigma
@@ -110,6 +125,7 @@ step_audits = sa.Table(
     sa.Index("ix_step_audits_open", "verdict", "first_seen"),
     # step history filtered by verdict (GET .../steps?verdict=), keyset-paginated by step
     sa.Index("ix_step_audits_series_verdict_step", "series_id", "verdict", "step"),
+    sa.Index("ix_step_audits_complete_at_audit", "complete_at_audit"),
 )
 
 faults = sa.Table(
@@ -130,5 +146,6 @@ series_faults = sa.Table(
     metadata,
     sa.Column("series_id", BigInt, sa.ForeignKey("series.id", ondelete="CASCADE"), primary_key=True),
     sa.Column("kind", sa.String(32), primary_key=True),
-    sa.Column("count", BigInt, nullable=False),
+    sa.Column("count", BigInt, nullable=False),  # faults of the current verdicts
+    sa.Column("superseded", BigInt, nullable=False, server_default="0"),  # removed by re-audits
 )

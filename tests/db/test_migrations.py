@@ -87,3 +87,46 @@ def test_step_history_revision_backfills_worst_sigma(fresh_database_url):
         tol = conn.execute(sa.text("SELECT count(*) FROM step_audits WHERE tolerance_sigma IS NULL")).scalar_one()
     engine.dispose()
     assert tuple(row) == (0.433154, 1, 0.3, 2) and tol == 4
+
+
+def test_0003_backfill_lets_old_late_completed_steps_be_re_audited(fresh_database_url):
+    """A database written by revision 0001 holds a step audited incomplete whose late report
+    was stored but never audited (the issue-9 bug). After `db upgrade` the sweep re-audits it
+    once (complete_at_audit was backfilled false): the run reads inconsistent, not consistent."""
+    import time
+
+    from auditor.db.store import COLUMNS, report_row
+    from auditor.schemas import Report
+    from auditor.service import Service
+    from factory import reference_reports
+
+    upgrade(fresh_database_url, "0001")
+    engine = make_engine(fresh_database_url)
+    now = time.time()
+    spec = ('{"reduce_over": ["dp", "cp"], "replicas": ["tp"], "variance": "sample", '
+            '"over_microbatches": false}')
+    rows = [report_row(Report.model_validate(r), 1, now) for r in reference_reports("old-run", buggy=True)]
+    with engine.begin() as conn:  # what 0001-era code left behind, written as it wrote it
+        conn.execute(sa.text("INSERT INTO runs VALUES ('old-run', 2, 1, 2, 1, 1, :t)"), {"t": now})
+        conn.execute(sa.text("INSERT INTO series (run_id, statistic, kind, spec, created_at, updated_at, "
+                             "steps_incomplete) VALUES ('old-run', 'advantages', 'moments', :spec, :t, :t, 1)"),
+                     {"t": now, "spec": spec})
+        conn.execute(sa.text("INSERT INTO step_audits (series_id, step, expected, received, first_seen, verdict, "
+                             "audited_at, fault_kinds) VALUES (1, 0, 2, 2, :t, 'incomplete', :t, 'missing_report')"),
+                     {"t": now})
+        conn.execute(sa.text("INSERT INTO faults (series_id, step, kind, ranks, message, evidence) VALUES "
+                             "(1, 0, 'missing_report', '1', 'm', '{}')"))
+        conn.execute(sa.text("INSERT INTO series_faults VALUES (1, 'missing_report', 1)"))
+        for row in rows:
+            conn.execute(metadata.tables["reports"].insert().values(dict(zip(COLUMNS, row))))
+    engine.dispose()
+    upgrade(fresh_database_url)
+    engine = make_engine(fresh_database_url)
+    service = Service.from_engine(engine)
+    assert service.report("old-run")["consistent"] is True  # the old false "consistent"
+    assert service.sweep(grace_seconds=60.0) == 1 and service.sweep(grace_seconds=60.0) == 0
+    rep = service.report("old-run")
+    (s,) = rep["statistics"]
+    assert rep["consistent"] is False and (s["steps_inconsistent"], s["steps_incomplete"]) == (1, 0)
+    assert s["bad_steps"][0]["previous_verdict"] == "incomplete" and "missing_report" not in s["faults"]
+    engine.dispose()
