@@ -40,6 +40,10 @@ ServiceUrl = typer.Option(
     None, "--url", envvar="AUDITOR_URL",
     help="Base URL of a running auditor service; without it the database is read directly.",
 )
+ReadToken = typer.Option(
+    None, "--token", envvar=["AUDITOR_READ_TOKEN", "AUDITOR_TOKEN"],
+    help="Bearer token for a service that requires one (env AUDITOR_READ_TOKEN, else AUDITOR_TOKEN).",
+)
 
 
 class Format(str, Enum):
@@ -85,6 +89,13 @@ def _errors_as_exit_2(fn):
             msg = f"cannot reach the database: {str(e.orig or e).strip().splitlines()[0]}"
         except CommandError as e:
             msg = f"migration: {e}"
+        except (typer.Exit, typer.Abort, KeyboardInterrupt, SystemExit):
+            raise
+        except Exception as e:  # noqa: BLE001 - a bug, still never exit 1 (which `check` reserves)
+            import traceback
+
+            traceback.print_exc()
+            msg = f"unexpected {type(e).__name__}: {e}"
         typer.echo(f"error: {msg}", err=True)
         raise typer.Exit(2)
 
@@ -128,8 +139,10 @@ class ReportSource:
     (``--url``) or the service's flows on a local database (:class:`auditor.service.Service`).
     Both give the same JSON; an unknown run raises :class:`UsageError`."""
 
-    def __init__(self, url: str | None, database_url: str | None):
+    def __init__(self, url: str | None, database_url: str | None, token: str | None = None):
         self.url = _service_url(url)
+        self.token = token
+        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._service = None
         if self.url is None:
             from auditor.db.engine import current_revision, make_engine
@@ -155,7 +168,8 @@ class ReportSource:
         if self._service is None:
             import httpx
 
-            r = httpx.get(f"{self.url}/v1/runs/{run_id}/report", params={"bad_steps": bad_steps}, timeout=60)
+            r = httpx.get(f"{self.url}/v1/runs/{run_id}/report", params={"bad_steps": bad_steps}, timeout=60,
+                          headers=self.headers)
             if r.status_code == 404:
                 raise UsageError(f"run {run_id!r} not found at {self.url}")
             return r.raise_for_status().json()
@@ -174,7 +188,7 @@ class ReportSource:
         if self._service is None:
             from auditor.reader import Reader
 
-            with Reader(self.url) as reader:
+            with Reader(self.url, self.token) as reader:
                 yield from reader.steps_json(run_id, statistic, page_size=10_000)
             return
         from auditor.service import PageReads
@@ -185,7 +199,7 @@ class ReportSource:
         if self._service is None:
             from auditor.reader import Reader
 
-            with Reader(self.url) as reader:
+            with Reader(self.url, self.token) as reader:
                 return reader.step_json(run_id, statistic, step)
         return self._service.step(run_id, statistic, step)
 
@@ -194,9 +208,25 @@ class ReportSource:
         if self._service is None:
             from auditor.reader import Reader
 
-            with Reader(self.url) as reader:
+            with Reader(self.url, self.token) as reader:
                 return list(reader.runs_json(page_size=1000))
         return self._service.list_runs()
+
+    def delete(self, run_id: str, chunk_rows: int) -> dict:
+        """``DELETE /v1/runs/{run_id}``."""
+        if self._service is None:
+            import httpx
+
+            r = httpx.delete(f"{self.url}/v1/runs/{run_id}", timeout=600, headers=self.headers)
+            if r.status_code == 404:
+                raise UsageError(f"run {run_id!r} not found at {self.url}")
+            return r.raise_for_status().json()
+        from auditor.service import NotFound
+
+        try:
+            return self._service.delete_run(run_id, chunk_rows=chunk_rows)
+        except NotFound:
+            raise UsageError(f"run {run_id!r} not found") from None
 
 
 def _require_torch() -> None:
@@ -296,9 +326,10 @@ def db_current(database_url: Optional[str] = DatabaseUrl) -> None:
     engine.dispose()
 
 
-def _fetch_report(run_id: str, url: str | None, database_url: str | None, bad_steps: int) -> dict:
+def _fetch_report(run_id: str, url: str | None, database_url: str | None, bad_steps: int,
+                  token: str | None = None) -> dict:
     """The report of RUN_ID from a service (``--url``) or the local database."""
-    with ReportSource(url, database_url) as source:
+    with ReportSource(url, database_url, token) as source:
         return source.report(run_id, bad_steps)
 
 
@@ -313,12 +344,13 @@ def report(
         help="table, json, or html: the run page with its plots as one self-contained file (plotly.js inlined; "
              "opens offline), e.g. `auditor report RUN --format html > run.html`."),
     bad_steps: int = typer.Option(20, min=0, help="Bad steps shown per statistic."),
+    token: Optional[str] = ReadToken,
 ) -> None:
     """Print the consistency report of RUN_ID (exit 2: run, service or database not found)."""
     if format is ReportFormat.html:
-        typer.echo(_report_html(run_id, url, database_url, bad_steps), nl=False)
+        typer.echo(_report_html(run_id, url, database_url, bad_steps, token), nl=False)
         return
-    data = _fetch_report(run_id, url, database_url, bad_steps)
+    data = _fetch_report(run_id, url, database_url, bad_steps, token)
     if format is ReportFormat.json:
         typer.echo(json.dumps(data, indent=2))
         return
@@ -327,12 +359,13 @@ def report(
     render_report(data, _console())
 
 
-def _report_html(run_id: str, url: str | None, database_url: str | None, bad_steps: int) -> str:
+def _report_html(run_id: str, url: str | None, database_url: str | None, bad_steps: int,
+                 token: str | None = None) -> str:
     """The run page of RUN_ID as one self-contained HTML document, read from a service
     (``--url``) or straight from the database — the same page ``GET /runs/{run_id}`` serves."""
     from auditor import web
 
-    with ReportSource(url, database_url) as source:
+    with ReportSource(url, database_url, token) as source:
         page = web.gather_run_page(source, run_id, bad_steps=bad_steps)
     return web.render_run_page(**page, inline_assets=True)
 
@@ -345,15 +378,18 @@ def check(
     database_url: Optional[str] = DatabaseUrl,
     min_steps: int = typer.Option(0, min=0, help="Also fail when fewer steps than this were audited "
                                                   "(a CI job whose trainer reported nothing)."),
+    token: Optional[str] = ReadToken,
 ) -> None:
     """For the CI job of a training framework: exit 1 if any audited step of RUN_ID is
     inconsistent (or fewer than --min-steps were audited), 0 otherwise, 2 if the run, the
     service or the database cannot be found."""
-    data = _fetch_report(run_id, url, database_url, bad_steps=0)
-    bad = [s for s in data["statistics"] if s["steps_inconsistent"]]
+    data = _fetch_report(run_id, url, database_url, bad_steps=0, token=token)
+    bad = [s for s in data["statistics"] if s["steps_inconsistent"] or s.get("steps_audit_error")]
     audited = sum(s["steps_audited"] for s in data["statistics"])
     if bad:
         detail = ", ".join(f"{s['statistic']}: {s['steps_inconsistent']} step(s) ({', '.join(sorted(s['faults']))})"
+                           + (f", {s['steps_audit_error']} step(s) the engine could not audit"
+                              if s.get("steps_audit_error") else "")
                            for s in bad)
         typer.echo(f"{run_id}: INCONSISTENT — {detail}")
         raise typer.Exit(1)
@@ -363,11 +399,35 @@ def check(
     typer.echo(f"{run_id}: consistent ({audited} step(s) audited)")
 
 
-@app.command()
+runs_app = typer.Typer(help="Runs: list them (no subcommand) or delete one.", invoke_without_command=True)
+app.add_typer(runs_app, name="runs")
+
+
+@runs_app.command("delete")
 @_errors_as_exit_2
-def runs(url: Optional[str] = ServiceUrl, database_url: Optional[str] = DatabaseUrl) -> None:
+def runs_delete(
+    run_id: str,
+    url: Optional[str] = ServiceUrl,
+    database_url: Optional[str] = DatabaseUrl,
+    token: Optional[str] = typer.Option(None, "--token", envvar="AUDITOR_TOKEN", help="Bearer token (writes)."),
+    chunk_rows: int = typer.Option(5000, min=1, help="Reports deleted per transaction (database mode)."),
+) -> None:
+    """Delete RUN_ID with its reports, verdicts and faults, in bounded transactions (other
+    runs keep being ingested). Exit 2 if the run does not exist."""
+    with ReportSource(url, database_url, token) as source:
+        counts = source.delete(run_id, chunk_rows)
+    typer.echo(f"deleted run {run_id}: {counts['reports']} report(s), {counts['steps']} step(s), "
+               f"{counts['statistics']} statistic(s)")
+
+
+@runs_app.callback()
+@_errors_as_exit_2
+def runs(ctx: typer.Context, url: Optional[str] = ServiceUrl, database_url: Optional[str] = DatabaseUrl,
+         token: Optional[str] = ReadToken) -> None:
     """List runs with their topology and audit counts."""
-    with ReportSource(url, database_url) as source:
+    if ctx.invoked_subcommand is not None:
+        return
+    with ReportSource(url, database_url, token) as source:
         data = source.runs()
     from rich.table import Table
 
@@ -449,7 +509,9 @@ def import_spools(
     restart: bool = typer.Option(False, help="Ignore the .offset sidecars and upload from the start."),
 ) -> None:
     """Upload trainer spools to a service. Resumable (each file's `.offset` sidecar records what
-    was delivered) and idempotent (the service ignores identical re-sends)."""
+    was delivered) and idempotent (the service ignores identical re-sends). Reports the
+    service refuses go to `<spool>.deadletter`. Exit 0: all delivered; 1: some refused
+    (dead-lettered); 2: service unreachable, or a wrong URL or token (401/403/404)."""
     url = _service_url(url)
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -473,9 +535,9 @@ def import_spools(
 
         try:
             counts = upload(files, url, token=token, batch_size=batch_size, restart=restart, on_progress=on_progress)
-        except ConnectionError as e:
+        except ConnectionError as e:  # unreachable, or a wrong URL/token: 2 (1 means refused reports)
             typer.echo(f"error: {e}", err=True)
-            raise typer.Exit(1) from None
+            raise typer.Exit(2) from None
     new = counts["sent"] - counts["duplicates"]
     typer.echo(f"imported {new} new report(s) from {counts['files']} file(s)"
                + (f" ({counts['duplicates']} already stored, not counted)" if counts["duplicates"] else "")

@@ -1,4 +1,8 @@
-"""Service configuration: one pydantic-settings object, read from ``AUDITOR_*`` variables."""
+"""Service configuration: one pydantic-settings object, read from ``AUDITOR_*`` variables.
+
+Every limit the service enforces lives here, with its default; docs/deploy.md "Limits and
+security" lists them with what a caller gets past each one.
+"""
 
 from __future__ import annotations
 
@@ -27,10 +31,89 @@ class Settings(BaseSettings):
     sweep_interval_seconds: float = Field(
         5.0, gt=0, description="How often the background sweep looks for steps whose grace period ended."
     )
+    sweep_max_steps: int = Field(
+        200, ge=1, description="Most steps one sweep round audits (each in its own short transaction)."
+    )
+    sweep_max_seconds: float = Field(
+        2.0, gt=0, description="A sweep round stops starting new steps after this many seconds."
+    )
     metrics_retention_seconds: float = Field(
         86400.0, gt=0, description="Series idle for longer than this are no longer exported on /metrics."
     )
-    max_batch: int = Field(10_000, ge=1, description="Most reports accepted in one POST /v1/reports.")
+    run_retention_days: float = Field(
+        0.0, ge=0, description="Runs idle (no report) for longer than this many days are deleted with their "
+                               "reports and verdicts by the sweep; 0 keeps runs forever."
+    )
+    delete_chunk_rows: int = Field(
+        5000, ge=1, description="Reports deleted per transaction when a run is deleted (DELETE /v1/runs/{id}, "
+                                "retention): bounds how long a delete holds the write lock."
+    )
+
+    # ------------------------------------------------------------------ input limits
+    max_batch: int = Field(10_000, ge=1, description="Most reports accepted in one POST /v1/reports (413 past it).")
+    max_body_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024,
+        description="Largest request body, in bytes; enforced while the body streams in (413, rest unread).",
+    )
+    max_world_size: int = Field(
+        65_536, ge=1, le=2**31 - 1, description="Largest world_size (and size of any dim) a report or run may declare."
+    )
+    max_num_microbatches: int = Field(
+        4096, ge=1, le=2**31 - 1, description="Largest num_microbatches a report may declare."
+    )
+    max_reports_per_step: int = Field(
+        262_144, ge=1, le=2**31 - 1,
+        description="Largest number of reports one step may expect (world_size × num_microbatches).",
+    )
+    max_statistics_per_run: int = Field(
+        1000, ge=1, description="Most statistics one run may have (PUT /v1/runs or new names in reports; 422 past it)."
+    )
+    metrics_max_series: int = Field(
+        2000, ge=0, description="Most (run, statistic) series exported on /metrics with their own labels; "
+                                "the rest are summed into run=\"_other\", statistic=\"_other\"."
+    )
+    max_errors_listed: int = Field(
+        1000, ge=1, description="Validation stops after this many errors; the 422 lists them (errors_truncated: true)."
+    )
+
+    # ------------------------------------------------------------------ connections
+    max_connections: int = Field(
+        1000, ge=1, description="Open client connections per process; connections past it are closed at once."
+    )
+    max_concurrent_requests: int = Field(
+        200, ge=1, description="Requests in progress per process; past it: 503 with Retry-After."
+    )
+    header_timeout_seconds: float = Field(
+        10.0, gt=0, description="A connection must deliver a request's complete headers within this many seconds "
+                                "of opening (or of its previous response), else it is closed."
+    )
+    body_timeout_seconds: float = Field(
+        30.0, gt=0, description="Longest pause between two chunks of a request body (408 past it)."
+    )
+    keep_alive_seconds: int = Field(5, ge=1, description="Idle keep-alive connections are closed after this.")
+    max_header_bytes: int = Field(
+        65_536, ge=1024, description="Largest request line + headers (h11_max_incomplete_event_size; 400 past it)."
+    )
+    backlog: int = Field(2048, ge=1, description="Listen backlog of the server socket.")
+    ingest_concurrency: int = Field(
+        8, ge=1, description="POST /v1/reports handled at once per process (the others wait); keeps threads and "
+                             "database connections free for reads and the sweep."
+    )
+    db_lock_timeout_seconds: float = Field(
+        30.0, gt=0, description="Longest wait for a database lock (SQLite busy timeout, PostgreSQL lock_timeout); "
+                                "503 with Retry-After past it."
+    )
+    db_pool_timeout_seconds: float = Field(
+        10.0, gt=0, description="Longest wait for a database connection from the pool (503 past it)."
+    )
+
+    # ------------------------------------------------------------------ auth
     token: str | None = Field(
-        None, description="If set, POST/PUT requests must carry 'Authorization: Bearer <token>'."
+        None, description="If set, every request except the public ones must carry 'Authorization: Bearer <token>'."
+    )
+    read_token: str | None = Field(
+        None, description="Optional second token that may only read (GET): for Grafana, CI jobs, dashboards."
+    )
+    public_endpoints: bool = Field(
+        True, description="/readyz and /metrics answer without a token even when one is set (/healthz always does)."
     )

@@ -20,11 +20,17 @@ from pydantic import ValidationError
 
 from auditor.db.engine import ensure_schema, make_engine
 from auditor.schemas import Report
-from auditor.service import ConflictError, NotFound, Service
-from auditor.trainer.delivery import DeliveryError, Outcome, deliver
-from auditor.trainer.spool import iter_lines, read_lines, read_offset, spool_files, write_offset
+from auditor.service import ConflictError, LimitError, NotFound, Service
+from auditor.trainer.delivery import CONFIGURATION_ERRORS, DeliveryError, Outcome, deliver
+from auditor.trainer.spool import (
+    append_lines, dead_letter_path, iter_lines, read_lines, read_offset, spool_files, write_offset,
+)
 
 log = logging.getLogger("auditor.spool")
+
+
+class ServiceConfigError(ConnectionError):
+    """The service answered as a wrong URL or token would (401/403/404/405)."""
 
 
 def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = None, batch_size: int = 1000,
@@ -35,12 +41,16 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
     Each file is sent from its offset sidecar (``restart`` ignores it) in batches of
     ``batch_size``; the sidecar is advanced after every batch the service answered, so an
     interrupted import continues where it stopped, and a batch sent twice is a no-op for the
-    service. Reports the service refuses (409/422) are counted ``rejected`` and skipped.
+    service. Reports the service refuses for good (409/422/413, or one report that keeps
+    making it fail with a 500: :func:`auditor.trainer.delivery.deliver` bisects such batches)
+    are counted ``rejected`` and appended to the dead-letter file next to the spool
+    (``<spool>.deadletter``); the import goes on after them.
 
     ``on_progress(path, done_bytes, total_bytes)`` is called after every batch. Returns
     counters ``files``, ``sent`` (delivered), ``duplicates`` (of those, already stored: an
     identical re-send), ``rejected``, ``retries``. Raises ``ConnectionError`` after
-    ``max_attempts`` consecutive transient failures (the sidecar then marks where to resume).
+    ``max_attempts`` consecutive transient failures (the sidecar then marks where to resume),
+    and :class:`ServiceConfigError` at once on 401/403/404/405 (a wrong URL or token).
     """
     headers = {"Content-Type": "application/json"}
     if token:
@@ -55,19 +65,23 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
             if on_progress:
                 on_progress(path, offset, size)
 
-            def on_retry(_out: Outcome, _failures: int) -> None:
+            def on_retry(out: Outcome, _failures: int) -> None:
+                if out.status in CONFIGURATION_ERRORS:
+                    raise ServiceConfigError(f"{url}/v1/reports answered {out.message[:300]}: check --url and "
+                                             "--token; nothing was imported from this batch")
                 counts["retries"] += 1
 
             def on_final(kind: str, chunk: list[bytes], _pending: list, out: Outcome, path=path) -> None:
                 if kind == "sent":
                     counts["sent"] += len(chunk)
                     counts["duplicates"] += out.duplicates
-                elif kind == "partial":
-                    log.warning("%s: %d reports rejected: %s", path, len(out.rejected), out.message)
-                    counts["rejected"] += len(out.rejected)
-                else:
-                    log.warning("%s: %d reports rejected: %s", path, len(chunk), out.message)
-                    counts["rejected"] += len(chunk)
+                    return
+                refused = [ln for i, ln in enumerate(chunk) if i in out.rejected] if kind == "partial" else chunk
+                counts["rejected"] += len(refused)
+                dead = dead_letter_path(path)
+                append_lines(dead, refused)
+                log.warning("%s: %d reports rejected, appended to %s: %s", path, len(refused), dead,
+                            out.message[:300])
 
             while True:
                 lines, end = read_lines(path, offset, max_lines=batch_size)
@@ -118,7 +132,7 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
                 out = service.ingest(batch)
                 counts["stored"] += out.accepted
                 counts["duplicates"] += out.duplicates
-            except ConflictError:
+            except (ConflictError, LimitError):
                 if len(batch) == 1:
                     counts["conflicting"] += 1
                     return

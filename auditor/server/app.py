@@ -1,18 +1,27 @@
 """HTTP API (FastAPI): a thin layer over :class:`auditor.service.Service`.
 
-Endpoints (all JSON):
+Endpoints (JSON; every error is RFC 9457 problem details, :mod:`auditor.server.problems`):
 
 * ``POST /v1/reports`` — ingest a batch (wire contract v1, DESIGN.md §3).
 * ``PUT /v1/runs/{run_id}`` — register a run's topology and statistic specs.
-* ``GET /v1/runs``, ``GET /v1/runs/{run_id}``, ``GET /v1/runs/{run_id}/report``,
+* ``DELETE /v1/runs/{run_id}`` — delete a run with its reports and verdicts.
+* ``GET /v1/runs`` (keyset-paginated), ``GET /v1/runs/{run_id}``, ``GET /v1/runs/{run_id}/report``,
+  ``GET /v1/runs/{run_id}/statistics/{statistic}/steps`` (step history, keyset-paginated),
   ``GET /v1/runs/{run_id}/statistics/{statistic}/steps/{step}``.
-* ``GET /v1/runs/{run_id}/statistics/{statistic}/steps`` (step history, keyset-paginated).
-* ``GET /healthz``, ``GET /metrics`` (Prometheus text format).
+* ``GET /healthz`` (liveness, answered on the event loop), ``GET /readyz`` (database),
+  ``GET /metrics`` (Prometheus text format).
 
 HTML (Jinja2 templates of :mod:`auditor.web`): ``GET /`` (runs), ``GET /runs/{run_id}`` (the
 run page with its plots). Every asset — plotly.js from the plotly package, Swagger UI and
 ReDoc from fastapi-offline, our CSS/JS — is served by this process (``/static``,
 ``/static-offline-docs``): no CDN, so air-gapped clusters see the pages and ``/docs``.
+
+What protects the service from its callers (docs/deploy.md "Limits and security"): a token
+check before any body is read (:class:`AuthMiddleware`), a cap on requests in progress
+(:class:`ConcurrencyMiddleware`), bodies read while streaming up to ``max_body_bytes``
+(413 without reading the rest) with a timeout between chunks, JSON parsing, validation and
+rendering in worker threads (never on the event loop), ingest on a bounded number of
+threads, and 503 + Retry-After for every "try again later" condition of the database.
 """
 
 from __future__ import annotations
@@ -22,44 +31,66 @@ import base64
 import binascii
 import contextlib
 import gc
+import hmac
 import json
 import logging
 import time
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
+import anyio
+import pydantic_core
 import sqlalchemy as sa
-from fastapi import Depends, FastAPI, HTTPException, Path, Query, Request
+from fastapi import FastAPI, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import FileResponse, HTMLResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from auditor import __version__
 from auditor.config import Settings
 from auditor.db.engine import current_revision, ensure_schema, make_engine
-from auditor.schemas import RUN_ID_PATTERN, IngestResult, ReportBatch, RunRegistration
 from auditor.server.metrics import scrape_registry
-from auditor.service import ConflictError, NotFound, PageReads, Service
+from auditor.server.problems import MEDIA_TYPE, Problem, field_errors, problem, summary
+from auditor.service import ConflictError, LimitError, NotFound, PageReads, Service
+from auditor.schemas import RUN_ID_PATTERN, STATISTIC_PATTERN, IngestResult, ReportBatch, RunRegistration, limit_errors, parse_report_batch
 
 log = logging.getLogger("auditor.api")
 
+#: Paths that answer without a token when ``Settings.public_endpoints`` (the default).
+PUBLIC_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+#: Liveness answers without a token in any case (probes of orchestrators carry none).
+ALWAYS_OPEN = frozenset({"/healthz"})
+#: Seconds a client is asked to wait (Retry-After) after a 503.
+RETRY_AFTER = "1"
 
-def _field(loc: tuple) -> str:
-    out = ""
-    for part in loc:
-        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
-    return out
+
+class Throttled:
+    """Log a recurring condition once when it starts, then at most once per ``every`` s
+    with the number of repeats (not one line per event: a flood must not fill the disk)."""
+
+    def __init__(self, logger: logging.Logger, every: float = 60.0):
+        self._log, self._every = logger, every
+        self._last: dict[str, float] = {}
+        self._count: dict[str, int] = {}
+
+    def warning(self, key: str, message: str, *args: Any) -> None:
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self._every:
+            self._count[key] = self._count.get(key, 0) + 1
+            return
+        repeats = self._count.pop(key, 0)
+        self._last[key] = now
+        self._log.warning(message + (f" ({repeats} more since the last such line)" if repeats else ""), *args)
 
 
-def validation_detail(err: ValidationError) -> list[dict[str, Any]]:
-    """pydantic errors as ``[{"field": "reports[3].local.count", "loc": [...], "msg", "type"}]``."""
-    return [
-        {"field": _field(e["loc"]), "loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]}
-        for e in err.errors(include_url=False, include_input=False)
-    ]
+throttled = Throttled(log)
 
 
 class AppState:
@@ -67,22 +98,209 @@ class AppState:
 
     def __init__(self, settings: Settings):
         self.settings = settings
-        self.engine = make_engine(settings.database_url)
+        self.engine = make_engine(settings.database_url, lock_timeout=settings.db_lock_timeout_seconds,
+                                  pool_timeout=settings.db_pool_timeout_seconds)
         ensure_schema(self.engine, settings.database_url)
-        self.service = Service.from_engine(self.engine)
+        self.schema_revision = current_revision(self.engine)
+        self.service = Service.from_engine(self.engine, max_statistics_per_run=settings.max_statistics_per_run)
         # One process: ordinary metrics. Several uvicorn workers (PROMETHEUS_MULTIPROC_DIR,
         # set by `auditor serve --workers N`): every worker exports the sum of all workers.
-        self.registry, self.metrics = scrape_registry(self.service.metric_series,
-                                                      settings.metrics_retention_seconds)
+        self.registry, self.metrics = scrape_registry(self.service.metric_series, settings.metrics_retention_seconds,
+                                                      settings.metrics_max_series)
+        self.ingest_limiter = anyio.CapacityLimiter(settings.ingest_concurrency)
+        #: Last database probe (:func:`_probe_forever`): (ok, message, monotonic time).
+        self.database: tuple[bool, str, float] = (True, "ok", time.monotonic())
 
     def close(self) -> None:
         self.engine.dispose()
 
 
+# ------------------------------------------------------------------ ASGI middlewares
+async def _send_problem(send, response: Response, scope=None) -> None:
+    """Send ``response`` from a middleware, before the app read the request body: the
+    connection is then closed (``Connection: close``) when a body may follow, so its unread
+    bytes are never taken for the next request."""
+    headers = list(response.raw_headers)
+    if scope is not None and scope["method"] not in ("GET", "HEAD", "OPTIONS"):
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": response.body})
+
+
+class AuthMiddleware:
+    """Bearer-token check before the route runs, so no body is read for a caller without
+    the token. With ``token`` set, every request but the public paths needs
+    ``Authorization: Bearer <token>``; ``read_token`` (optional) is accepted for GET/HEAD
+    only (403 for writes). Tokens are compared with :func:`hmac.compare_digest`."""
+
+    def __init__(self, app, settings: Settings):
+        self.app = app
+        self.settings = settings
+        self._write = self._encode(settings.token)
+        self._read = self._encode(settings.read_token)
+
+    @staticmethod
+    def _encode(token: str | None) -> bytes | None:
+        return f"Bearer {token}".encode() if token else None
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or (self._write is None and self._read is None):
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        if path in ALWAYS_OPEN or (self.settings.public_endpoints and path in PUBLIC_PATHS):
+            return await self.app(scope, receive, send)
+        given = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                given = value
+                break
+        reading = scope["method"] in ("GET", "HEAD")
+        if self._write is not None and hmac.compare_digest(given, self._write):
+            return await self.app(scope, receive, send)
+        if self._read is not None and hmac.compare_digest(given, self._read):
+            if reading:
+                return await self.app(scope, receive, send)
+            return await _send_problem(send, problem(
+                403, "forbidden", "the read-only token (AUDITOR_READ_TOKEN) cannot change anything; "
+                                  "use AUDITOR_TOKEN", path), scope)
+        if self._write is None and not reading:
+            return await self.app(scope, receive, send)  # only a read token is configured
+        await _send_problem(send, problem(
+            401, "unauthorized", "send 'Authorization: Bearer <AUDITOR_TOKEN>'"
+            + (" (or AUDITOR_READ_TOKEN for reads)" if self._read is not None else ""), path,
+            headers={"WWW-Authenticate": 'Bearer realm="auditor"'}), scope)
+
+
+class ConcurrencyMiddleware:
+    """At most ``limit`` requests in progress; past it: 503 + Retry-After at once (logged
+    once per episode). ``/healthz`` is exempt, so liveness answers under any load."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit, self.active = app, limit, 0
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] == "/healthz":
+            return await self.app(scope, receive, send)
+        if self.active >= self.limit:
+            throttled.warning("overloaded", "more than %d requests in progress (AUDITOR_MAX_CONCURRENT_REQUESTS): "
+                                            "answering 503", self.limit)
+            return await _send_problem(send, problem(
+                503, "overloaded", f"more than {self.limit} requests in progress", scope["path"],
+                headers={"Retry-After": RETRY_AFTER}), scope)
+        self.active += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.active -= 1
+
+
+# ------------------------------------------------------------------ request bodies
+class BodyTooLarge(Exception):
+    def __init__(self, limit: int, size: int | None = None):
+        self.limit, self.size = limit, size
+
+
+class BodyTimeout(Exception):
+    pass
+
+
+async def read_body(request: Request, limit: int, chunk_timeout: float) -> bytes:
+    """The request body, read while it streams in: :class:`BodyTooLarge` as soon as the
+    declared ``Content-Length`` or the bytes received pass ``limit`` (the rest is never
+    read; the connection is closed after the 413), :class:`BodyTimeout` when no chunk
+    arrives for ``chunk_timeout`` s."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge(limit, int(declared))
+    chunks: list[bytes] = []
+    size = 0
+    stream = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), chunk_timeout)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise BodyTimeout() from None
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge(limit)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _json(data: Any) -> bytes:
+    """JSON bytes of a read's answer (rendered in a worker thread, not on the event loop)."""
+    return json.dumps(data, separators=(",", ":"), default=str).encode()
+
+
+def _parse_reports(body: bytes, settings: Settings) -> list | tuple[int, str, list[dict], int]:
+    """Decode and validate a ``POST /v1/reports`` body (in a worker thread): the reports,
+    or ``(status, code, field errors, number of reports)`` for a 413/422. At most
+    ``max_errors_listed`` errors are collected (:func:`auditor.schemas.parse_report_batch`)."""
+    reports, errs, n = parse_report_batch(body, settings.max_errors_listed)
+    if reports is None:
+        return 422, "validation", errs, n
+    if n > settings.max_batch:
+        return 413, "too_large", [{"loc": ("reports",), "type": "too_long",
+                                   "msg": f"at most {settings.max_batch} reports per request (AUDITOR_MAX_BATCH), "
+                                          f"got {n}; send smaller batches"}], n
+    errs = limit_errors(reports, max_world_size=settings.max_world_size,
+                        max_num_microbatches=settings.max_num_microbatches,
+                        max_reports_per_step=settings.max_reports_per_step)
+    if errs:
+        return 422, "validation", errs[:settings.max_errors_listed], n
+    return reports
+
+
+def _parse_run(body: bytes, settings: Settings) -> RunRegistration | list[dict]:
+    """Validate a ``PUT /v1/runs/{run_id}`` body (in a worker thread). The statistics count
+    is checked before they are validated (100,000 invalid ones would make 100,000 errors)."""
+    try:
+        obj = pydantic_core.from_json(body, allow_inf_nan=True)
+    except ValueError as e:
+        return [{"loc": (), "msg": f"invalid JSON: {e}", "type": "json_invalid"}]
+    stats = obj.get("statistics") if isinstance(obj, dict) else None
+    if isinstance(stats, dict) and len(stats) > settings.max_statistics_per_run:
+        return [{"loc": ("statistics",), "type": "limit_exceeded",
+                 "msg": f"{len(stats)} statistics, above the limit {settings.max_statistics_per_run} "
+                        "per run (AUDITOR_MAX_STATISTICS_PER_RUN)"}]
+    try:
+        reg = RunRegistration.model_validate(obj, strict=True)
+    except ValidationError as e:
+        return e.errors(include_url=False, include_input=False)[:settings.max_errors_listed]
+    if reg.world_size > settings.max_world_size:
+        return [{"loc": ("world_size",), "type": "limit_exceeded",
+                 "msg": f"world_size ({reg.world_size}) is above the limit {settings.max_world_size} "
+                        "(AUDITOR_MAX_WORLD_SIZE)"}]
+    return reg
+
+
+def _internal(request: Request, exc: BaseException) -> Response:
+    log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    return problem(500, "internal", f"internal error ({type(exc).__name__}); the service log has the trace",
+                   request.url.path)
+
+
+def _is_unavailable(exc: BaseException) -> bool:
+    """Database conditions that pass: unreachable, locked, pool exhausted, deadlock, lock
+    timeout, connection dropped mid-request."""
+    if isinstance(exc, (sa.exc.OperationalError, sa.exc.TimeoutError, sa.exc.InterfaceError)):
+        return True
+    return isinstance(exc, sa.exc.DBAPIError) and bool(exc.connection_invalidated)
+
+
+#: Every path and query parameter carries the wire pattern of what it names, so characters a
+#: database rejects (NUL, lone surrogates) are a 422 naming the parameter, never a query.
+RunIdPath = Path(min_length=1, max_length=128, pattern=RUN_ID_PATTERN)
+
+
+# ------------------------------------------------------------------ the app
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the FastAPI app. On start-up it migrates an empty database to head and refuses
     (``auditor.db.engine.SchemaError``) a database at another revision; it then runs the
-    missing-report sweep every ``settings.sweep_interval_seconds``."""
+    sweep (missing reports, late-completed steps, retention) every
+    ``settings.sweep_interval_seconds`` and probes the database for ``/readyz``."""
     settings = settings or Settings()
 
     @contextlib.asynccontextmanager
@@ -90,156 +308,230 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         svc = AppState(settings)
         app.state.svc = svc
         tune_gc()
-        sweeper = asyncio.create_task(_sweep_forever(svc))
+        tasks = [asyncio.create_task(_sweep_forever(svc)), asyncio.create_task(_probe_forever(svc))]
         try:
             yield
         finally:
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await sweeper
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
             svc.close()
 
     # FastAPIOffline: /docs and /redoc with Swagger UI and ReDoc shipped inside the
     # fastapi-offline package (stock FastAPI loads them from a CDN: blank when air-gapped).
     app = FastAPIOffline(title="auditor", version=__version__, lifespan=lifespan,
-                         description="Audits the statistics distributed trainers all-reduce across ranks.")
+                  description="Audits the statistics distributed trainers all-reduce across ranks. Every error "
+                              "is RFC 9457 problem details (application/problem+json).")
+    app.add_middleware(AuthMiddleware, settings=settings)
+    app.add_middleware(ConcurrencyMiddleware, limit=settings.max_concurrent_requests)
 
-    def svc(request: Request) -> AppState:
+    def svc_of(request: Request) -> AppState:
         return request.app.state.svc
 
-    def authorized(request: Request) -> None:
-        token = settings.token
-        if token and request.headers.get("authorization") != f"Bearer {token}":
-            raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer <AUDITOR_TOKEN>)")
-
+    # ---------------------------------------------------------------- errors
     @app.exception_handler(ConflictError)
     async def _conflict(request: Request, exc: ConflictError):
-        request.app.state.svc.metrics.rejected.labels(exc.error).inc(max(1, len(exc.conflicts)))
-        return JSONResponse(status_code=409, content={
-            "detail": {"error": exc.error, "message": exc.message, "conflicts": exc.conflicts}})
+        svc_of(request).metrics.rejected.labels(exc.error).inc(max(1, len(exc.conflicts)))
+        return problem(409, exc.error, exc.message, request.url.path, conflicts=exc.conflicts)
+
+    @app.exception_handler(LimitError)
+    async def _limit(request: Request, exc: LimitError):
+        svc_of(request).metrics.rejected.labels("limit_exceeded").inc()
+        errs = [{"field": exc.field, "loc": exc.loc, "msg": exc.message, "type": "limit_exceeded"}]
+        return problem(422, "limit_exceeded", exc.message, request.url.path, errors=errs)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         """Body, path and query errors in the same shape as ``POST /v1/reports``'s."""
-        detail = [{"field": _field(tuple(e["loc"][1:] if e["loc"][:1] == ("body",) else e["loc"])),
-                   "loc": list(e["loc"]), "msg": e["msg"], "type": e["type"]} for e in exc.errors()]
-        return JSONResponse(status_code=422, content={"detail": detail})
+        errs = field_errors(list(exc.errors()), settings.max_errors_listed, strip_body=True)
+        return problem(422, "validation", summary(errs, len(exc.errors())), request.url.path, errors=errs)
 
     @app.exception_handler(NotFound)
     async def _not_found(request: Request, exc: NotFound):
-        return JSONResponse(status_code=404, content={"detail": f"not found: {exc}"})
+        return problem(404, "not_found", f"not found: {exc}", request.url.path)
 
-    @app.exception_handler(sa.exc.OperationalError)
-    async def _db_down(request: Request, exc: sa.exc.OperationalError):
-        log.warning("database error: %s", exc)
-        return JSONResponse(status_code=503, headers={"Retry-After": "1"},
-                            content={"detail": "database unavailable, retry later"})
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed", 401: "unauthorized"}.get(exc.status_code, "bad_request")
+        headers = dict(exc.headers or {})
+        if exc.status_code == 405:  # every method of the path, not only those of the route that matched first
+            allowed = sorted({m for route in app.routes if route.matches(request.scope)[0] != Match.NONE
+                              for m in getattr(route, "methods", None) or ()})
+            headers["Allow"] = ", ".join(allowed)
+        return problem(exc.status_code, code, str(exc.detail), request.url.path, headers=headers or None)
 
-    @app.post("/v1/reports", response_model=IngestResult, dependencies=[Depends(authorized)])
-    async def post_reports(request: Request, s: AppState = Depends(svc)) -> IngestResult:
+    @app.exception_handler(sa.exc.SQLAlchemyError)
+    async def _database(request: Request, exc: sa.exc.SQLAlchemyError):
+        if _is_unavailable(exc):
+            throttled.warning("db", "database unavailable or busy (%s): answering 503", type(exc).__name__)
+            return problem(503, "unavailable", f"the database is unavailable or busy ({type(exc).__name__}); "
+                                               "retry later", request.url.path, headers={"Retry-After": RETRY_AFTER})
+        return _internal(request, exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        return _internal(request, exc)
+
+    async def body_of(request: Request) -> bytes | Response:
+        try:
+            return await read_body(request, settings.max_body_bytes, settings.body_timeout_seconds)
+        except BodyTooLarge as e:
+            svc_of(request).metrics.rejected.labels("body_too_large").inc()
+            got = f"{e.size} bytes" if e.size is not None else "more"
+            return problem(413, "too_large", f"request body larger than {settings.max_body_bytes} bytes "
+                                             f"(AUDITOR_MAX_BODY_BYTES), got {got}; send smaller batches",
+                           request.url.path, headers={"Connection": "close"},
+                           errors=[{"field": "body", "loc": [], "type": "too_long",
+                                    "msg": f"at most {settings.max_body_bytes} bytes"}])
+        except BodyTimeout:
+            return problem(408, "request_timeout", f"no part of the body arrived for {settings.body_timeout_seconds} s",
+                           request.url.path, headers={"Connection": "close"})
+
+    # ---------------------------------------------------------------- writes
+    @app.post("/v1/reports", response_model=IngestResult)
+    async def post_reports(request: Request):
         """Store a batch of rank reports and audit every step it completes.
 
-        Body: ``{"reports": [Report, ...]}`` (DESIGN.md §3), 1 to ``max_batch`` reports.
-        All-or-nothing: 422 (validation; ``detail[].field`` names the field, e.g.
-        ``reports[3].local.count``) or 409 (``conflicting_report``, ``topology_conflict``,
-        ``spec_conflict``; ``detail.conflicts[].index`` lists the offending reports) store
-        nothing. Identical re-sends are counted in ``duplicates``. 503 with Retry-After
-        when the database is unreachable.
+        Body: ``{"reports": [Report, ...]}`` (DESIGN.md §3), 1 to ``max_batch`` reports,
+        at most ``max_body_bytes``. All-or-nothing: 422 (``errors[].field`` names the
+        field, e.g. ``reports[3].local.count``; ``limit_exceeded`` for the configured
+        limits), 409 (``conflicting_report``, ``coordinate_conflict``, ``topology_conflict``,
+        ``spec_conflict``; ``conflicts[].index`` lists the offending reports) and 413 store
+        nothing. Identical re-sends are counted in ``duplicates``. 503 with Retry-After when
+        the database is unavailable or busy. A late report that completes a step audited
+        while incomplete re-audits it (counted in ``steps_audited``).
         """
+        s = svc_of(request)
         t0 = time.perf_counter()
-        body = await request.body()
-        try:
-            batch = await run_in_threadpool(ReportBatch.model_validate_json, body)
-        except ValidationError as e:
-            s.metrics.rejected.labels("validation").inc(_count_reports(body))
-            return JSONResponse(status_code=422, content={"detail": validation_detail(e)})
-        if len(batch.reports) > s.settings.max_batch:
-            s.metrics.rejected.labels("batch_too_large").inc(len(batch.reports))
-            return JSONResponse(status_code=413, content={"detail": [{
-                "field": "reports", "loc": ["reports"], "type": "too_long",
-                "msg": f"at most {s.settings.max_batch} reports per request, got {len(batch.reports)}"}]})
-        out = await run_in_threadpool(s.service.ingest, batch.reports)
+        body = await body_of(request)
+        if isinstance(body, Response):
+            return body
+        parsed = await anyio.to_thread.run_sync(_parse_reports, body, settings, limiter=s.ingest_limiter)
+        if isinstance(parsed, tuple):
+            status, code, errs, n = parsed
+            s.metrics.rejected.labels("batch_too_large" if status == 413 else "validation").inc(n)
+            listed = field_errors(errs, settings.max_errors_listed)
+            cut = len(listed) >= settings.max_errors_listed
+            return problem(status, code, summary(listed, len(listed)) + (" (validation stopped there)" if cut else ""),
+                           request.url.path, errors=listed, errors_truncated=True if cut else None)
+        out = await anyio.to_thread.run_sync(s.service.ingest, parsed, limiter=s.ingest_limiter)
         s.metrics.received.inc(out.accepted)
         s.metrics.ingest_duration.observe(time.perf_counter() - t0)
         return IngestResult(accepted=out.accepted, duplicates=out.duplicates, steps_audited=len(out.audited))
 
-    @app.put("/v1/runs/{run_id}", dependencies=[Depends(authorized)])
-    def put_run(
-        reg: RunRegistration,
-        run_id: str = Path(min_length=1, max_length=128, pattern=RUN_ID_PATTERN),
-        s: AppState = Depends(svc),
-    ) -> dict:
+    @app.put("/v1/runs/{run_id}")
+    async def put_run(request: Request, run_id: str = RunIdPath):
         """Register a run's topology (and statistic kinds/specs) before its first report.
-        Idempotent; 409 ``topology_conflict``/``spec_conflict`` if it contradicts the stored one."""
-        return s.service.register_run(run_id, reg)
+        Body: :class:`auditor.schemas.RunRegistration`. Idempotent; 409
+        ``topology_conflict``/``spec_conflict`` if it contradicts the stored one; 422 past
+        ``max_statistics_per_run`` or ``max_world_size``."""
+        s = svc_of(request)
+        body = await body_of(request)
+        if isinstance(body, Response):
+            return body
+        parsed = await run_in_threadpool(_parse_run, body, settings)
+        if isinstance(parsed, list):
+            listed = field_errors(parsed, settings.max_errors_listed)
+            return problem(422, "validation", summary(listed, len(parsed)), request.url.path, errors=listed)
+        return Response(await anyio.to_thread.run_sync(lambda: _json(s.service.register_run(run_id, parsed)),
+                                                       limiter=s.ingest_limiter), media_type="application/json")
+
+    @app.delete("/v1/runs/{run_id}")
+    async def delete_run(request: Request, run_id: str = RunIdPath):
+        """Delete a run with its reports, verdicts and faults, in transactions of at most
+        ``delete_chunk_rows`` reports (ingest of other runs goes on meanwhile). Answers the
+        counts deleted: ``{"run_id", "reports", "steps", "statistics"}``; 404 if unknown."""
+        s = svc_of(request)
+        counts = await run_in_threadpool(s.service.delete_run, run_id, settings.delete_chunk_rows)
+        log.info("deleted run %s: %s", run_id, counts)
+        return counts
+
+    # ---------------------------------------------------------------- reads
+    async def read(fn: Callable[[], Any]) -> Response:
+        return Response(await run_in_threadpool(lambda: _json(fn())), media_type="application/json")
 
     @app.get("/v1/runs")
-    def list_runs(
+    async def list_runs(
+        request: Request,
         limit: int = Query(100, ge=1, le=1000, description="Runs per page."),
-        cursor: str | None = Query(None, description="`next_cursor` of the previous page."),
+        cursor: str | None = Query(None, max_length=1024, description="`next_cursor` of the previous page."),
         status: Literal["consistent", "inconsistent"] | None = Query(
             None, description="Only runs with (inconsistent) or without (consistent) an inconsistent step."),
-        s: AppState = Depends(svc),
-    ) -> dict:
+    ):
         """Runs, newest first: ``{"runs": [{run_id, world_size, sizes, created_at,
         last_activity, statistics, steps_audited, steps_inconsistent, consistent}],
         "next_cursor": str | null}``. Pass ``next_cursor`` back as ``cursor`` for the next
         page (opaque; null on the last page). Times are Unix seconds."""
+        s = svc_of(request)
         after = decode_cursor(cursor, lambda v: (float(v[0]), str(v[1])))
-        rows, last = s.service.runs_page(limit=limit, after=after, status=status)
-        return {"runs": rows, "next_cursor": encode_cursor(list(last)) if last else None}
+
+        def page():
+            rows, last = s.service.runs_page(limit=limit, after=after, status=status)
+            return {"runs": rows, "next_cursor": encode_cursor(list(last)) if last else None}
+        return await read(page)
 
     @app.get("/v1/runs/{run_id}")
-    def get_run(run_id: str, s: AppState = Depends(svc)) -> dict:
+    async def get_run(request: Request, run_id: str = RunIdPath):
         """One run's summary; 404 if unknown."""
-        return s.service.get_run(run_id)
+        s = svc_of(request)
+        return await read(lambda: s.service.get_run(run_id))
 
     @app.get("/v1/runs/{run_id}/report")
-    def get_report(
+    async def get_report(
         request: Request,
-        run_id: str,
-        statistic: str | None = None,
+        run_id: str = RunIdPath,
+        statistic: str | None = Query(None, min_length=1, max_length=128, pattern=STATISTIC_PATTERN),
         bad_steps: int = Query(20, ge=0, le=1000, description="Bad steps shown per statistic."),
-        s: AppState = Depends(svc),
-    ) -> dict:
+    ):
         """Consistency report: per statistic, steps audited/consistent/inconsistent/incomplete/
-        pending, first and last bad step, fault counts by kind, the latest sigma figures and
-        the worst ones (``worst_cp_disagreement_sigma``/``_step``, ``worst_applied_error_sigma``/
-        ``_step``: the largest of any audited step, and that step), and
-        for up to ``bad_steps`` bad steps their faults and per-rank table (rank, coords,
-        local count and mean, applied mean/std, correct mean/std, error in σ)."""
-        out = s.service.report(run_id, bad_steps_limit=bad_steps, statistic=statistic)
-        out["page"] = str(request.url_for("run_page", run_id=run_id))
-        return out
+        audit_error/pending/reaudited, first and last bad step, fault counts by kind, the
+        latest sigma figures, and for up to ``bad_steps`` bad steps their faults, verdict
+        history (``previous_verdict``, ``verdict_changed_at``) and per-rank table (rank,
+        coords, local count and mean, applied mean/std, correct mean/std, error in σ).
+        ``consistent`` is false when any step is inconsistent or could not be audited."""
+        s = svc_of(request)
+        page = str(request.url_for("run_page", run_id=run_id))
+        return await read(lambda: {**s.service.report(run_id, bad_steps_limit=bad_steps, statistic=statistic),
+                                   "page": page})
 
     @app.get("/v1/runs/{run_id}/statistics/{statistic}/steps")
-    def get_steps(
-        run_id: str,
-        statistic: str,
+    async def get_steps(
+        request: Request,
+        run_id: str = RunIdPath,
+        statistic: str = Path(min_length=1, max_length=128, pattern=STATISTIC_PATTERN),
         start: int | None = Query(None, alias="from", ge=0, le=2**62, description="First step (inclusive)."),
         stop: int | None = Query(None, alias="to", ge=0, le=2**62, description="Last step (inclusive)."),
-        verdict: Literal["consistent", "inconsistent", "incomplete", "pending"] | None = Query(
+        verdict: Literal["consistent", "inconsistent", "incomplete", "audit_error", "pending"] | None = Query(
             None, description="Only steps with this verdict (pending: not audited yet)."),
         limit: int = Query(1000, ge=1, le=10_000, description="Steps per page."),
-        cursor: str | None = Query(None, description="`next_cursor` of the previous page."),
-        s: AppState = Depends(svc),
-    ) -> dict:
+        cursor: str | None = Query(None, max_length=1024, description="`next_cursor` of the previous page."),
+    ):
         """Step history of one statistic, in step order, from the stored per-step rows (no
         re-audit): ``{"run_id", "statistic", "kind", "steps": [{step, verdict, reports,
         expected, cp_disagreement_sigma, applied_error_sigma, tolerance_sigma, fault_kinds,
         audited_at}], "next_cursor"}``. σ figures are in standard deviations of the correct
         statistic (``moments`` only; null for ``sum``/``norm``); ``tolerance_sigma`` is the
         most a correct reduction's rounding can show. 404 for an unknown run or statistic."""
+        s = svc_of(request)
         after = decode_cursor(cursor, int)
-        page = s.service.steps(run_id, statistic, start=start, stop=stop, verdict=verdict, limit=limit, after=after)
-        last = page.pop("last")
-        return {**page, "next_cursor": encode_cursor(last) if last is not None else None}
+
+        def page():
+            out = s.service.steps(run_id, statistic, start=start, stop=stop, verdict=verdict, limit=limit,
+                                  after=after)
+            last = out.pop("last")
+            return {**out, "next_cursor": encode_cursor(last) if last is not None else None}
+        return await read(page)
 
     @app.get("/v1/runs/{run_id}/statistics/{statistic}/steps/{step}")
-    def get_step(run_id: str, statistic: str, step: int = Path(ge=0, le=2**62),
-                 s: AppState = Depends(svc)) -> dict:
-        """One step's verdict, faults and per-rank table; 404 if not seen."""
-        return s.service.step(run_id, statistic, step)
+    async def get_step(request: Request, run_id: str = RunIdPath,
+                       statistic: str = Path(min_length=1, max_length=128, pattern=STATISTIC_PATTERN),
+                       step: int = Path(ge=0, le=2**62)):
+        """One step's verdict (and the one a re-audit replaced), faults and per-rank table;
+        404 if not seen."""
+        s = svc_of(request)
+        return await read(lambda: s.service.step(run_id, statistic, step))
 
     # ---------------------------------------------------------------- HTML pages
     from auditor import web
@@ -259,10 +551,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def runs_page(
         request: Request,
-        cursor: str | None = None,
+        cursor: str | None = Query(None, max_length=1024),
         status: Literal["consistent", "inconsistent"] | None = None,
-        s: AppState = Depends(svc),
     ) -> HTMLResponse:
+        s = svc_of(request)
         after = decode_cursor(cursor, lambda v: (float(v[0]), str(v[1])))
         rows, last = s.service.runs_page(limit=100, after=after, status=status)
         return HTMLResponse(web.render_runs_page(rows, next_cursor=encode_cursor(list(last)) if last else None,
@@ -271,31 +563,101 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/runs/{run_id}", response_class=HTMLResponse, name="run_page", include_in_schema=False)
     def run_page(
         request: Request,
-        run_id: str,
-        statistic: str | None = None,
+        run_id: str = RunIdPath,
+        statistic: str | None = Query(None, min_length=1, max_length=128, pattern=STATISTIC_PATTERN),
         step: int | None = Query(None, ge=0, le=2**62),
-        s: AppState = Depends(svc),
     ) -> HTMLResponse:
         """The run page: verdict counts, σ per step, faults per step, per-rank detail of the
         bad steps (``?statistic=&step=`` selects one)."""
-        page = web.gather_run_page(PageReads(s.service), run_id, statistic=statistic, step=step)
+        page = web.gather_run_page(PageReads(svc_of(request).service), run_id, statistic=statistic, step=step)
         return HTMLResponse(web.render_run_page(**page, root_path=request.scope.get("root_path", "")))
 
     @app.get("/healthz")
-    def healthz(s: AppState = Depends(svc)) -> JSONResponse:
-        """Liveness and database reachability: 200 ``{"status": "ok"}`` or 503."""
-        try:
-            rev = current_revision(s.engine)
-        except sa.exc.SQLAlchemyError as e:
-            return JSONResponse(status_code=503, content={"status": "error", "database": str(e)[:200]})
-        return JSONResponse({"status": "ok", "version": __version__, "schema_revision": rev})
+    async def healthz(request: Request):
+        """Liveness, answered on the event loop (no thread, no database): 200 while the
+        process serves, in milliseconds however busy ingest is. ``database`` is the
+        result of the last background probe (see ``/readyz``)."""
+        s = svc_of(request)
+        ok, message, at = s.database
+        return {"status": "ok", "version": __version__, "schema_revision": s.schema_revision,
+                "database": "ok" if ok else message, "database_checked_s_ago": round(time.monotonic() - at, 1)}
+
+    @app.get("/readyz")
+    async def readyz(request: Request):
+        """Readiness: 200 when the last database probe (every few seconds, off the request
+        path) succeeded, else 503 problem details with Retry-After."""
+        ok, message, _ = svc_of(request).database
+        if not ok:
+            return problem(503, "unavailable", f"database: {message}", "/readyz", headers={"Retry-After": RETRY_AFTER})
+        return {"status": "ok"}
 
     @app.get("/metrics")
-    def metrics(s: AppState = Depends(svc)) -> Response:
+    def metrics(request: Request) -> Response:
         """Prometheus exposition (DESIGN.md §6)."""
-        return Response(generate_latest(s.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(svc_of(request).registry), media_type=CONTENT_TYPE_LATEST)
 
+    app.openapi = lambda: _openapi(app, settings)
     return app
+
+
+# ------------------------------------------------------------------ OpenAPI
+#: Error statuses each operation declares (besides 401/403 when a token is configured).
+_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
+    ("post", "/v1/reports"): (408, 409, 413, 422, 503),
+    ("put", "/v1/runs/{run_id}"): (408, 409, 413, 422, 503),
+    ("delete", "/v1/runs/{run_id}"): (404, 422, 503),
+    ("get", "/v1/runs"): (422, 503),
+    ("get", "/v1/runs/{run_id}"): (404, 422, 503),
+    ("get", "/v1/runs/{run_id}/report"): (404, 422, 503),
+    ("get", "/v1/runs/{run_id}/statistics/{statistic}/steps"): (404, 422, 503),
+    ("get", "/v1/runs/{run_id}/statistics/{statistic}/steps/{step}"): (404, 422, 503),
+    ("get", "/readyz"): (503,),
+    ("get", "/metrics"): (503,),
+}
+_BODIES = {("post", "/v1/reports"): ReportBatch, ("put", "/v1/runs/{run_id}"): RunRegistration}
+_STATUS_TEXT = {401: "Missing or wrong bearer token", 403: "Read-only token used for a write",
+                404: "Not found", 408: "Body not received in time", 409: "Conflicts with what is stored",
+                413: "Body or batch too large", 422: "Validation failed (errors[] names each field)",
+                503: "Database unavailable/busy or too many requests in progress; see Retry-After"}
+
+
+def _openapi(app: FastAPI, settings: Settings) -> dict:
+    """The OpenAPI document: request-body schemas of the endpoints that read their body
+    themselves (after the token check), problem-details error responses on every operation,
+    and the bearer security scheme."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    comps = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        comps.pop(name, None)
+    for model in (Problem, ReportBatch, RunRegistration):
+        js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        comps.update(js.pop("$defs", {}))
+        comps[model.__name__] = js
+    ref = {"schema": {"$ref": "#/components/schemas/Problem"}}
+    protected = bool(settings.token or settings.read_token)
+    doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            codes = list(_ERRORS.get((method, path), ()))
+            public = path in ALWAYS_OPEN or (settings.public_endpoints and path in PUBLIC_PATHS)
+            if protected and not public:
+                codes += [401] + ([403] if method not in ("get", "head") else [])
+                op["security"] = [{"bearer": []}]
+            for code in sorted(set(codes)):
+                responses[str(code)] = {"description": _STATUS_TEXT[code], "content": {MEDIA_TYPE: ref}}
+            if path == "/metrics":
+                responses["200"] = {"description": "Prometheus text exposition format 0.0.4",
+                                    "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}
+            model = _BODIES.get((method, path))
+            if model is not None:
+                op["requestBody"] = {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    app.openapi_schema = doc
+    return doc
 
 
 #: Cyclic-GC thresholds of a service process. Validating and storing a batch allocates
@@ -326,26 +688,47 @@ def decode_cursor(cursor: str | None, parse) -> Any:
         return None
     try:
         return parse(json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))))
-    except (ValueError, TypeError, IndexError, KeyError, binascii.Error):
+    except (ValueError, TypeError, IndexError, KeyError, RecursionError, binascii.Error):
         raise RequestValidationError([{"loc": ("query", "cursor"), "type": "value_error", "input": cursor,
                                        "msg": "not a cursor of this listing: pass back the next_cursor of the "
                                               "previous page unchanged"}]) from None
 
 
-def _count_reports(body: bytes) -> int:
-    try:
-        reports = json.loads(body).get("reports")
-        return max(1, len(reports)) if isinstance(reports, list) else 1
-    except (ValueError, AttributeError):
-        return 1
-
-
 async def _sweep_forever(svc: AppState) -> None:
+    """Every ``sweep_interval_seconds``: one bounded sweep round, then (with
+    ``run_retention_days``) the deletion of a few idle runs, in bounded chunks."""
+    st = svc.settings
     while True:
-        await asyncio.sleep(svc.settings.sweep_interval_seconds)
+        await asyncio.sleep(st.sweep_interval_seconds)
         try:
-            n = await run_in_threadpool(svc.service.sweep, svc.settings.grace_seconds)
+            n = await run_in_threadpool(svc.service.sweep, st.grace_seconds, None, st.sweep_max_steps,
+                                        st.sweep_max_seconds)
             if n:
-                log.info("sweep audited %d incomplete step(s)", n)
-        except Exception:  # keep sweeping; the next round retries
-            log.exception("sweep failed")
+                log.info("sweep audited %d step(s)", n)
+            if st.run_retention_days > 0:
+                for run_id in await run_in_threadpool(svc.service.idle_runs, st.run_retention_days * 86400.0, None, 5):
+                    counts = await run_in_threadpool(svc.service.delete_run, run_id, st.delete_chunk_rows)
+                    log.info("retention: deleted run %s idle for over %s days: %s", run_id,
+                             st.run_retention_days, counts)
+        except NotFound:
+            pass  # a run deleted by another replica meanwhile
+        except Exception as exc:  # keep sweeping; the next round retries
+            if _is_unavailable(exc):
+                throttled.warning("sweep-db", "sweep: database unavailable or busy (%s); retrying next round",
+                                  type(exc).__name__)
+            else:
+                log.exception("sweep failed")
+
+
+async def _probe_forever(svc: AppState, every: float = 2.0) -> None:
+    """Probe the database every ``every`` s in a thread of its own (not the request
+    threads), for ``/readyz`` and ``/healthz``."""
+    while True:
+        try:
+            await asyncio.wait_for(asyncio.to_thread(current_revision, svc.engine), timeout=10.0)
+            svc.database = (True, "ok", time.monotonic())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - reported by /readyz
+            svc.database = (False, f"{type(exc).__name__}: {str(exc)[:200]}", time.monotonic())
+        await asyncio.sleep(every)

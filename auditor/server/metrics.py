@@ -105,7 +105,7 @@ class _Reaping:
         return self._merge.collect()
 
 
-def scrape_registry(load: Callable[[float], list[dict]], retention_seconds: float
+def scrape_registry(load: Callable[..., list[dict]], retention_seconds: float, max_series: int | None = None
                     ) -> tuple[CollectorRegistry, "ServiceMetrics"]:
     """The registry ``/metrics`` exports and the process-local metrics to update.
 
@@ -121,7 +121,7 @@ def scrape_registry(load: Callable[[float], list[dict]], retention_seconds: floa
         metrics = ServiceMetrics(None)
         reap_dead_workers(path)
         registry.register(_Reaping(path))
-    registry.register(AuditCollector(load, retention_seconds))
+    registry.register(AuditCollector(load, retention_seconds, max_series))
     return registry, metrics
 
 
@@ -150,14 +150,18 @@ class AuditCollector:
     ``load(since)`` returns the per-series rows of :meth:`auditor.service.Service.metric_series`.
     """
 
-    def __init__(self, load: Callable[[float], list[dict]], retention_seconds: float):
+    def __init__(self, load: Callable[..., list[dict]], retention_seconds: float, max_series: int | None = None):
         self._load = load
         self._retention = retention_seconds
+        self._max_series = max_series
 
     def collect(self) -> Iterable[Metric]:
-        rows = self._load(time.time() - self._retention)
+        rows = self._load(time.time() - self._retention, self._max_series)
         steps = CounterMetricFamily(
-            "auditor_steps_audited", "Steps audited, by verdict.", labels=["run", "statistic", "verdict"]
+            "auditor_steps_audited",
+            "Verdicts recorded, by verdict (consistent, inconsistent, incomplete, audit_error). A step re-audited "
+            "after a late report counts under its first and its final verdict; the report shows the final one.",
+            labels=["run", "statistic", "verdict"]
         )
         faults = CounterMetricFamily(
             "auditor_faults", "Faults found, by kind (one per step and diagnosis).", labels=["run", "statistic", "kind"]
@@ -177,8 +181,8 @@ class AuditCollector:
         )
         for r in rows:
             labels = [r["run_id"], r["statistic"]]
-            for verdict in ("consistent", "inconsistent", "incomplete"):
-                steps.add_metric(labels + [verdict], r[f"steps_{verdict}"])
+            for verdict, n in r["steps"].items():
+                steps.add_metric(labels + [verdict], n)
             for kind, n in sorted(r["faults"].items()):
                 faults.add_metric(labels + [kind], n)
             if r["cp_disagreement_sigma"] is not None:

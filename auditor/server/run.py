@@ -18,21 +18,125 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from auditor.config import Settings
 
 
-class NoDelayH11(H11Protocol):
-    """uvicorn's h11 protocol with TCP_NODELAY on every accepted connection.
+class AuditorH11(H11Protocol):
+    """uvicorn's h11 protocol with the connection limits uvicorn lacks.
 
-    With ``--workers N`` uvicorn listens on a socket it created with protocol number 0, so
-    asyncio's ``_set_nodelay`` (which requires ``proto == IPPROTO_TCP``) skips the accepted
-    connections; a response's header and body writes then meet Nagle's algorithm and the
-    client's delayed ACK: +40 ms on every request (docs/performance.md). One process gets
-    TCP_NODELAY from asyncio already; setting it again is harmless.
+    * ``max_connections``: a connection accepted while that many are open gets a 503
+      (problem details) and is closed at once, so idle sockets cannot exhaust the process's
+      file descriptors (the condition is logged once per minute, not once per accept).
+    * ``header_timeout_seconds``: a connection that has not delivered a request's complete
+      headers within that time of opening (or of its previous response) is closed. uvicorn
+      arms its keep-alive timer only after a response, so a connection that never sends a
+      request, or sends headers a byte at a time, would otherwise be held forever.
+    * TCP_NODELAY on every accepted connection. With ``--workers N`` uvicorn listens on a
+      socket it created with protocol number 0, so asyncio's ``_set_nodelay`` (which
+      requires ``proto == IPPROTO_TCP``) skips the accepted connections; a response's header
+      and body writes then meet Nagle's algorithm and the client's delayed ACK: +40 ms on
+      every request (docs/performance.md).
+
+    The limits come from :meth:`configure` (``auditor serve``, :class:`BackgroundServer`),
+    else from ``Settings()`` (the ``AUDITOR_*`` environment) on first use in a process.
     """
+
+    limits: Settings | None = None
+
+    @classmethod
+    def configure(cls, settings: Settings) -> None:
+        cls.limits = settings
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if AuditorH11.limits is None:
+            AuditorH11.limits = Settings()
+        lim = AuditorH11.limits
+        over = len(self.connections) >= lim.max_connections
         super().connection_made(transport)
+        self._header_timer = None
+        self._timed_cycle = None
+        if over:
+            from auditor.server.app import throttled
+
+            throttled.warning("connections", "%d connections open (AUDITOR_MAX_CONNECTIONS): closing new ones at once",
+                              lim.max_connections)
+            transport.write(_CONNECTIONS_FULL)
+            transport.close()
+            return
+        self._arm(lim.header_timeout_seconds)
+
+    def _arm(self, seconds: float) -> None:
+        self._disarm()
+        self._header_timer = self.loop.call_later(seconds, self._header_timeout)
+
+    def _disarm(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
+            return
+        from auditor.server.app import throttled
+
+        throttled.warning("header-timeout", "closed a connection that sent no complete request headers within "
+                                            "%.0f s (AUDITOR_HEADER_TIMEOUT_SECONDS)",
+                          AuditorH11.limits.header_timeout_seconds)
+        self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is not None and self.cycle is not self._timed_cycle:  # headers complete: a request started
+            self._timed_cycle = self.cycle
+            self._disarm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm(AuditorH11.limits.header_timeout_seconds)
+
+    def connection_lost(self, exc) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+
+_FULL_BODY = (b'{"type":"urn:auditor:problem:overloaded","title":"Too many requests in progress, retry later",'
+              b'"status":503,"detail":"too many open connections"}')
+_CONNECTIONS_FULL = (
+    b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/problem+json\r\nretry-after: 1\r\n"
+    b"connection: close\r\ncontent-length: " + str(len(_FULL_BODY)).encode() + b"\r\n\r\n" + _FULL_BODY
+)
+
+
+def uvicorn_options(settings: Settings) -> dict:
+    """The uvicorn settings that bound what a caller can hold (docs/deploy.md "Limits and
+    security"): keep-alive, header size, listen backlog, and the protocol above."""
+    return {"http": AuditorH11, "timeout_keep_alive": settings.keep_alive_seconds,
+            "h11_max_incomplete_event_size": settings.max_header_bytes, "backlog": settings.backlog}
+
+
+def raise_fd_limit(settings: Settings) -> int:
+    """Raise this process's soft limit of open files to its hard limit and return it;
+    warn when ``max_connections`` would not fit below it (accepts would then fail with
+    "Too many open files")."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    if settings.max_connections + 256 > soft:
+        import logging
+
+        logging.getLogger("auditor.server").warning(
+            "AUDITOR_MAX_CONNECTIONS=%d does not fit below the open-files limit %d (ulimit -n): lower it",
+            settings.max_connections, soft)
+    return soft
 
 
 def serve(host: str, port: int, workers: int = 1, log_level: str = "info") -> None:
@@ -51,9 +155,11 @@ def serve(host: str, port: int, workers: int = 1, log_level: str = "info") -> No
         own_dir = os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="auditor-metrics-")
     if os.environ.get(MULTIPROC_ENV):
         prepare_multiprocess_dir(os.environ[MULTIPROC_ENV])
+    settings = Settings()
+    raise_fd_limit(settings)
     try:
         uvicorn.run("auditor.server.app:create_app", factory=True, host=host, port=port, workers=workers,
-                    log_level=log_level, http=NoDelayH11)
+                    log_level=log_level, **uvicorn_options(settings))
     finally:
         if own_dir:
             shutil.rmtree(own_dir, ignore_errors=True)
@@ -93,9 +199,10 @@ class BackgroundServer:
         self.url = f"http://127.0.0.1:{self.port}"
         from auditor.server.app import create_app  # not at import: workers of the demo need only free_port
 
+        AuditorH11.configure(settings)
         self.app = create_app(settings)
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
-                                log_level="warning", lifespan="on")
+                                log_level="warning", lifespan="on", **uvicorn_options(settings))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, name="auditor-server", daemon=True)
 

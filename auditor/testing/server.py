@@ -21,8 +21,12 @@ class ServerProcess:
     to ``log_path``.
     """
 
-    def __init__(self, database_url: str, log_path: Path, *, args: tuple[str, ...] = (), **env: str):
+    def __init__(self, database_url: str, log_path: Path, *, args: tuple[str, ...] = (),
+                 memory_limit: int | None = None, **env: str):
         self.database_url = database_url
+        #: RLIMIT_DATA of the server process, in bytes: a server fed hostile input must not
+        #: take the machine down (it fails with MemoryError instead).
+        self.memory_limit = memory_limit
         self.log_path = log_path
         self.args = tuple(args)
         self.env = {**os.environ, "AUDITOR_DATABASE_URL": database_url, **env}
@@ -36,7 +40,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "auditor", "serve", "--port", str(self.port), "--log-level", "warning",
              *self.args],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=self._limit_memory,
         )
         try:
             wait_healthy(self.url, timeout, alive=lambda: self.proc is not None and self.proc.poll() is None)
@@ -44,6 +48,19 @@ class ServerProcess:
             self.stop()
             raise RuntimeError(f"server did not start; log:\n{self.log_path.read_text()[-4000:]}") from None
         return self
+
+    def _limit_memory(self) -> None:
+        if self.memory_limit is not None:
+            import resource
+
+            resource.setrlimit(resource.RLIMIT_DATA, (self.memory_limit, self.memory_limit))
+
+    def peak_rss(self) -> int:
+        """Peak resident set size of the server process so far (VmHWM), in bytes."""
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmHWM")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         """Send ``sig`` and wait (bounded); kill if it does not exit."""

@@ -51,7 +51,7 @@ import httpx
 
 from auditor.trainer.delivery import MAX_BACKOFF, Outcome, deliver, encode
 from auditor.trainer.settings import read_settings
-from auditor.trainer.spool import Spool, default_spool_dir, default_spool_name
+from auditor.trainer.spool import Spool, append_lines, dead_letter_path, default_spool_dir, default_spool_name
 
 log = logging.getLogger("auditor.client")
 
@@ -157,6 +157,7 @@ class AuditorClient:
         self._inflight: list | None = None  # memory batch the sender is delivering (dicts or lines)
         self._down_since: float | None = None  # monotonic time of the first failure of a streak
         self._drops_logged = 0
+        self._dead_logged = False
         self._wake = threading.Event()
         self._spill_wake = threading.Event()
         self._stop = threading.Event()
@@ -378,16 +379,30 @@ class AuditorClient:
         def on_final(kind: str, chunk: list[bytes], pending: list, out: Outcome) -> None:
             if kind == "sent":
                 self._settle(len(chunk), "sent", from_memory, pending)
-            elif kind == "partial":
-                log.warning("auditor client: %d of %d reports rejected: %s", len(out.rejected), len(chunk),
-                            out.message)
-                self._settle(len(out.rejected), "rejected", from_memory, pending)
-            else:
-                log.warning("auditor client: %d reports rejected: %s", len(chunk), out.message)
-                self._settle(len(chunk), "rejected", from_memory, pending)
+                return
+            refused = [line for i, line in enumerate(chunk) if i in out.rejected] if kind == "partial" else chunk
+            self._dead_letter(refused, out.message)
+            self._settle(len(refused), "rejected", from_memory, pending)
 
         return deliver(self._http, self.url, lines, on_final=on_final, on_retry=on_retry, on_answer=on_answer,
                        stopped=self._stop.is_set, wait=self._stop.wait, max_backoff=self.max_backoff)
+
+    def _dead_letter(self, lines: list[bytes], reason: str) -> None:
+        """Reports the service refused for good: appended to the dead-letter file next to
+        the spool (its path logged the first time), so nothing is lost silently."""
+        if self.spool is None:
+            log.warning("auditor client: %d reports rejected: %s", len(lines), reason[:300])
+            return
+        path = dead_letter_path(self.spool.path)
+        try:
+            append_lines(path, lines)
+        except OSError as exc:
+            log.error("auditor client: cannot write %s: %s", path, exc)
+            return
+        if not self._dead_logged:
+            self._dead_logged = True
+            log.warning("auditor client: %d reports rejected (%s); rejected reports go to %s",
+                        len(lines), reason[:300], path)
 
     def _settle(self, n: int, outcome: str, from_memory: bool = False, pending: list | None = None) -> None:
         with self._settled_cond:

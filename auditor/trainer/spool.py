@@ -64,6 +64,30 @@ def write_offset(path: str | os.PathLike, offset: int) -> None:
     os.replace(tmp, side)
 
 
+#: Suffix of the dead-letter file next to a spool: reports the service refused for good
+#: (409/422/413, or one report that kept making it fail), one JSON line each.
+DEAD_LETTER_SUFFIX = ".deadletter"
+
+
+def dead_letter_path(spool: str | os.PathLike) -> Path:
+    """The dead-letter file of a spool: ``<spool>.deadletter`` (not ``*.jsonl``, so
+    ``auditor import DIR`` does not pick it up again; import it explicitly after a fix)."""
+    return Path(str(spool) + DEAD_LETTER_SUFFIX)
+
+
+def append_lines(path: str | os.PathLike, lines: list[bytes]) -> None:
+    """Append whole lines to ``path`` (created with its directory) in one write, fsync'd.
+    Raises OSError."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, b"\n".join(lines) + b"\n")
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def spool_files(paths: Iterable[str | os.PathLike]) -> list[Path]:
     """Expand ``paths``: files as given, directories into their ``*.jsonl`` files (sorted)."""
     out: list[Path] = []

@@ -104,15 +104,17 @@ def test_bad_input_is_a_422_naming_the_field_and_stores_nothing(live_server, run
     mutate(good)
     r = post(live_server, [good, bad])
     assert r.status_code == 422, r.text
-    detail = r.json()["detail"]
-    assert any(d["field"] == field and words in d["msg"] for d in detail), detail
+    assert r.headers["content-type"] == "application/problem+json"
+    body = r.json()
+    assert body["type"] == "urn:auditor:problem:validation" and body["status"] == 422
+    assert any(d["field"] == field and words in d["msg"] for d in body["errors"]), body
     assert live_server.get(f"/v1/runs/{run_id}").status_code == 404
 
 
 def test_malformed_and_empty_bodies(live_server):
     assert live_server.post("/v1/reports", content=b"{not json").status_code == 422
     r = live_server.post("/v1/reports", json={"reports": []})
-    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "reports"
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "reports"
 
 
 def test_retry_is_idempotent(live_server, run_id):
@@ -132,10 +134,10 @@ def test_conflicting_duplicate_is_409_and_the_stored_report_stays(live_server, r
     changed["local"]["sum"] += 1.0
     r = post(live_server, [first[1], changed])
     assert r.status_code == 409, r.text
-    detail = r.json()["detail"]
-    assert detail["error"] == "conflicting_report"
-    assert detail["conflicts"] == [{"index": 1, "run_id": run_id, "statistic": "advantages", "step": 0,
-                                    "microbatch": 0, "rank": 0, "fields": ["local_sum"]}]
+    body = r.json()
+    assert body["type"] == "urn:auditor:problem:conflicting_report" and body["status"] == 409
+    assert body["conflicts"] == [{"index": 1, "run_id": run_id, "statistic": "advantages", "step": 0,
+                                  "microbatch": 0, "rank": 0, "fields": ["local.sum"]}]
     # nothing of that batch was stored: rank 1 is still missing, rank 0 keeps its sum
     step = live_server.get(f"/v1/runs/{run_id}/statistics/advantages/steps/0").json()
     assert step["verdict"] is None and step["reports"] == 1
@@ -148,8 +150,8 @@ def test_topology_conflict_is_409(live_server, run_id):
     other[1].update(world_size=4, sizes={"dp": 2, "cp": 2, "tp": 1, "pp": 1})
     r = post(live_server, other)
     assert r.status_code == 409
-    assert r.json()["detail"]["error"] == "topology_conflict"
-    assert r.json()["detail"]["conflicts"] == [{"index": 1, "field": "sizes"}]
+    assert r.json()["type"] == "urn:auditor:problem:topology_conflict"
+    assert r.json()["conflicts"] == [{"index": 1, "field": "sizes"}]
     assert live_server.get(f"/v1/runs/{run_id}/statistics/advantages/steps/1").status_code == 404
 
 
@@ -159,7 +161,7 @@ def test_run_registration_fixes_topology(live_server, run_id):
     assert r.status_code == 200 and r.json()["world_size"] == 4
     assert live_server.put(f"/v1/runs/{run_id}", json=body).status_code == 200
     r = post(live_server, reference_reports(run_id, buggy=False))
-    assert r.status_code == 409 and r.json()["detail"]["error"] == "topology_conflict"
+    assert r.status_code == 409 and r.json()["type"] == "urn:auditor:problem:topology_conflict"
     bad = live_server.put("/v1/runs/bad%20id", json=body)
     assert bad.status_code == 422
 
@@ -208,8 +210,10 @@ def test_missing_report_after_grace_period(live_server, run_id):
     assert (s["steps_incomplete"], s["steps_inconsistent"], s["faults"]) == (1, 0, {"missing_report": 1})
     (f,) = s["bad_steps"][0]["faults"]
     assert f["ranks"] == [1] and f["evidence"] == {"missing": 1, "expected": 2}
-    # the late report is stored but the verdict stays
-    assert post(live_server, reference_reports(run_id, buggy=False)[1:]).json()["steps_audited"] == 0
+    # the late report completes the step: re-audited once, the final verdict replaces the first
+    assert post(live_server, reference_reports(run_id, buggy=False)[1:]).json()["steps_audited"] == 1
+    step = live_server.get(f"/v1/runs/{run_id}/statistics/advantages/steps/0").json()
+    assert (step["verdict"], step["previous_verdict"]) == ("consistent", "incomplete")
 
 
 def test_runs_listing_and_health(live_server, run_id):
@@ -235,11 +239,11 @@ def test_out_of_range_and_lax_types_are_422_not_500(live_server, run_id):
         mutate(good)
         r = post(live_server, [good, other])
         assert r.status_code == 422, (field, r.text)
-        assert any(d["field"] == field for d in r.json()["detail"]), r.json()
+        assert any(d["field"] == field for d in r.json()["errors"]), r.json()
     r = live_server.put(f"/v1/runs/{run_id}", json={"world_size": 2, "sizes": {"dp": 1, "cp": 2}, "extra": 1})
-    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "extra"
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "extra"
     r = live_server.get(f"/v1/runs/{run_id}/statistics/advantages/steps/{2**70}")
-    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "path.step"
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "path.step"
     post(live_server, reference_reports(run_id, buggy=False))
     assert live_server.get(f"/v1/runs/{run_id}/report", params={"statistic": "nope"}).status_code == 404
 
@@ -251,15 +255,15 @@ def test_num_microbatches_must_agree_within_a_step(live_server, run_id):
     a.update(num_microbatches=2)
     b.update(num_microbatches=3)
     r = post(live_server, [a, b])
-    assert r.status_code == 409 and r.json()["detail"]["conflicts"][0]["fields"] == ["num_microbatches"]
+    assert r.status_code == 409 and r.json()["conflicts"][0]["fields"] == ["num_microbatches"]
     assert post(live_server, [a]).status_code == 200
     r = post(live_server, [b])
-    assert r.status_code == 409 and "num_microbatches=3" in r.json()["detail"]["message"]
+    assert r.status_code == 409 and "num_microbatches=3" in r.json()["detail"]
 
 
 def test_same_key_twice_in_one_batch_names_both_indices(live_server, run_id):
     a, b = reference_reports(run_id, buggy=False)
     r = post(live_server, [a, b, dict(a, local=dict(a["local"], sum=0.0))])
     assert r.status_code == 409
-    assert r.json()["detail"]["message"].startswith("reports[0] and reports[2] have the same")
+    assert r.json()["detail"].startswith("reports[0] and reports[2] have the same")
     assert live_server.get(f"/v1/runs/{run_id}").status_code == 404

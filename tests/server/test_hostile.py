@@ -1,0 +1,667 @@
+"""Issue 9: hostile and real-world input against a real, memory-capped `auditor serve`
+process over real HTTP, on SQLite and on PostgreSQL. Each test is one *kind* of fault with
+the issue's reproducer among its inputs: poison reports, late reports, coordinate clashes,
+body size, connections, database locks, cardinality, run lifecycle, auth.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sqlite3
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from conftest import ServerProcess
+from factory import reference_reports
+
+#: RLIMIT_DATA of the server under test: past it the server fails instead of the machine.
+MEMORY_LIMIT = 1536 * 2**20
+#: What the tests below assert the server's peak RSS stays under (docs/deploy.md "Limits
+#: and security": the largest accepted body and a step at the expected-count limit).
+RSS_BOUND = 1024 * 2**20
+DELETE_CHUNK = 7
+
+
+@pytest.fixture(scope="module")
+def server(database_url, tmp_path_factory):
+    """One capped service per backend: grace 1 s, sweep every 0.2 s, header timeout 1 s,
+    body chunk timeout 2 s, 100 connections, 50 statistics per run, delete chunks of 7."""
+    s = ServerProcess(
+        database_url, tmp_path_factory.mktemp("hostile") / "server.log", memory_limit=MEMORY_LIMIT,
+        AUDITOR_GRACE_SECONDS="1", AUDITOR_SWEEP_INTERVAL_SECONDS="0.2", AUDITOR_HEADER_TIMEOUT_SECONDS="1",
+        AUDITOR_BODY_TIMEOUT_SECONDS="2", AUDITOR_MAX_CONNECTIONS="100", AUDITOR_MAX_STATISTICS_PER_RUN="50",
+        AUDITOR_DELETE_CHUNK_ROWS=str(DELETE_CHUNK), AUDITOR_DB_LOCK_TIMEOUT_SECONDS="2",
+    ).start()
+    yield s
+    s.stop()
+
+
+def post(server, reports: list[dict], **kw) -> httpx.Response:
+    return server.post("/v1/reports", json={"reports": reports}, **kw)
+
+
+def wait_until(fn, timeout: float = 20.0, what: str = "condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        out = fn()
+        if out:
+            return out
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def series_of(server, run_id: str) -> dict:
+    (s,) = server.get(f"/v1/runs/{run_id}/report").json()["statistics"]
+    return s
+
+
+def assert_problem(r: httpx.Response, status: int, code: str) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/problem+json", r.headers
+    body = r.json()
+    assert body["type"] == f"urn:auditor:problem:{code}" and body["status"] == status and body["title"], body
+    return body
+
+
+# ------------------------------------------------------------------ 1. expected-count bomb
+def bomb(run_id: str, world: int, nmb: int, rank: int = 0) -> dict:
+    return {"run_id": run_id, "statistic": "advantages", "step": 0, "rank": rank, "world_size": world,
+            "sizes": {"dp": world}, "coords": {"dp": rank}, "num_microbatches": nmb, "microbatch": 0,
+            "local": {"count": 1.0, "sum": 1.0, "sum_sq": 1.0},
+            "applied": {"count": 1.0, "sum": 1.0, "sum_sq": 1.0}}
+
+
+def test_expected_count_bomb_is_a_422_naming_the_field(server, run_id):
+    """The issue's reproducer (world 4,096 × 1,048,576 microbatches), a product past 2^31 (a
+    500 on PostgreSQL before) and each limit alone are 422s naming the field; nothing is
+    stored."""
+    cases = [
+        (bomb(run_id, 4096, 1_048_576), "reports[0].num_microbatches", "AUDITOR_MAX_NUM_MICROBATCHES"),
+        (bomb(run_id, 65_536, 4096), "reports[0].num_microbatches", "AUDITOR_MAX_REPORTS_PER_STEP"),
+        (bomb(run_id, 4096, 128), "reports[0].num_microbatches", "expects 524288 reports"),
+        (bomb(run_id, 131_072, 1), "reports[0].world_size", "AUDITOR_MAX_WORLD_SIZE"),
+    ]
+    for report, field, words in cases:
+        body = assert_problem(post(server, [report]), 422, "validation")
+        assert [(e["field"], e["type"]) for e in body["errors"]] == [(field, "limit_exceeded")], body
+        assert words in body["errors"][0]["msg"], body
+    assert server.get(f"/v1/runs/{run_id}").status_code == 404
+
+
+def test_a_step_at_the_expected_count_limit_is_swept_in_bounded_memory(server, run_id):
+    """One report of a step expecting 4,096 × 64 = 262,144 (the default limit) is accepted;
+    after the grace period the sweep audits it `incomplete` with the missing reports as
+    ranges (never one per rank and microbatch: the old sweep grew ~230 MB/s and was
+    OOM-killed in a loop), /healthz answers meanwhile, and the server's peak RSS stays
+    under RSS_BOUND."""
+    assert post(server, [bomb(run_id, 4096, 64, rank=7)]).status_code == 200
+    s = wait_until(lambda: (x := series_of(server, run_id))["steps_audited"] and x, what="the sweep")
+    assert (s["steps_incomplete"], s["faults"]) == (1, {"missing_report": 1})
+    (f,) = s["bad_steps"][0]["faults"]
+    assert f["evidence"] == {"missing": 262_143, "expected": 262_144, "microbatches": "0-63"}
+    assert "ranks 0-4095, microbatches 0-63" in f["message"]
+    t0 = time.perf_counter()
+    assert server.get("/healthz").status_code == 200 and time.perf_counter() - t0 < 1.0
+    assert server.peak_rss() < RSS_BOUND, server.peak_rss()
+
+
+# ------------------------------------------------------------------ 2. poison values
+def test_plus_and_minus_infinity_in_one_report_is_non_finite_not_a_500(server, run_id):
+    """local.min = -Infinity and local.max = +Infinity (a 500 in the store before, which the
+    client then retried for ever): stored, the step is audited, flagged non_finite, and
+    the report and the step read back."""
+    a, b = reference_reports(run_id, buggy=False)
+    a["local"].update(min=float("-inf"), max=float("inf"))
+    b["applied"].update(mean=float("inf"), var=float("-inf"))
+    body = json.dumps({"reports": [a, b]}).encode()  # Infinity tokens, as the client sends them
+    r = server.post("/v1/reports", content=body)
+    assert r.status_code == 200 and r.json()["steps_audited"] == 1, r.text
+    s = series_of(server, run_id)
+    assert s["steps_inconsistent"] == 1 and "non_finite" in s["faults"]
+    step = server.get(f"/v1/runs/{run_id}/statistics/advantages/steps/0")
+    assert step.status_code == 200 and step.json()["verdict"] == "inconsistent"
+
+
+def test_every_non_finite_combination_is_stored_and_audited(server, run_id):
+    """The kind, not the one input: NaN/±Inf in every float field of local and applied,
+    alone and together, with extreme finite values: every batch is a 200 and every step
+    gets a verdict (no 500, no step without one)."""
+    fields = [("local", k) for k in ("count", "sum", "sum_sq", "min", "max")] + \
+             [("applied", k) for k in ("count", "sum", "sum_sq", "mean", "var")]
+    values = [float("nan"), float("inf"), float("-inf"), 1e308, -1e308, 5e-324]
+    batch = []
+    step = 0
+    for where, name in fields:
+        for v in values:
+            a, b = reference_reports(run_id, buggy=step % 2 == 0, step=step)
+            a[where][name] = v
+            b[where][name] = v if step % 3 else -v
+            batch += [a, b]
+            step += 1
+    r = server.post("/v1/reports", content=json.dumps({"reports": batch}).encode())
+    assert r.status_code in (200, 422), r.text  # 422 only where the schema's rules say so
+    if r.status_code == 422:  # resend without the reports the schema refused
+        bad = {e["loc"][1] for e in r.json()["errors"]}
+        steps_bad = {batch[i]["step"] for i in bad}
+        batch = [x for x in batch if x["step"] not in steps_bad]
+        r = server.post("/v1/reports", content=json.dumps({"reports": batch}).encode())
+        assert r.status_code == 200, r.text
+    n_steps = len({x["step"] for x in batch})
+    assert n_steps > 40
+    s = series_of(server, run_id)
+    assert s["steps_audited"] == n_steps and s["steps_audit_error"] == 0, s
+    assert server.get(f"/v1/runs/{run_id}/report", params={"bad_steps": 1000}).status_code == 200
+
+
+# ------------------------------------------------------------------ 4. late reports
+def test_a_late_report_re_audits_the_step_once_and_fixes_every_figure(server, run_id):
+    """The buggy reference step: rank 0 reports, the grace period ends (verdict incomplete),
+    then rank 1's report arrives. The step is re-audited once: inconsistent with the
+    reference faults and sigma; the series counts move from incomplete to inconsistent, the
+    missing_report fault is gone, the step keeps previous_verdict and verdict_changed_at,
+    the run is not consistent, and /metrics counts both recorded verdicts (its counters
+    never go down)."""
+    a, b = reference_reports(run_id, buggy=True)
+    assert post(server, [a]).status_code == 200
+    s = wait_until(lambda: (x := series_of(server, run_id))["steps_audited"] and x, what="the sweep")
+    assert (s["steps_incomplete"], s["steps_inconsistent"], s["faults"]) == (1, 0, {"missing_report": 1})
+    assert server.get(f"/v1/runs/{run_id}/report").json()["consistent"] is True  # nothing bad seen yet
+
+    t_late = time.time()
+    r = post(server, [b])
+    assert r.json() == {"accepted": 1, "duplicates": 0, "steps_audited": 1}
+    assert post(server, [b]).json() == {"accepted": 0, "duplicates": 1, "steps_audited": 0}  # once
+    rep = server.get(f"/v1/runs/{run_id}/report").json()
+    assert rep["consistent"] is False
+    (s,) = rep["statistics"]
+    assert (s["steps_audited"], s["steps_incomplete"], s["steps_inconsistent"], s["steps_reaudited"]) == (1, 0, 1, 1)
+    assert set(s["faults"]) == {"cp_disagreement", "group_mismatch", "wrong_group"}
+    assert (s["first_bad_step"], s["last_bad_step"]) == (0, 0)
+    assert s["cp_disagreement_sigma"] == pytest.approx(0.433154, abs=1e-6)
+    (step,) = s["bad_steps"]
+    assert (step["verdict"], step["previous_verdict"]) == ("inconsistent", "incomplete")
+    assert step["verdict_changed_at"] >= t_late - 1 and step["reports"] == step["expected"] == 2
+    m = server.get("/metrics").text
+    for verdict, n in (("incomplete", 1), ("inconsistent", 1), ("consistent", 0)):
+        assert f'auditor_steps_audited_total{{run="{run_id}",statistic="advantages",verdict="{verdict}"}} {n}.0' in m
+    assert f'auditor_faults_total{{kind="missing_report",run="{run_id}",statistic="advantages"}} 1.0' in m
+    assert f'auditor_faults_total{{kind="cp_disagreement",run="{run_id}",statistic="advantages"}} 1.0' in m
+
+
+def test_late_reports_re_audit_exactly_once_across_two_replicas(database_url, tmp_path, run_id):
+    """20 steps of a 4-rank world stay incomplete past the grace period; then their last two
+    reports arrive at the same time at two replicas on one database. Each step is
+    re-audited exactly once: the steps_audited answers sum to 20, every step ends
+    consistent with previous_verdict incomplete, and the series counts 20 re-audits."""
+    servers = [ServerProcess(database_url, tmp_path / f"r{i}.log", AUDITOR_GRACE_SECONDS="0.5",
+                             AUDITOR_SWEEP_INTERVAL_SECONDS="0.2") for i in range(2)]
+    for s in servers:
+        s.start()
+    try:
+        world, steps = 4, 20
+
+        def rep(step: int, rank: int) -> dict:
+            return {"run_id": run_id, "statistic": "g", "kind": "sum", "step": step, "rank": rank,
+                    "world_size": world, "sizes": {"dp": world}, "coords": {"dp": rank},
+                    "local": {"sum": 1.0 + rank}, "applied": {"sum": 10.0}}
+
+        assert post(servers[0], [rep(st, r) for st in range(steps) for r in (0, 1)]).status_code == 200
+        wait_until(lambda: series_of(servers[0], run_id)["steps_incomplete"] == steps, what="the sweep")
+        barrier = threading.Barrier(2)
+
+        def send(i: int) -> int:
+            barrier.wait()
+            total = 0
+            for st in range(steps):
+                total += post(servers[i], [rep(st, 2 + i)]).json()["steps_audited"]
+            return total
+
+        with ThreadPoolExecutor(2) as pool:
+            audited = sum(pool.map(send, range(2)))
+        assert audited == steps
+        s = series_of(servers[1], run_id)
+        assert (s["steps_consistent"], s["steps_incomplete"], s["steps_reaudited"], s["faults"]) == (steps, 0, steps, {})
+        for st in (0, steps - 1):
+            step = servers[0].get(f"/v1/runs/{run_id}/statistics/g/steps/{st}").json()
+            assert (step["verdict"], step["previous_verdict"]) == ("consistent", "incomplete")
+    finally:
+        for s in servers:
+            s.stop()
+
+
+# ------------------------------------------------------------------ 5. two ranks, one place
+def test_two_ranks_claiming_the_same_coordinates_is_a_409_naming_both(server, run_id):
+    """Rank 1 claims cp=0, which rank 0 holds: a 409 coordinate_conflict naming both ranks
+    and the coordinates, whether rank 0's report is stored already or in the same batch;
+    nothing of the batch is stored."""
+    a, b = reference_reports(run_id, buggy=False)
+    b["coords"]["cp"] = 0
+    body = assert_problem(post(server, [a, b]), 409, "coordinate_conflict")
+    (c,) = body["conflicts"]
+    assert (c["index"], c["rank"], c["other_rank"], c["other_index"]) == (1, 1, 0, 0)
+    assert c["coords"] == {"dp": 0, "cp": 0, "tp": 0, "pp": 0} and c["fields"] == ["rank", "coords"]
+    assert "rank 1" in body["detail"] and "rank 0" in body["detail"] and "cp=0" in body["detail"]
+    assert server.get(f"/v1/runs/{run_id}/statistics/advantages/steps/0").status_code == 404
+    assert post(server, [a]).status_code == 200
+    body = assert_problem(post(server, [b]), 409, "coordinate_conflict")
+    assert (body["conflicts"][0]["rank"], body["conflicts"][0]["other_rank"]) == (1, 0)
+    assert "other_index" not in body["conflicts"][0]
+    assert server.get(f"/v1/runs/{run_id}/statistics/advantages/steps/0").json()["reports"] == 1
+
+
+# ------------------------------------------------------------------ 6. bodies
+def _raw_request(server, head: bytes, body_chunks=(), read_timeout: float = 10.0) -> tuple[bytes, float]:
+    """Send a raw HTTP request over a socket; return (answer, seconds until it came)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=read_timeout) as sock:
+        t0 = time.perf_counter()
+        sock.sendall(head)
+        for chunk in body_chunks:
+            try:
+                sock.sendall(chunk)
+            except (BrokenPipeError, ConnectionResetError):
+                break
+        data = b""
+        try:
+            while True:
+                part = sock.recv(65536)
+                if not part:
+                    break
+                data += part
+                if b"\r\n\r\n" in data and data.split(b"\r\n\r\n", 1)[1].endswith(b"}"):
+                    break
+        except (ConnectionResetError, socket.timeout):
+            pass
+        return data, time.perf_counter() - t0
+
+
+def test_a_body_over_the_cap_is_a_413_before_it_is_read(server):
+    """A declared 500 MB body gets a 413 at once (nothing of it is sent); a chunked body
+    with no declared length gets a 413 as soon as the cap is passed, the rest unread; the
+    server's RSS stays bounded."""
+    head = (b"POST /v1/reports HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: 500000000\r\n\r\n")
+    answer, took = _raw_request(server, head)
+    assert answer.startswith(b"HTTP/1.1 413") and took < 2.0, answer[:300]
+    assert b"AUDITOR_MAX_BODY_BYTES" in answer
+
+    def chunks():
+        piece = b"x" * 65536
+        for _ in range(600):  # 39 MB offered, the cap is 16 MiB
+            yield b"%x\r\n%s\r\n" % (len(piece), piece)
+
+    head = b"POST /v1/reports HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    answer, _ = _raw_request(server, head, chunks())
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+    assert server.peak_rss() < RSS_BOUND
+
+
+def test_the_largest_accepted_body_is_stored_in_bounded_memory(server, run_id):
+    """A body near the 16 MiB cap (10,000 reports — the batch limit — each with 250 group
+    ranks) is accepted and audited, and the server's peak RSS stays under RSS_BOUND."""
+    world = 250
+    reports = []
+    for step in range(40):
+        for rank in range(world):
+            reports.append({"run_id": run_id, "statistic": "n", "kind": "sum", "step": step, "rank": rank,
+                            "world_size": world, "sizes": {"dp": world}, "coords": {"dp": rank},
+                            "local": {"sum": 1.0}, "applied": {"sum": float(world)},
+                            "group_ranks": list(range(world))})
+    body = json.dumps({"reports": reports}, separators=(",", ":")).encode()
+    assert 10 * 2**20 < len(body) < 16 * 2**20, len(body)
+    r = server.post("/v1/reports", content=body)
+    assert r.json() == {"accepted": 10_000, "duplicates": 0, "steps_audited": 40}, r.text
+    assert series_of(server, run_id)["steps_consistent"] == 40
+    assert server.peak_rss() < RSS_BOUND, server.peak_rss()
+
+
+def test_invalid_bodies_are_parsed_off_the_event_loop(server):
+    """While 4 clients post 6 MB bodies that fail validation (re-parsed on the event loop
+    before, /healthz then took 4 s), /healthz answers within 0.5 s every time."""
+    bad = json.dumps({"reports": [{"run_id": "x", "step": -1, "rank": 0}] * 150_000}).encode()
+    assert len(bad) > 5 * 2**20
+    stop = threading.Event()
+
+    def flood():
+        with httpx.Client(timeout=60) as c:
+            while not stop.is_set():
+                r = c.post(f"{server.url}/v1/reports", content=bad)
+                assert r.status_code == 422
+                assert r.json()["errors_truncated"] is True and len(r.json()["errors"]) == 1000
+
+    workers = [threading.Thread(target=flood) for _ in range(4)]
+    for w in workers:
+        w.start()
+    try:
+        time.sleep(1.0)
+        worst = 0.0
+        with httpx.Client(timeout=10) as c:
+            for _ in range(30):
+                t0 = time.perf_counter()
+                assert c.get(f"{server.url}/healthz").status_code == 200
+                worst = max(worst, time.perf_counter() - t0)
+                time.sleep(0.05)
+    finally:
+        stop.set()
+        for w in workers:
+            w.join(60)
+    assert worst < 0.5, worst
+
+
+def test_the_token_is_checked_before_the_body_is_read(tmp_path):
+    """With AUDITOR_TOKEN set, a PUT or POST without it gets a 401 as soon as its headers
+    arrive: the 100 MB it declares is never awaited."""
+    s = ServerProcess(f"sqlite:///{tmp_path / 'a.db'}", tmp_path / "s.log", AUDITOR_TOKEN="s3cret").start()
+    try:
+        for method, path in ((b"PUT", b"/v1/runs/r1"), (b"POST", b"/v1/reports")):
+            head = method + b" " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Length: 100000000\r\n\r\n"
+            answer, took = _raw_request(s, head)
+            assert answer.startswith(b"HTTP/1.1 401") and took < 2.0, answer[:300]
+            assert b"application/problem+json" in answer
+    finally:
+        s.stop()
+
+
+# ------------------------------------------------------------------ 7. connections
+def test_idle_connections_are_closed_and_capped(server):
+    """300 connections that never send a request (1,100 exhausted the fd limit before):
+    those past max_connections (100) are answered 503 and closed at once, the others are
+    closed after the header timeout (1 s); a half-sent request line is closed too; the
+    service keeps serving and logs the condition a few times, not once per socket."""
+    log_before = server.log_path.read_text()
+    socks = []
+    for _ in range(300):
+        s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+        socks.append(s)
+    slow = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+    slow.sendall(b"GET /v1/runs HTTP/1.1\r\nHo")  # slowloris: never finishes its headers
+    time.sleep(2.5)
+    closed = 0
+    for s in socks + [slow]:
+        s.settimeout(2)
+        try:
+            data = s.recv(4096)
+            closed += data == b"" or data.startswith(b"HTTP/1.1 503")
+        except (ConnectionResetError, socket.timeout):
+            closed += isinstance(s, socket.socket)
+        finally:
+            s.close()
+    assert closed == 301
+    assert server.get("/v1/runs").status_code == 200
+    new_lines = server.log_path.read_text()[len(log_before):].splitlines()
+    assert 1 <= len([ln for ln in new_lines if "AUDITOR_MAX_CONNECTIONS" in ln or "HEADER_TIMEOUT" in ln]) <= 4, \
+        new_lines[:20]
+
+
+# ------------------------------------------------------------------ 8. database contention
+def test_a_locked_database_is_a_503_with_retry_after_and_liveness_stays_fast(server, run_id):
+    """Another process holds the write lock (SQLite: BEGIN EXCLUSIVE; PostgreSQL: LOCK
+    TABLE reports): ingest gets 503 + Retry-After after the 2 s lock timeout (a 500 or a
+    30 s wait before), /healthz answers in milliseconds meanwhile, and ingest works again
+    once the lock is gone."""
+    url = server.database_url
+    if url.startswith("sqlite"):
+        holder = sqlite3.connect(url.removeprefix("sqlite:///"), isolation_level=None, timeout=10)
+        holder.execute("BEGIN EXCLUSIVE")
+        release = holder.rollback
+    else:
+        engine = sa.create_engine(url)
+        conn = engine.connect()
+        tx = conn.begin()
+        conn.execute(sa.text("LOCK TABLE reports IN EXCLUSIVE MODE"))
+
+        def release():
+            tx.rollback()
+            conn.close()
+            engine.dispose()
+    try:
+        results = []
+
+        def ingest():
+            results.append(post(server, reference_reports(run_id, buggy=False)))
+
+        t = threading.Thread(target=ingest)
+        t.start()
+        worst = 0.0
+        while t.is_alive():
+            t0 = time.perf_counter()
+            assert server.get("/healthz").status_code == 200
+            worst = max(worst, time.perf_counter() - t0)
+            time.sleep(0.05)
+        t.join()
+        body = assert_problem(results[0], 503, "unavailable")
+        assert results[0].headers["retry-after"] == "1" and "retry later" in body["detail"]
+        assert worst < 0.25, worst
+    finally:
+        release()
+    assert post(server, reference_reports(run_id, buggy=False)).status_code == 200
+
+
+# ------------------------------------------------------------------ 9. cardinality, lifecycle
+def test_statistics_per_run_are_capped_at_registration(server, run_id):
+    """A PUT with 100,000 statistics (it held SQLite's write lock for 118 s before) is a
+    422 naming `statistics`, answered in under 2 s; adding a statistic past the limit (50
+    here) by a report is a 422 naming reports[i].statistic; nothing past it is stored."""
+    stats = {f"s{i}": {"kind": "sum"} for i in range(100_000)}
+    t0 = time.perf_counter()
+    r = server.put(f"/v1/runs/{run_id}", json={"world_size": 2, "sizes": {"dp": 2}, "statistics": stats})
+    body = assert_problem(r, 422, "validation")
+    assert body["errors"][0]["field"] == "statistics" and time.perf_counter() - t0 < 2.0
+    reg = {"world_size": 2, "sizes": {"dp": 1, "cp": 2},
+           "statistics": {f"s{i}": {"kind": "sum"} for i in range(50)}}
+    assert server.put(f"/v1/runs/{run_id}", json=reg).status_code == 200
+    a, b = reference_reports(run_id, buggy=False, statistic="one-too-many")
+    body = assert_problem(post(server, [a, b]), 422, "limit_exceeded")
+    assert body["errors"][0]["field"] == "reports[0].statistic" and "AUDITOR_MAX_STATISTICS_PER_RUN" in body["detail"]
+    assert len(server.get(f"/v1/runs/{run_id}").json()["statistics"]) == 50
+
+
+def test_metrics_export_at_most_max_series_and_an_aggregate(database_url, tmp_path, run_id):
+    """With AUDITOR_METRICS_MAX_SERIES=3 and 5 series, /metrics exports the 3 most recently
+    active with their own labels and the other 2 summed into run="_other"."""
+    s = ServerProcess(database_url, tmp_path / "m.log", AUDITOR_METRICS_MAX_SERIES="3").start()
+    try:
+        for i in range(5):
+            assert post(s, reference_reports(f"{run_id}-{i}", buggy=i % 2 == 0)).status_code == 200
+        lines = [ln for ln in s.get("/metrics").text.splitlines() if ln.startswith("auditor_steps_audited_total{")]
+        runs = {ln.split('run="')[1].split('"')[0] for ln in lines}
+        mine = {r for r in runs if r.startswith(run_id)}
+        assert mine == {f"{run_id}-{i}" for i in (2, 3, 4)}, runs
+        other = {ln.split('verdict="')[1].split('"')[0]: float(ln.split()[-1]) for ln in lines if 'run="_other"' in ln}
+        assert other["inconsistent"] >= 1 and other["consistent"] >= 1  # runs 0 and 1 (and older ones)
+    finally:
+        s.stop()
+
+
+def test_delete_a_run_in_bounded_chunks(server, run_id):
+    """DELETE /v1/runs/{id} removes a run with all its reports, verdicts and faults, 7
+    reports per transaction here; other runs stay; the run can then be created anew."""
+    other = f"{run_id}-keep"
+    batch = [r for st in range(10) for r in reference_reports(run_id, buggy=st % 2 == 0, step=st)]
+    assert post(server, batch).json()["steps_audited"] == 10
+    assert post(server, reference_reports(other, buggy=False)).status_code == 200
+    r = server.get(f"/v1/runs/{run_id}")
+    assert r.json()["steps_audited"] == 10
+    d = httpx.delete(f"{server.url}/v1/runs/{run_id}", timeout=30)
+    assert d.status_code == 200 and d.json() == {"run_id": run_id, "reports": 20, "steps": 10, "statistics": 1}
+    assert_problem(server.get(f"/v1/runs/{run_id}"), 404, "not_found")
+    assert_problem(httpx.delete(f"{server.url}/v1/runs/{run_id}"), 404, "not_found")
+    assert server.get(f"/v1/runs/{other}").json()["steps_audited"] == 1
+    assert post(server, reference_reports(run_id, buggy=False)).json()["steps_audited"] == 1  # created anew
+    engine = sa.create_engine(server.database_url)
+    with engine.connect() as conn:
+        n = conn.execute(sa.text("SELECT count(*) FROM series WHERE run_id = :r"), {"r": run_id}).scalar_one()
+    engine.dispose()
+    assert n == 1
+
+
+def test_retention_drops_idle_runs_with_their_reports(fresh_database_url, tmp_path, run_id):
+    """AUDITOR_RUN_RETENTION_DAYS (here 2 s): the sweep deletes a run idle for longer, with
+    its reports and verdicts; a run still reporting stays."""
+    s = ServerProcess(fresh_database_url, tmp_path / "r.log", AUDITOR_RUN_RETENTION_DAYS=str(2 / 86400),
+                      AUDITOR_SWEEP_INTERVAL_SECONDS="0.3").start()
+    try:
+        assert post(s, reference_reports(run_id, buggy=True)).status_code == 200
+        live = f"{run_id}-live"
+        for step in range(12):
+            post(s, reference_reports(live, buggy=False, step=step))
+            time.sleep(0.4)
+            if s.get(f"/v1/runs/{run_id}").status_code == 404:
+                break
+        assert s.get(f"/v1/runs/{run_id}").status_code == 404
+        assert s.get(f"/v1/runs/{live}").status_code == 200
+        engine = sa.create_engine(fresh_database_url)
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT count(*) FROM faults")).scalar_one() == 0
+        engine.dispose()
+    finally:
+        s.stop()
+
+
+# ------------------------------------------------------------------ 10. auth
+def test_reads_need_a_token_and_a_read_token_only_reads(tmp_path, run_id):
+    """With AUDITOR_TOKEN and AUDITOR_READ_TOKEN set: every read (runs, report, /docs,
+    /openapi.json) answers 401 without a token (they answered anyone before), 200 with
+    either token; a write with the read token is a 403; /healthz and /metrics stay open
+    (AUDITOR_PUBLIC_ENDPOINTS, default true) — and close when it is false."""
+    db = f"sqlite:///{tmp_path / 'a.db'}"
+    s = ServerProcess(db, tmp_path / "a.log", AUDITOR_TOKEN="write-tok", AUDITOR_READ_TOKEN="read-tok").start()
+    w, rd = {"Authorization": "Bearer write-tok"}, {"Authorization": "Bearer read-tok"}
+    try:
+        assert post(s, reference_reports(run_id, buggy=False), headers=w).status_code == 200
+        for path in ("/v1/runs", f"/v1/runs/{run_id}", f"/v1/runs/{run_id}/report", "/docs", "/openapi.json",
+                     f"/v1/runs/{run_id}/statistics/advantages/steps/0"):
+            r = s.get(path)
+            assert_problem(r, 401, "unauthorized")
+            assert r.headers["www-authenticate"].startswith("Bearer")
+            assert s.get(path, headers={"Authorization": "Bearer write-tok-x"}).status_code == 401
+            assert s.get(path, headers=rd).status_code == 200 and s.get(path, headers=w).status_code == 200
+        assert_problem(post(s, reference_reports(run_id, buggy=False), headers=rd), 403, "forbidden")
+        assert_problem(httpx.delete(f"{s.url}/v1/runs/{run_id}", headers=rd), 403, "forbidden")
+        assert s.get("/healthz").status_code == 200 and s.get("/metrics").status_code == 200
+    finally:
+        s.stop()
+    s = ServerProcess(db, tmp_path / "b.log", AUDITOR_TOKEN="write-tok", AUDITOR_PUBLIC_ENDPOINTS="false").start()
+    try:
+        assert_problem(s.get("/metrics"), 401, "unauthorized")
+        assert s.get("/metrics", headers=w).status_code == 200
+    finally:
+        s.stop()
+
+
+# ------------------------------------------------------------------ the command line
+def _auditor(*args: str, env: dict | None = None):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "auditor", *args], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, **(env or {})})
+
+
+def test_runs_delete_command(server, run_id):
+    """`auditor runs delete RUN_ID` through the service and straight on the database;
+    an unknown run exits 2."""
+    assert post(server, reference_reports(run_id, buggy=True)).status_code == 200
+    out = _auditor("runs", "delete", run_id, "--url", server.url)
+    assert out.returncode == 0 and "2 report(s), 1 step(s), 1 statistic(s)" in out.stdout, out.stderr
+    assert _auditor("runs", "delete", run_id, "--url", server.url).returncode == 2
+    assert post(server, reference_reports(run_id, buggy=True)).status_code == 200
+    out = _auditor("runs", "delete", run_id, "--database-url", server.database_url)
+    assert out.returncode == 0, out.stderr
+    assert server.get(f"/v1/runs/{run_id}").status_code == 404
+
+
+def test_offline_audit_and_import_of_a_poisoned_spool(server, tmp_path, run_id):
+    """A spool holding the issue's poison reports (±Inf, an expected-count bomb, a line
+    that is not JSON, a report of another shape): `auditor audit` audits it and exits 0
+    (never a traceback, never 1 without --check); `auditor import` delivers every report
+    the service accepts, moves the refused ones to the dead-letter file next to the spool,
+    and exits 1 (rejected reports), not 2 and not for ever."""
+    a, b = reference_reports(run_id, buggy=False)
+    a["local"].update(min=float("-inf"), max=float("inf"))
+    lines = [json.dumps(a), json.dumps(b), "{not json", json.dumps({"hello": "world"}),
+             json.dumps(bomb(f"{run_id}-bomb", 4096, 1_048_576))]
+    spool = tmp_path / "rank0.jsonl"
+    spool.write_text("\n".join(lines) + "\n")
+    out = _auditor("audit", str(spool), "--format", "json")
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    runs = {r["run_id"]: r for r in json.loads(out.stdout)}
+    assert runs[run_id]["statistics"][0]["faults"].get("non_finite") == 1
+    assert runs[f"{run_id}-bomb"]["statistics"][0]["steps_incomplete"] == 1  # no limits offline, no blow-up
+    out = _auditor("import", str(spool), "--url", server.url, "--batch-size", "5")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "imported 2 report(s)" in out.stdout and "3 rejected" in out.stdout, out.stdout
+    dead = spool.with_name(spool.name + ".deadletter").read_text().splitlines()
+    assert sorted(dead) == sorted(lines[2:])
+    assert series_of(server, run_id)["steps_audited"] == 1
+
+
+def test_import_exit_codes_for_a_wrong_url(server, tmp_path, run_id):
+    """`auditor import` exits 2, not 1, when the service cannot be reached (after its
+    retries) and at once when the URL answers 404 (a wrong path is a configuration error,
+    not a transient one); the spool stays undelivered for a re-run."""
+    spool = tmp_path / "rank0.jsonl"
+    spool.write_text("\n".join(json.dumps(r) for r in reference_reports(run_id, buggy=False)) + "\n")
+    t0 = time.perf_counter()
+    out = _auditor("import", str(spool), "--url", f"{server.url}/not-here")
+    assert out.returncode == 2 and "404" in out.stderr and time.perf_counter() - t0 < 30, out.stderr
+    out = _auditor("import", str(spool), "--url", "http://127.0.0.1:1")
+    assert out.returncode == 2 and "re-run to resume" in out.stderr, out.stderr
+    assert server.get(f"/v1/runs/{run_id}").status_code == 404
+    assert _auditor("import", str(spool), "--url", server.url).returncode == 0
+
+
+def test_pool_exhaustion_is_a_503_not_a_500(tmp_path, run_id):
+    """More concurrent ingests than database connections while the database is locked:
+    those that get no pooled connection within AUDITOR_DB_POOL_TIMEOUT_SECONDS answer 503 +
+    Retry-After (sqlalchemy.exc.TimeoutError gave a 500 before), the others 503 after the
+    lock timeout; none is a 500, and ingest works once the lock is released."""
+    db = tmp_path / "p.db"
+    s = ServerProcess(f"sqlite:///{db}", tmp_path / "p.log", AUDITOR_INGEST_CONCURRENCY="40",
+                      AUDITOR_DB_POOL_TIMEOUT_SECONDS="0.5", AUDITOR_DB_LOCK_TIMEOUT_SECONDS="3").start()
+    try:
+        holder = sqlite3.connect(db, isolation_level=None, timeout=10)
+        holder.execute("BEGIN EXCLUSIVE")
+        with ThreadPoolExecutor(30) as pool:
+            answers = list(pool.map(lambda i: post(s, reference_reports(f"{run_id}-{i}", buggy=False)), range(30)))
+        holder.rollback()
+        codes = sorted(r.status_code for r in answers)
+        assert set(codes) == {503}, codes
+        assert all(r.headers["retry-after"] == "1" for r in answers)
+        kinds = {r.json()["detail"].split("(")[1].split(")")[0] for r in answers}
+        assert "TimeoutError" in kinds, kinds  # the pool ran out for some of them
+        assert post(s, reference_reports(run_id, buggy=False)).status_code == 200
+        assert "Traceback" not in s.log_path.read_text()
+    finally:
+        s.stop()
+
+
+def test_characters_a_database_rejects_in_paths_and_queries_are_422(server):
+    """NUL (PostgreSQL refuses it in a string), lone surrogates, and over-long names in every
+    path and query parameter: a 422 naming the parameter (a 500 on PostgreSQL before), never
+    a query with them."""
+    bad = ["a%00b", "%ED%A0%80", "x" * 129, "a b", "%F0%9F%92%A5"]
+    for value in bad:
+        for method, path, name in (
+            ("GET", f"/v1/runs/{value}", "path.run_id"),
+            ("GET", f"/v1/runs/{value}/report", "path.run_id"),
+            ("GET", f"/v1/runs/r/report?statistic={value}", "query.statistic"),
+            ("GET", f"/v1/runs/{value}/statistics/s/steps/1", "path.run_id"),
+            ("GET", f"/v1/runs/r/statistics/{value}/steps/1", "path.statistic"),
+            ("DELETE", f"/v1/runs/{value}", "path.run_id"),
+            ("PUT", f"/v1/runs/{value}", "path.run_id"),
+        ):
+            r = httpx.request(method, f"{server.url}{path}", timeout=30,
+                              json={"world_size": 1, "sizes": {}} if method == "PUT" else None)
+            body = assert_problem(r, 422, "validation")
+            assert body["errors"][0]["field"] == name, (method, path, body)
+    r = server.put("/v1/runs/ok-run", json={"world_size": 1, "sizes": {}, "statistics": {"a\u0000": {}}})
+    assert_problem(r, 422, "validation")
+    r = post(server, [dict(reference_reports("r", buggy=False)[0], run_id="a\u0000")])
+    assert assert_problem(r, 422, "validation")["errors"][0]["field"] == "reports[0].run_id"
