@@ -7,6 +7,7 @@ Pure file checks plus the real binaries (Debian's ``prometheus`` package for ``p
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -313,21 +314,30 @@ def test_docker_compose_config():
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.skip("docker-compose binary not installed (Debian package docker-compose)")
-    proc = subprocess.run(
-        [exe, "-f", str(COMPOSE), "config", "-q"], cwd=ROOT, capture_output=True, text=True, timeout=120
-    )
-    assert proc.returncode == 0, f"docker-compose config -q exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    services = subprocess.run(
-        [exe, "-f", str(COMPOSE), "config", "--services"], cwd=ROOT, capture_output=True, text=True, timeout=120
-    ).stdout.split()
+    env_file = ROOT / "deploy" / "env.example"
+    base = [exe, "-f", str(COMPOSE), "--env-file", str(env_file)]
+    proc = subprocess.run([*base, "config"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"docker-compose config exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
+    # the secrets come from the env file: they appear in the resolved config, not in the compose file
+    assert "change-me-too" in proc.stdout and "auditor:change-me@postgres" in proc.stdout
+    services = subprocess.run([*base, "config", "--services"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=120).stdout.split()
     assert {"auditor", "postgres", "prometheus", "grafana"} <= set(services), services
+    # without one, compose refuses to start and names the missing variable
+    empty = ROOT / "deploy" / "docker" / "entrypoint.sh"  # any file without the variables
+    proc = subprocess.run([exe, "-f", str(COMPOSE), "--env-file", str(empty), "config", "-q"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={"PATH": os.environ["PATH"]})
+    assert proc.returncode != 0 and "POSTGRES_PASSWORD" in proc.stderr, proc.stderr
 
 
 def test_compose_mounts_exist_and_wire_the_stack():
     compose = COMPOSE.read_text()
     for host_path in re.findall(r"^\s*-\s*\./([^:\s]+):", compose, re.M):
         assert (ROOT / host_path).exists(), f"docker-compose.yml mounts missing ./{host_path}"
-    assert "postgresql+psycopg://auditor:auditor@postgres:5432/auditor" in compose
+    assert "postgresql+psycopg://auditor:${POSTGRES_PASSWORD:?" in compose
+    for key, secret in (("POSTGRES_PASSWORD", "POSTGRES_PASSWORD"), ("AUDITOR_TOKEN", "AUDITOR_TOKEN"),
+                        ("GF_SECURITY_ADMIN_PASSWORD", "GRAFANA_ADMIN_PASSWORD")):
+        assert re.search(rf"{key}: \$\{{{secret}:\?", compose), secret  # from the env file only
     assert "condition: service_healthy" in compose
     prom = PROM_CONFIG.read_text()
     assert "job_name: auditor" in prom and '"auditor:8000"' in prom
