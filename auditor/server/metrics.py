@@ -101,8 +101,21 @@ class _Reaping:
         self._merge = multiprocess.MultiProcessCollector(None, path=path)
 
     def collect(self) -> Iterable[Metric]:
-        reap_dead_workers(self._path)
-        return self._merge.collect()
+        """Merged metrics. A worker that uvicorn is starting right now may have created its
+        file without its first value (``struct.error`` while reading it), and a dead
+        worker's gauge files may vanish between listing and reading (``OSError``): such a
+        scrape is retried a few times (50 ms apart) instead of answering 500."""
+        import struct
+
+        for attempt in range(4):
+            reap_dead_workers(self._path)
+            try:
+                return list(self._merge.collect())
+            except (struct.error, OSError):
+                if attempt == 3:
+                    raise
+                time.sleep(0.05)
+        return []
 
 
 def scrape_registry(load: Callable[..., list[dict]], retention_seconds: float, max_series: int | None = None
