@@ -596,7 +596,7 @@ def test_offline_audit_and_import_of_a_poisoned_spool(server, tmp_path, run_id):
     assert runs[f"{run_id}-bomb"]["statistics"][0]["steps_incomplete"] == 1  # no limits offline, no blow-up
     out = _auditor("import", str(spool), "--url", server.url, "--batch-size", "5")
     assert out.returncode == 1, out.stdout + out.stderr
-    assert "imported 2 report(s)" in out.stdout and "3 rejected" in out.stdout, out.stdout
+    assert "imported 2 new report(s)" in out.stdout and "3 rejected" in out.stdout, out.stdout
     dead = spool.with_name(spool.name + ".deadletter").read_text().splitlines()
     assert sorted(dead) == sorted(lines[2:])
     assert series_of(server, run_id)["steps_audited"] == 1
