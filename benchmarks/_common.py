@@ -34,14 +34,16 @@ AUDITOR_PYTHON = os.environ.get("AUDITOR_BENCH_PYTHON") or sys.executable
 
 def auditor_python(path: str | None = None) -> str:
     """The interpreter whose ``-m auditor`` is benchmarked (``path`` overrides, then
-    ``AUDITOR_BENCH_PYTHON``, then this interpreter)."""
+    ``AUDITOR_BENCH_PYTHON``, then this interpreter). Run it with ``-P``: without it,
+    ``python -m auditor`` imports the package from the current directory first (a checkout
+    other than that interpreter's)."""
     return path or AUDITOR_PYTHON
 
 
 def auditor_code(python: str) -> str:
     """Where ``python -m auditor`` is imported from and its git commit, e.g.
     ``/work/wt-before@db8a3c6`` (printed with every table: which code was measured)."""
-    src = subprocess.run([python, "-c", "import auditor, os; print(os.path.dirname(os.path.dirname(auditor.__file__)))"],
+    src = subprocess.run([python, "-P", "-c", "import auditor, os; print(os.path.dirname(os.path.dirname(auditor.__file__)))"],
                          capture_output=True, text=True, check=True).stdout.strip()
     rev = subprocess.run(["git", "-C", src, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     dirty = subprocess.run(["git", "-C", src, "status", "--porcelain", "--", "auditor"], capture_output=True, text=True)
@@ -153,7 +155,7 @@ def auditor_service(database_url: str, workers: int = 1, python: str | None = No
     the interpreter of the code under test (:func:`auditor_python`)."""
     port = free_port()
     return Service(
-        [auditor_python(python), "-m", "auditor", "serve", "--port", str(port), "--log-level", "warning",
+        [auditor_python(python), "-P", "-m", "auditor", "serve", "--port", str(port), "--log-level", "warning",
          "--workers", str(workers)],
         f"http://127.0.0.1:{port}", "/healthz",
         env={"AUDITOR_DATABASE_URL": database_url, "AUDITOR_GRACE_SECONDS": "3600", **env},

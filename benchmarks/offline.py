@@ -109,7 +109,7 @@ def run_timed(argv: list[str], env: dict | None = None, timeout: float | None = 
 
 def audit_case(python: str, spool: Path, kind: str, steps: int, timeout: float | None) -> dict:
     with database(kind, "bench_offline") as (url, _):
-        argv = [python, "-m", "auditor", "audit", str(spool), "--format", "json"]
+        argv = [python, "-P", "-m", "auditor", "audit", str(spool), "--format", "json"]
         if kind != "sqlite":  # sqlite: the command's own temporary file, as a user runs it
             argv += ["--database-url", url]
         ld = load()
@@ -133,7 +133,7 @@ def import_case(python: str, spool: Path, kind: str, steps: int, timeout: float 
         pids = tree_pids(svc.proc.pid)
         cpu0 = cpu_seconds(pids)
         ld = load()
-        r = run_timed([python, "-m", "auditor", "import", str(spool), "--url", svc.url, "--batch-size", str(batch)],
+        r = run_timed([python, "-P", "-m", "auditor", "import", str(spool), "--url", svc.url, "--batch-size", str(batch)],
                       timeout=timeout)
         r["server_cpu"] = cpu_seconds(pids) - cpu0
         r["load"] = ld
