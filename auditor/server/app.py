@@ -35,6 +35,7 @@ import hmac
 import json
 import logging
 import time
+import urllib.parse
 from typing import Any, Callable, Literal
 
 import anyio
@@ -44,7 +45,7 @@ from fastapi import FastAPI, Path, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.utils import get_openapi
-from fastapi.responses import FileResponse, HTMLResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from fastapi.staticfiles import StaticFiles
 from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -127,6 +128,21 @@ async def _send_problem(send, response: Response, scope=None) -> None:
     await send({"type": "http.response.body", "body": response.body})
 
 
+#: The cookie a browser signs in with (``POST /login``); its value is the token. Accepted for
+#: GET/HEAD only, so a cross-site form can never write with it (SameSite=Strict besides).
+TOKEN_COOKIE = "auditor_token"
+#: Assets that hold no data: every page (the sign-in page too) loads them without a token.
+OPEN_PREFIXES = ("/static/", "/static-offline-docs/")
+
+
+def _cookie(header: bytes, name: str) -> bytes | None:
+    for part in header.split(b";"):
+        key, _, value = part.strip().partition(b"=")
+        if key == name.encode() and value:
+            return urllib.parse.unquote_to_bytes(value)
+    return None
+
+
 class AuthMiddleware:
     """Bearer-token check before the route runs, so no body is read for a caller without
     the token. With ``token`` set, every request but the public paths needs
@@ -147,14 +163,22 @@ class AuthMiddleware:
         if scope["type"] != "http" or (self._write is None and self._read is None):
             return await self.app(scope, receive, send)
         path = scope["path"]
-        if path in ALWAYS_OPEN or (self.settings.public_endpoints and path in PUBLIC_PATHS):
+        if (path in ALWAYS_OPEN or path == "/login" or path.startswith(OPEN_PREFIXES)
+                or (self.settings.public_endpoints and path in PUBLIC_PATHS)):
             return await self.app(scope, receive, send)
-        given = b""
+        given, cookie, accept = b"", None, b""
         for name, value in scope["headers"]:
             if name == b"authorization":
                 given = value
-                break
+            elif name == b"cookie":
+                cookie = value
+            elif name == b"accept":
+                accept = value
         reading = scope["method"] in ("GET", "HEAD")
+        if not given and cookie is not None and reading:  # a browser that signed in (POST /login)
+            token = _cookie(cookie, TOKEN_COOKIE)
+            if token:
+                given = b"Bearer " + token
         if self._write is not None and hmac.compare_digest(given, self._write):
             return await self.app(scope, receive, send)
         if self._read is not None and hmac.compare_digest(given, self._read):
@@ -165,6 +189,12 @@ class AuthMiddleware:
                                   "use AUDITOR_TOKEN", path), scope)
         if self._write is None and not reading:
             return await self.app(scope, receive, send)  # only a read token is configured
+        if reading and b"text/html" in accept and not path.startswith("/v1/"):
+            # a person opening a page: the sign-in form, then back here
+            target = path + ("?" + scope["query_string"].decode("latin-1") if scope.get("query_string") else "")
+            root = scope.get("root_path", "")
+            return await _send_problem(send, RedirectResponse(
+                f"{root}/login?next={urllib.parse.quote(target, safe='')}", status_code=303), scope)
         await _send_problem(send, problem(
             401, "unauthorized", "send 'Authorization: Bearer <AUDITOR_TOKEN>'"
             + (" (or AUDITOR_READ_TOKEN for reads)" if self._read is not None else ""), path,
@@ -543,6 +573,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.mount("/static", StaticFiles(directory=web.STATIC_DIR), name="static")
 
+    @app.get("/login", response_class=HTMLResponse, include_in_schema=False)
+    def login_form(request: Request, next: str = "/") -> HTMLResponse:
+        """The sign-in form of the pages when a token protects reads."""
+        return HTMLResponse(web.render_login(next=_local_path(next), root_path=request.scope.get("root_path", "")))
+
+    @app.post("/login", include_in_schema=False)
+    async def login(request: Request) -> Response:
+        """Check the token of the sign-in form (the read token or the service token); keep it in
+        an HttpOnly, SameSite=Strict cookie that GET/HEAD requests of this browser are
+        authorised with, and go back to the page asked for (303). Wrong token: the form again, 401."""
+        form = urllib.parse.parse_qs((await request.body()).decode("utf-8", "replace"))
+        token = (form.get("token") or [""])[0]
+        target = _local_path((form.get("next") or ["/"])[0])
+        root = request.scope.get("root_path", "")
+        known = [t for t in (settings.read_token, settings.token) if t]
+        if known and not any(hmac.compare_digest(token.encode(), t.encode()) for t in known):
+            return HTMLResponse(web.render_login(next=target, error="That is not this auditor's token.",
+                                                 root_path=root), status_code=401)
+        response = RedirectResponse(root + target, status_code=303)
+        if known:
+            response.set_cookie(TOKEN_COOKIE, urllib.parse.quote(token, safe=""), httponly=True, samesite="strict",
+                                secure=request.url.scheme == "https", path=root or "/")
+        return response
+
     @app.get("/runbook", response_class=HTMLResponse, include_in_schema=False)
     def runbook(request: Request) -> HTMLResponse:
         """The alert runbook (docs/alerts.md): where every alert's runbook_url points."""
@@ -674,6 +728,12 @@ def tune_gc() -> None:
     gc.collect()
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+
+
+def _local_path(target: str) -> str:
+    """``target`` if it is a path of this site ("/runs/x?step=3"), else "/" (no open redirect
+    to another host through ``next``)."""
+    return target if target.startswith("/") and not target.startswith("//") and "\\" not in target else "/"
 
 
 def encode_cursor(value: Any) -> str:

@@ -199,6 +199,13 @@ def _anchor(heading_html: str) -> str:
     return re.sub(r"[^a-z0-9]", "", re.sub(r"<[^>]+>", "", heading_html).lower())
 
 
+def render_login(*, next: str = "/", error: str | None = None, root_path: str = "") -> str:
+    """The sign-in form (``GET /login``): the token is posted to ``/login``, which keeps it in a
+    cookie and returns to ``next``."""
+    return environment().get_template("login.html").render(next=next, error=error, root=root_path,
+                                                           assets=_assets(False))
+
+
 def render_runs_page(runs: Sequence[Mapping[str, Any]], *, next_cursor: str | None = None,
                      status: str | None = None, root_path: str = "") -> str:
     """The run list (``GET /``): one row per run of ``GET /v1/runs``, linked to its page."""

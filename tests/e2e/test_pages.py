@@ -15,6 +15,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 from rich.console import Console
 
@@ -162,3 +163,46 @@ def test_report_html_is_a_self_contained_file(browser, live_server, demo, tmp_pa
     assert drawn(page, "s0-ranks")["markers"] == 4
     assert page.blocked == [] and page.errors == []
     page.context.close()
+
+
+def test_pages_need_the_read_token_and_a_browser_signs_in(browser, backend, tmp_path):
+    """With AUDITOR_TOKEN and AUDITOR_READ_TOKEN set, pages are protected like the JSON reads:
+    a browser opening a run page is sent to the sign-in form (303), a wrong token is refused
+    (401, the form again), the read token brings it back to the page, which renders; scripts
+    get 401 problem details; `auditor report --format html` reads with --token."""
+    from factory import reference_reports
+
+    from auditor.testing.server import ServerProcess
+
+    server = ServerProcess(f"sqlite:///{tmp_path / 'auth.db'}", tmp_path / "server.log",
+                           AUDITOR_TOKEN="write-secret", AUDITOR_READ_TOKEN="read-secret").start()
+    try:
+        run = "auth-run"
+        r = httpx.post(f"{server.url}/v1/reports", json={"reports": reference_reports(run, buggy=True)},
+                       headers={"Authorization": "Bearer write-secret"})
+        assert r.status_code == 200, r.text
+        assert httpx.get(f"{server.url}/runs/{run}").status_code == 401
+        page = open_page(browser, f"{server.url}/runs/{run}?statistic=advantages&step=0")
+        assert "/login?next=" in page.url
+        page.fill("input[name=token]", "not-the-token")
+        page.click("button[type=submit]")
+        assert "not this auditor's token" in page.inner_text("#login-error")
+        page.fill("input[name=token]", "read-secret")
+        page.click("button[type=submit]")
+        wait_ready(page)
+        assert page.url == f"{server.url}/runs/{run}?statistic=advantages&step=0"
+        assert page.inner_text("#run-verdict") == "INCONSISTENT"
+        assert drawn(page, "s0-ranks")["markers"] == 4
+        # the one error the console saw is the 401 of the wrong token's form
+        assert page.blocked == [] and page.errors == [
+            "Failed to load resource: the server responded with a status of 401 (Unauthorized)"]
+        page.context.close()
+        out = subprocess.run([sys.executable, "-m", "auditor", "report", run, "--url", server.url, "--format", "html",
+                              "--token", "read-secret"], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "INCONSISTENT" in out.stdout, out.stderr
+        out = subprocess.run([sys.executable, "-m", "auditor", "report", run, "--url", server.url, "--format", "html"],
+                             capture_output=True, text=True, timeout=120,
+                             env={k: v for k, v in os.environ.items() if not k.startswith("AUDITOR_")})
+        assert out.returncode == 2 and "401" in out.stderr, out.stderr
+    finally:
+        server.stop()
