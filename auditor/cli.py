@@ -373,7 +373,8 @@ def _report_html(run_id: str, url: str | None, database_url: str | None, bad_ste
 @app.command()
 @_errors_as_exit_2
 def check(
-    run_id: str,
+    run_id: Optional[str] = typer.Argument(None, help="The run to check; default $AUDITOR_RUN_ID, or the only run "
+                                                      "there is."),
     url: Optional[str] = ServiceUrl,
     database_url: Optional[str] = DatabaseUrl,
     min_steps: int = typer.Option(0, min=0, help="Also fail when fewer steps than this were audited "
@@ -382,7 +383,9 @@ def check(
 ) -> None:
     """For the CI job of a training framework: exit 1 if any audited step of RUN_ID is
     inconsistent (or fewer than --min-steps were audited), 0 otherwise, 2 if the run, the
-    service or the database cannot be found."""
+    service or the database cannot be found — or if no RUN_ID is given and it cannot tell
+    which run is meant (several runs and no $AUDITOR_RUN_ID)."""
+    run_id = _which_run(run_id, url, database_url, token)
     data = _fetch_report(run_id, url, database_url, bad_steps=0, token=token)
     bad = [s for s in data["statistics"] if s["steps_inconsistent"] or s.get("steps_audit_error")]
     audited = sum(s["steps_audited"] for s in data["statistics"])
@@ -397,6 +400,28 @@ def check(
         typer.echo(f"{run_id}: only {audited} step(s) audited, fewer than --min-steps {min_steps}")
         raise typer.Exit(1)
     typer.echo(f"{run_id}: consistent ({audited} step(s) audited)")
+
+
+def _which_run(run_id: str | None, url: str | None, database_url: str | None, token: str | None = None) -> str:
+    """RUN_ID, else ``$AUDITOR_RUN_ID``, else the only run stored. Raises
+    :class:`UsageError` (exit 2) naming the candidates when that is ambiguous, and for
+    ``none``/empty, which no trainer hook uses as a run id."""
+    from auditor.trainer.settings import usable_run_id
+
+    given = run_id if run_id is not None else os.environ.get("AUDITOR_RUN_ID")
+    if given is not None:
+        if usable_run_id(given) is None:
+            raise UsageError(f"{given!r} is not a run id (torchrun's placeholder when no --rdzv-id is set); the "
+                             "trainer logged its run id on rank 0 ('auditor: run id ...'): pass that")
+        return given
+    with ReportSource(url, database_url, token) as source:
+        runs = source.runs()
+    if len(runs) == 1:
+        return runs[0]["run_id"]
+    if not runs:
+        raise UsageError("no runs stored yet: nothing to check")
+    names = ", ".join(r["run_id"] for r in runs[:5]) + (f", … ({len(runs)} runs)" if len(runs) > 5 else "")
+    raise UsageError(f"which run? {len(runs)} runs are stored ({names}); pass RUN_ID or set AUDITOR_RUN_ID")
 
 
 runs_app = typer.Typer(help="Runs: list them (no subcommand) or delete one.", invoke_without_command=True)

@@ -32,15 +32,22 @@ def render_report(report: dict[str, Any], console: Console, *, max_steps: int = 
     """
     verdict = "[green]consistent[/]" if report.get("consistent") else "[red bold]INCONSISTENT[/]"
     sizes = report.get("sizes") or {}
+    extra = (f"  order={report['order']}" if report.get("order") else "") + (
+        "  topology unknown (judged against group_ranks)" if report.get("topology") == "unknown" else "")
     console.print(
         f"[bold]run {report.get('run_id')}[/]: {verdict}  world_size={report.get('world_size')}  "
-        + " ".join(f"{k}={v}" for k, v in sizes.items())
+        + " ".join(f"{k}={v}" for k, v in sizes.items()) + extra
     )
     statistics = report.get("statistics") or []
     if not statistics:
         console.print("  no audited statistics yet")
         return
     console.print(_summary_table(statistics))
+    for stat in statistics:
+        progress = stat.get("progress")
+        if stat.get("ranks_behind") and progress:  # hang localisation: who reached which step
+            console.print(f"[yellow bold]{stat['statistic']}: {stat['ranks_behind']} rank(s) behind[/] — "
+                          f"{progress.get('summary')}", highlight=False)
     for stat in statistics:
         bad = stat.get("bad_steps") or []
         for step in bad[:max_steps]:

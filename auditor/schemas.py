@@ -13,10 +13,10 @@ from typing import Annotated, Literal
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
+from auditor import layout
 from auditor.core.stats import UNIT_ROUNDOFF
-from auditor.core.types import DIMS, Spec
-
-Dim = Literal["dp", "cp", "tp", "pp"]
+from auditor.core.types import DIMS, EXPERT_DIMS, Spec
+Dim = Literal["dp", "cp", "tp", "pp", "edp", "ep", "etp"]
 Kind = Literal["moments", "sum", "norm"]
 DType = Literal["float64", "float32", "tf32", "float16", "bfloat16"]
 assert set(DType.__args__) == set(UNIT_ROUNDOFF)  # type: ignore[attr-defined]
@@ -37,27 +37,56 @@ class _Strict(BaseModel):
 
 
 class Coords(_Strict):
-    """A rank's coordinate along each parallel dimension (0-based)."""
+    """A rank's coordinate along each parallel dimension (0-based): dense dp, cp, tp, pp
+    and, with expert parallelism, expert edp, ep, etp (DESIGN.md §3.1)."""
 
     dp: NonNegInt = 0
     cp: NonNegInt = 0
     tp: NonNegInt = 0
     pp: NonNegInt = 0
+    edp: NonNegInt = 0
+    ep: NonNegInt = 0
+    etp: NonNegInt = 0
 
     def as_tuple(self) -> tuple[int, int, int, int]:
         return (self.dp, self.cp, self.tp, self.pp)
 
+    def expert_tuple(self) -> tuple[int, int, int, int]:
+        return (self.edp, self.ep, self.etp, self.pp)
+
 
 class Sizes(_Strict):
-    """Size of each parallel dimension; world_size is their product."""
+    """Size of each parallel dimension; world_size is the product dp·cp·tp·pp, and also
+    edp·ep·etp·pp when any expert size is given (the expert factorisation, DESIGN.md §3.1)."""
 
     dp: PosInt = 1
     cp: PosInt = 1
     tp: PosInt = 1
     pp: PosInt = 1
+    edp: PosInt | None = None
+    ep: PosInt | None = None
+    etp: PosInt | None = None
 
     def as_tuple(self) -> tuple[int, int, int, int]:
         return (self.dp, self.cp, self.tp, self.pp)
+
+    @property
+    def has_expert(self) -> bool:
+        return self.edp is not None or self.ep is not None or self.etp is not None
+
+    def expert_tuple(self) -> tuple[int, int, int, int] | None:
+        """(edp, ep, etp, pp), or None without the expert factorisation."""
+        if not self.has_expert:
+            return None
+        return (self.edp or 1, self.ep or 1, self.etp or 1, self.pp)
+
+    def as_dict(self) -> dict[str, int]:
+        """Every given size (expert ones only with the expert factorisation)."""
+        out = {"dp": self.dp, "cp": self.cp, "tp": self.tp, "pp": self.pp}
+        e = self.expert_tuple()
+        if e is not None:
+            out.update(edp=e[0], ep=e[1], etp=e[2])
+        return out
 
     @property
     def world_size(self) -> int:
@@ -77,18 +106,49 @@ class StatisticSpec(_Strict):
     replicas: list[Dim] = Field(default_factory=lambda: ["tp"], max_length=len(DIMS))
     variance: Literal["sample", "population"] = "sample"
     over_microbatches: bool = False
+    #: Where the statistic lives (DESIGN.md §3.1): dim → coordinates; "first"/"last" are
+    #: stored as [0]/[-1]; negative coordinates count from the end. {} = every rank.
+    placement: dict[Dim, Literal["first", "last"] | Annotated[list[Annotated[int, Field(ge=-(1 << 20), le=1 << 20)]],
+                                                             Field(min_length=1, max_length=1 << 12)]] = Field(
+        default_factory=dict)
+    #: ``norm``: dims along which ``replicated_sum_sq`` is identical; None = the whole group (v1).
+    replicated_along: list[Dim] | None = None
 
     @model_validator(mode="after")
     def _unique_dims(self) -> "StatisticSpec":
-        for name in ("reduce_over", "replicas"):
-            dims = getattr(self, name)
+        for name in ("reduce_over", "replicas", "replicated_along"):
+            dims = getattr(self, name) or []
             if len(set(dims)) != len(dims):
                 raise ValueError(f"{name} lists a dimension twice: {dims}")
+        if self.placement:
+            norm = {}
+            for d, sel in self.placement.items():
+                sel = [0] if sel == "first" else [-1] if sel == "last" else sorted(set(sel))
+                norm[d] = sel
+            object.__setattr__(self, "placement", norm)
+        named = set(self.reduce_over) | set(self.replicas) | set(self.replicated_along or ()) | set(self.placement)
+        if named & layout.EXPERT_ONLY and named & layout.DENSE_ONLY:
+            raise ValueError(
+                f"the spec mixes dense dims {sorted(named & layout.DENSE_ONLY)} with expert dims "
+                f"{sorted(named & layout.EXPERT_ONLY)}: a statistic is judged in one factorisation, "
+                "(dp, cp, tp, pp) or (edp, ep, etp, pp)")
         return self
 
     def to_core(self) -> Spec:
         """The audit engine's :class:`auditor.core.types.Spec` (dims in the order given)."""
-        return Spec(tuple(self.reduce_over), tuple(self.replicas), self.variance, self.over_microbatches)
+        return Spec(tuple(self.reduce_over), tuple(self.replicas), self.variance, self.over_microbatches,
+                    tuple((d, tuple(sel)) for d, sel in self.placement.items()),
+                    None if self.replicated_along is None else tuple(self.replicated_along))
+
+    @property
+    def factorisation(self) -> str:
+        """``"expert"`` when the spec names edp, ep or etp, else ``"dense"``."""
+        return self.to_core().factorisation
+
+    def placed(self, sizes: dict[str, int]) -> dict[str, list[int]]:
+        """``placement`` with negative coordinates resolved against ``sizes``; raises
+        ValueError naming the dim for a coordinate outside [-size, size)."""
+        return self.to_core().placed(sizes)
 
 
 DEFAULT_SPECS: dict[str, StatisticSpec] = {
@@ -162,6 +222,8 @@ def _check_cauchy_schwarz(where: str, count, total, total_sq, dtype: str) -> Non
         )
 
 
+_REQUIRED_APPLIED: dict[str, str] = {"sum": "sum", "norm": "sum_sq"}
+
 _REQUIRED_LOCAL: dict[str, tuple[str, ...]] = {
     "moments": ("count", "sum", "sum_sq"),
     "sum": ("sum",),
@@ -192,13 +254,21 @@ class Report(_Strict):
     dtype: DType = "float32"
     kind: Kind = "moments"
     spec: StatisticSpec | None = None
+    #: Megatron's rank order, fastest-varying dim first (DESIGN.md §3.1); optional.
+    order: Annotated[str, Field(max_length=32)] | None = None
+    #: "unknown": the trainer does not know its coordinates; judged from group_ranks alone.
+    topology: Literal["known", "unknown"] = "known"
 
     @model_validator(mode="after")
     def _topology(self) -> "Report":
         # Runs once per report on the ingest hot path: plain attribute tests first, the
         # messages only when a rule fails.
         s, c = self.sizes, self.coords
-        if s.dp * s.cp * s.tp * s.pp != self.world_size:
+        if self.topology == "unknown" or s.has_expert or self.order is not None or self.spec is not None:
+            self._extended_rules()
+        if self.topology == "unknown":
+            pass
+        elif s.dp * s.cp * s.tp * s.pp != self.world_size:
             raise ValueError(
                 f"world_size ({self.world_size}) must equal the product of sizes "
                 f"dp*cp*tp*pp = {self.sizes.world_size}"
@@ -227,10 +297,61 @@ class Report(_Strict):
                 raise ValueError(f"group_ranks holds ranks >= world_size ({self.world_size}): {bad[:5]}")
         _check_cauchy_schwarz("local", self.local.count, self.local.sum, self.local.sum_sq, self.dtype)
         if self.applied is not None:
+            a = self.applied
+            if self.kind == "moments":
+                if a.mean is None and (a.count is None or a.sum is None or a.sum_sq is None):
+                    raise ValueError("applied must carry count, sum and sum_sq (what the all-reduce returned) or "
+                                     "mean (and var, what the rank whitened with) for kind 'moments': nothing "
+                                     "else can be checked")
+            elif getattr(a, _REQUIRED_APPLIED[self.kind]) is None:
+                raise ValueError(f"applied.{_REQUIRED_APPLIED[self.kind]} required for kind '{self.kind}' "
+                                 "(use applied: null when the rank skipped the collective)")
             _check_cauchy_schwarz(
                 "applied", self.applied.count, self.applied.sum, self.applied.sum_sq, self.dtype
             )
         return self
+
+    def _extended_rules(self) -> None:
+        """The DESIGN.md §3.1 rules: unknown topology, expert sizes, order, spec dims."""
+        s, c = self.sizes, self.coords
+        if self.topology == "unknown":
+            if s != Sizes() or c != Coords() or self.order is not None:
+                raise ValueError("topology 'unknown': omit coords, sizes and order (they would be a guess)")
+            if self.group_ranks is None:
+                raise ValueError("group_ranks required when topology is 'unknown': the service judges each rank "
+                                 "against the group it reduced over")
+            if self.rank not in self.group_ranks:
+                raise ValueError(f"group_ranks must include the reporting rank ({self.rank})")
+            if self.spec is not None and self.spec.placement:
+                raise ValueError("spec.placement needs a known topology")
+            return
+        e = s.expert_tuple()
+        if e is not None:
+            if e[0] * e[1] * e[2] * e[3] != self.world_size:
+                raise ValueError(f"world_size ({self.world_size}) must equal the product of expert sizes "
+                                 f"edp*ep*etp*pp = {e[0] * e[1] * e[2] * e[3]}")
+            for dim, ci, si in zip(EXPERT_DIMS, c.expert_tuple(), e):
+                if ci >= si:
+                    raise ValueError(f"coords.{dim} ({ci}) must be < sizes.{dim} ({si})")
+        elif c.edp or c.ep or c.etp:
+            raise ValueError("coords carry expert dims but sizes do not: give sizes.edp, sizes.ep, sizes.etp")
+        if self.order is not None:
+            try:
+                tokens = layout.parse_order(self.order)
+            except ValueError as exc:
+                raise ValueError(f"order: {exc}") from None
+            if e is not None and e[1] > 1 and "ep" not in tokens:
+                raise ValueError(f"order {self.order!r} lacks ep but sizes.ep = {e[1]}")
+            want = layout.coords_of(self.rank, s.as_dict(), self.order)
+            for dim, ci in want.items():
+                if getattr(c, dim) != ci:
+                    raise ValueError(f"coords.{dim} ({getattr(c, dim)}) is not what order {self.order!r} gives rank "
+                                     f"{self.rank} ({ci})")
+        spec = self.spec
+        if spec is not None:
+            if spec.factorisation == "expert" and e is None:
+                raise ValueError("spec names expert dims (edp, ep, etp) but sizes carry no expert factorisation")
+            spec.placed(s.as_dict())  # raises for a coordinate outside its dim
 
     @property
     def effective_spec(self) -> StatisticSpec:
@@ -329,16 +450,31 @@ class RunRegistration(_Strict):
     """Body of ``PUT /v1/runs/{run_id}``: fixes the topology (and optionally statistic specs)."""
 
     world_size: PosInt
-    sizes: Sizes
+    sizes: Sizes = Field(default_factory=Sizes)
+    order: Annotated[str, Field(max_length=32)] | None = None
+    topology: Literal["known", "unknown"] = "known"
     statistics: dict[StatisticName, StatisticRegistration] = Field(default_factory=dict)
 
     @model_validator(mode="after")
     def _world(self) -> "RunRegistration":
+        if self.topology == "unknown":
+            if self.sizes != Sizes() or self.order is not None:
+                raise ValueError("topology 'unknown': omit sizes and order")
+            return self
         if self.sizes.world_size != self.world_size:
             raise ValueError(
                 f"world_size ({self.world_size}) must equal the product of sizes "
                 f"dp*cp*tp*pp = {self.sizes.world_size}"
             )
+        e = self.sizes.expert_tuple()
+        if e is not None and e[0] * e[1] * e[2] * e[3] != self.world_size:
+            raise ValueError(f"world_size ({self.world_size}) must equal the product of expert sizes "
+                             f"edp*ep*etp*pp = {e[0] * e[1] * e[2] * e[3]}")
+        if self.order is not None:
+            try:
+                layout.parse_order(self.order)
+            except ValueError as exc:
+                raise ValueError(f"order: {exc}") from None
         return self
 
 

@@ -17,6 +17,7 @@ threads, workers and replicas, and the lock order, are the store's
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
@@ -26,10 +27,12 @@ from typing import Any, Iterator, Sequence
 
 import sqlalchemy as sa
 
-from auditor import core
-from auditor.core import DIMS, REPLACEABLE, RankReport
-from auditor.db.store import COLUMNS, COMPARED, Arrival, SeriesRow, Store, json_safe, rank_report, report_row
-from auditor.schemas import DEFAULT_SPECS, Report, RunRegistration, StatisticSpec, expected_reports
+from auditor import core, layout
+from auditor.core import DIMS, EXPERT_DIMS, REPLACEABLE, RankReport
+from auditor.db.store import (
+    COLUMNS, COMPARED, Arrival, RunRow, SeriesRow, Store, json_safe, rank_report, report_row,
+)
+from auditor.schemas import DEFAULT_SPECS, Report, RunRegistration, StatisticSpec
 
 log = logging.getLogger("auditor.service")
 
@@ -37,8 +40,8 @@ log = logging.getLogger("auditor.service")
 class ConflictError(Exception):
     """A batch contradicts what is stored (HTTP 409); nothing of the batch was stored.
 
-    ``error`` is ``conflicting_report``, ``coordinate_conflict``, ``topology_conflict`` or
-    ``spec_conflict``; ``conflicts`` lists ``{"index": i, "fields": [wire names], ...}`` per
+    ``error`` is ``conflicting_report``, ``coordinate_conflict``, ``topology_conflict``,
+    ``spec_conflict`` or ``placement_conflict``; ``conflicts`` lists ``{"index": i, "fields": [wire names], ...}`` per
     offending report.
     """
 
@@ -60,10 +63,76 @@ class LimitError(Exception):
         self.field, self.loc, self.message = field, loc, message
 
 
+#: Newest steps of a series read to tell which ranks reached which step (hang localisation).
+PROGRESS_WINDOW = 16
+
+
 @dataclass(frozen=True, slots=True)
 class Topology:
+    """A run's topology (DESIGN.md §3.1): dense sizes (dp, cp, tp, pp), the expert
+    factorisation (edp, ep, etp, pp) if any, the rank order if known, known/unknown."""
+
     world_size: int
     sizes: tuple[int, int, int, int]
+    expert: tuple[int, int, int, int] | None = None
+    order: str | None = None
+    known: bool = True
+
+    @classmethod
+    def of(cls, world_size: int, sizes, order: str | None, topology: str) -> "Topology":
+        """From wire fields (a :class:`auditor.schemas.Sizes`); an unknown topology keeps the world size only."""
+        if topology == "unknown":
+            return cls(world_size, (1, 1, 1, 1), None, None, False)
+        return cls(world_size, sizes.as_tuple(), sizes.expert_tuple(), order, True)
+
+    @classmethod
+    def of_row(cls, r: RunRow) -> "Topology":
+        return cls(r.world_size, r.sizes, r.expert, r.order, r.known)
+
+    @classmethod
+    def of_summary(cls, run: dict) -> "Topology":
+        """From a run summary (:meth:`Service.get_run`)."""
+        sz = run["sizes"]
+        expert = (sz["edp"], sz["ep"], sz["etp"], sz["pp"]) if "edp" in sz else None
+        return cls(run["world_size"], tuple(sz[d] for d in DIMS), expert, run.get("order"),
+                   run.get("topology") != "unknown")
+
+    def describe(self) -> dict:
+        """``world_size``, ``sizes`` (expert ones too) and, when set, ``order`` / ``topology: unknown``."""
+        out: dict = {"world_size": self.world_size, "sizes": dict(zip(DIMS, self.sizes))}
+        if self.expert is not None:
+            out["sizes"].update(zip(("edp", "ep", "etp"), self.expert[:3]))
+        if self.order:
+            out["order"] = self.order
+        if not self.known:
+            out["topology"] = "unknown"
+        return out
+
+    def dims_sizes(self, spec: core.Spec) -> tuple[tuple[str, ...], tuple[int, int, int, int]]:
+        """The statistic's factorisation: its dims and their sizes."""
+        if spec.factorisation == "expert" and self.expert is not None:
+            return EXPERT_DIMS, self.expert
+        return DIMS, self.sizes
+
+    def placed(self, spec: core.Spec) -> dict[str, list[int]]:
+        """The placed coordinates per dim (``{}``: every rank)."""
+        if not spec.placement or not self.known:
+            return {}
+        dims, sizes = self.dims_sizes(spec)
+        return spec.placed(dict(zip(dims, sizes)))
+
+    def placed_count(self, spec: core.Spec) -> int:
+        """Ranks that hold the statistic (the world unless ``spec.placement``)."""
+        placed = self.placed(spec)
+        if not placed:
+            return self.world_size
+        dims, sizes = self.dims_sizes(spec)
+        return core.placed_count(self.world_size, sizes, dims, placed)
+
+    def audit_args(self) -> dict:
+        """The topology keywords of :func:`auditor.core.audit_step`."""
+        return {"expert_sizes": self.expert, "order": self.order, "topology": "known" if self.known else "unknown",
+                "world_size": self.world_size}
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +182,7 @@ class Service:
         """``PUT /v1/runs/{run_id}``: fix the topology and statistic specs. Idempotent;
         raises :class:`ConflictError` if it contradicts what is stored."""
         now = time.time() if now is None else now
-        topo = Topology(reg.world_size, reg.sizes.as_tuple())
+        topo = Topology.of(reg.world_size, reg.sizes, reg.order, reg.topology)
         with self.store.write() as conn:
             self._ensure_run(conn, run_id, topo, now, index=None)
             for name, st in reg.statistics.items():
@@ -123,15 +192,15 @@ class Service:
     def _ensure_run(self, conn: sa.Connection, run_id: str, topo: Topology, now: float, index: int | None) -> None:
         stored = self._topology.get(run_id)
         if stored is None:
-            row = self.store.ensure_run(conn, run_id, topo.world_size, topo.sizes, now)
-            stored = Topology(row.world_size, row.sizes)
+            row = self.store.ensure_run(conn, run_id, topo.world_size, topo.sizes, now, topo.expert, topo.order,
+                                        topo.known)
+            stored = Topology.of_row(row)
         if stored != topo:
+            field_ = "topology" if stored.known != topo.known else "order" if stored.order != topo.order else "sizes"
             raise ConflictError(
                 "topology_conflict",
-                f"run {run_id!r} was registered with world_size={stored.world_size} "
-                f"sizes={dict(zip(DIMS, stored.sizes))}; this report says world_size={topo.world_size} "
-                f"sizes={dict(zip(DIMS, topo.sizes))}",
-                [{"index": index, "field": "sizes"}] if index is not None else [],
+                f"run {run_id!r} was registered with {stored.describe()}; this report says {topo.describe()}",
+                [{"index": index, "field": field_}] if index is not None else [],
             )
 
     def _ensure_series(
@@ -198,11 +267,12 @@ class Service:
             last = None
             for i, r in enumerate(batch):
                 sz = r.sizes
-                same = (r.run_id, r.statistic, r.kind, r.world_size, sz.dp, sz.cp, sz.tp, sz.pp)
+                same = (r.run_id, r.statistic, r.kind, r.world_size, sz.dp, sz.cp, sz.tp, sz.pp, sz.edp, sz.ep,
+                        sz.etp, r.order, r.topology)
                 if same == last and r.spec is None:
                     continue  # same run, topology and series as the report before: checked
                 last = same
-                topo = Topology(r.world_size, sz.as_tuple())
+                topo = Topology.of(r.world_size, sz, r.order, r.topology)
                 if (self._topology.get(r.run_id) or new_topology.get(r.run_id)) != topo:
                     self._ensure_run(conn, r.run_id, topo, now, i)  # creates it, or raises
                     new_topology[r.run_id] = topo
@@ -217,8 +287,17 @@ class Service:
             rows: dict[tuple, tuple] = {}
             index_of: dict[tuple, int] = {}
             expected: dict[tuple[int, int], int] = {}
+            placed_of: dict[int, tuple[int, dict | None]] = {}
             for i, r in enumerate(batch):
                 info = series_of[(r.run_id, r.statistic)]
+                pl = placed_of.get(info.id)
+                if pl is None:
+                    topo = self._topology.get(r.run_id) or new_topology[r.run_id]
+                    allowed = topo.placed(info.engine_spec)
+                    pl = placed_of[info.id] = (topo.placed_count(info.engine_spec),
+                                               {d: set(v) for d, v in allowed.items()} or None)
+                if pl[1] is not None:
+                    _check_placed(i, r, pl[1])
                 row = report_row(r, info.id, now)
                 key = row[:4]
                 prev = rows.get(key)
@@ -230,9 +309,9 @@ class Service:
                 rows[key] = row
                 index_of[key] = i
                 sk = key[:2]
-                n = expected_reports(r)
+                n = pl[0] * r.num_microbatches  # placed ranks × microbatches (expected_reports without placement)
                 if expected.setdefault(sk, n) != n:
-                    raise _microbatch_conflict(i, r, expected[sk] // r.world_size)
+                    raise _microbatch_conflict(i, r, expected[sk] // pl[0])
 
             # Key order: concurrent transactions take index locks in one order (no deadlocks).
             ordered = [rows[k] for k in sorted(rows)]
@@ -262,7 +341,7 @@ class Service:
                 for p in progress:
                     if p.expected != expected[(p.series_id, p.step)]:
                         i = next(index_of[k] for k in sorted(rows) if k[:2] == (p.series_id, p.step))
-                        raise _microbatch_conflict(i, batch[i], p.expected // batch[i].world_size)
+                        raise _microbatch_conflict(i, batch[i], p.expected // placed_of[p.series_id][0])
                 by_id = {info.id: info for info in series_of.values()}
                 by_step: dict[tuple[int, int], list[tuple]] | None = None
                 for p in sorted(progress, key=lambda p: (p.series_id, p.step)):
@@ -300,8 +379,8 @@ class Service:
         try:
             v = core.audit_step(
                 rank_reports, topo.sizes, info.engine_spec,
-                num_microbatches=max(1, expected // topo.world_size),
-                history=self.store.history(conn, info.id, step), kind=info.kind,
+                num_microbatches=max(1, expected // topo.placed_count(info.engine_spec)),
+                history=self.store.history(conn, info.id, step), kind=info.kind, **topo.audit_args(),
             )
             json.dumps(json_safe([[[list(g.key), g.microbatch, g.count, g.mean, g.var] for g in v.groups],
                                   [f.evidence for f in v.faults]]), allow_nan=False)  # storable
@@ -323,9 +402,44 @@ class Service:
         if rank_reports is None:
             rank_reports = store.step_reports(conn, info.id, p.step)
         v = self._judge(conn, info, topo, p.step, p.expected, rank_reports)
+        progress = None
+        if any(f.kind == core.FaultKind.MISSING_REPORT for f in v.faults):
+            progress = self._progress(conn, info, topo)
         done = store.record_verdict(conn, info.id, p.step, v, now, complete=len(rank_reports) >= p.expected,
-                                    previous=previous)
+                                    previous=previous, progress=progress)
         return v.verdict if done else None
+
+    def _progress(self, conn: sa.Connection, info: SeriesInfo, topo: Topology) -> dict:
+        """Hang localisation: which ranks reached which step, from the newest
+        :data:`PROGRESS_WINDOW` steps of the series. The ranks expected are the placed ranks
+        (the world; by rank number when the placement and order allow), plus any that
+        reported. ``{"newest_step", "ranks_behind", "at": [{"step", "ranks"}], "summary"}``,
+        e.g. summary "ranks 0,2-3 stopped at step 39; rank 1 at 41"; a rank that sent nothing
+        in the window sent nothing "since before" its first step."""
+        lo, last = self.store.rank_progress(conn, info.id, PROGRESS_WINDOW)
+        expected: set[int] = set(last)
+        placed = topo.placed(info.engine_spec)
+        if placed and topo.order:
+            dims, sizes = topo.dims_sizes(info.engine_spec)
+            fact = "expert" if dims == EXPERT_DIMS else "dense"
+            sz = dict(zip(dims, sizes))
+            axes = [placed[d] if d in placed else range(n) for d, n in zip(dims, sizes)]
+            expected |= {layout.rank_of(dict(zip(dims, c)), sz, topo.order, fact) for c in itertools.product(*axes)}
+        elif not placed:
+            expected |= set(range(topo.world_size))
+        newest = max(last.values(), default=lo)
+        by_step: dict[int | None, list[int]] = defaultdict(list)
+        for r in expected:
+            by_step[last.get(r)].append(r)
+        at, parts = [], []
+        for s, rs in sorted(by_step.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
+            ranks = core.compress_ranks(rs)
+            at.append({"step": s, "ranks": ranks})
+            who = f"rank{'s' if len(rs) > 1 else ''} {ranks}"
+            parts.append(f"{who} sent nothing since before step {lo}" if s is None else
+                         f"{who} stopped at step {s}" if s < newest else f"{who} at {s}")
+        behind = sum(len(rs) for s, rs in by_step.items() if s is None or s < newest)
+        return {"newest_step": newest, "ranks_behind": behind, "at": at, "summary": "; ".join(parts)}
 
     def sweep(self, grace_seconds: float, now: float | None = None, limit: int = 1000,
               max_seconds: float | None = None) -> int:
@@ -354,7 +468,7 @@ class Service:
                 if found is None:
                     continue  # deleted meanwhile
                 srow, run = found
-                topo = Topology(run.world_size, run.sizes)
+                topo = Topology.of_row(run)
                 if self._audit(conn, SeriesInfo.of(srow), topo, Arrival(series_id, step, 0, expected, previous),
                                now, previous=previous) is not None:
                     audited += 1
@@ -465,7 +579,8 @@ class Service:
         :class:`NotFound`.
         """
         run = self.get_run(run_id)
-        out = {k: run[k] for k in ("run_id", "world_size", "sizes", "created_at", "last_activity")}
+        out = {k: run[k] for k in ("run_id", "world_size", "sizes", "order", "topology", "created_at",
+                                   "last_activity") if k in run}
         out["statistics"] = []
         with self.store.read() as conn:
             for s in self.store.series_rows(conn, run_id, statistic, ordered=True):
@@ -483,7 +598,7 @@ class Service:
         pending = store.pending_steps(conn, s["id"])
         bad_rows = store.bad_steps(conn, s["id"], limit)
         info = SeriesInfo.of(SeriesRow(s["id"], s["run_id"], s["statistic"], s["kind"], s["spec"]))
-        topo = Topology(run["world_size"], tuple(run["sizes"][d] for d in DIMS))
+        topo = Topology.of_summary(run)
         audited = sum(s[f"steps_{v}"] for v in core.VERDICTS)
         return {
             "statistic": s["statistic"], "kind": s["kind"], "spec": s["spec"],
@@ -501,6 +616,7 @@ class Service:
             "worst_cp_disagreement_step": s["worst_cp_disagreement_step"],
             "worst_applied_error_sigma": s["worst_applied_error_sigma"],
             "worst_applied_error_step": s["worst_applied_error_step"],
+            "ranks_behind": s["ranks_behind"], "progress": s["progress"],
             "bad_steps": [self._step_detail(conn, info, topo, row) for row in bad_rows],
             "bad_steps_shown": len(bad_rows),
             "bad_steps_total": s["steps_inconsistent"] + s["steps_incomplete"] + s["steps_audit_error"],
@@ -511,7 +627,8 @@ class Service:
         try:  # the per-rank table is recomputed; a read must never fail on odd data
             ranks = [_row_json(r) for r in core.audit_step(
                 self.store.step_reports(conn, info.id, row["step"]), topo.sizes, info.engine_spec,
-                num_microbatches=max(1, row["expected"] // topo.world_size), kind=info.kind,
+                num_microbatches=max(1, row["expected"] // topo.placed_count(info.engine_spec)), kind=info.kind,
+                **topo.audit_args(),
             ).rows]
         except Exception:  # noqa: BLE001 - the stored verdict (audit_error) already says it
             log.exception("per-rank table of %s/%s step %d", info.run_id, info.statistic, row["step"])
@@ -572,7 +689,7 @@ class Service:
             if row is None:
                 raise NotFound(f"{run_id}/{statistic}/{step}")
             info = SeriesInfo.of(SeriesRow(s["id"], run_id, statistic, s["kind"], s["spec"]))
-            topo = Topology(run["world_size"], tuple(run["sizes"][d] for d in DIMS))
+            topo = Topology.of_summary(run)
             return {"run_id": run_id, "statistic": statistic, **self._step_detail(conn, info, topo, row)}
 
     def metric_series(self, since: float, max_series: int | None = None) -> list[dict]:
@@ -634,9 +751,10 @@ def _run_summary(r, srows) -> dict:
     audited = sum(s[f"steps_{v}"] for s in srows for v in core.VERDICTS)
     bad = sum(s["steps_inconsistent"] for s in srows)
     errors = sum(s["steps_audit_error"] for s in srows)
+    expert = (r["edp"], r["ep"], r["etp"], r["pp"]) if r["edp"] is not None else None
+    topo = Topology(r["world_size"], tuple(r[d] for d in DIMS), expert, r["rank_order"], r["topology"] != "unknown")
     return {
-        "run_id": r["run_id"], "world_size": r["world_size"],
-        "sizes": {d: r[d] for d in DIMS}, "created_at": r["created_at"],
+        "run_id": r["run_id"], **topo.describe(), "created_at": r["created_at"],
         "last_activity": max((s["updated_at"] for s in srows), default=r["created_at"]),
         "statistics": sorted(s["statistic"] for s in srows),
         "steps_audited": audited, "steps_inconsistent": bad, "steps_audit_error": errors,
@@ -646,6 +764,21 @@ def _run_summary(r, srows) -> dict:
 
 def _row_json(r: core.RankRow) -> dict:
     return json_safe({k: getattr(r, k) for k in r.__dataclass_fields__})
+
+
+def _check_placed(i: int, r: Report, allowed: dict[str, set[int]]) -> None:
+    """409 ``placement_conflict`` for a report from a rank outside the statistic's placement."""
+    for d, ok in allowed.items():
+        c = getattr(r.coords, d)
+        if c not in ok:
+            raise ConflictError(
+                "placement_conflict",
+                f"reports[{i}] comes from rank {r.rank} ({d}={c}), but statistic {r.statistic!r} of run "
+                f"{r.run_id!r} lives only where {d} is in {sorted(ok)} (spec.placement); nothing of this batch "
+                "was stored",
+                [{"index": i, "run_id": r.run_id, "statistic": r.statistic, "step": r.step, "rank": r.rank,
+                  "coords": {d: c}, "field": "coords"}],
+            )
 
 
 def _microbatch_conflict(i: int, r: Report, other: int) -> ConflictError:

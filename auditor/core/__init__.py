@@ -18,6 +18,8 @@ kind                     function                                           find
 ``wrong_group``          :func:`auditor.core.checks.membership`             ``group_ranks`` name another group
 ``replica_overcount``    :func:`auditor.core.diagnose.replica_overcount`    replicas summed
 ``stale_statistic``      :func:`auditor.core.diagnose.stale_statistic`      an earlier step's value
+``reduction_op``         :func:`auditor.core.diagnose.reduction_op`         another op over the expected group
+``wrong_group``          :func:`auditor.core.checks.group_agreement`        unknown topology: peers disagree
 ``cp_disagreement``      :func:`auditor.core.checks.cp_disagreement`        CP peers applied different values
 ``missing_report``       :func:`auditor.core.verdict.audit_step`            expected reports never arrived
 ``audit_error``          :meth:`auditor.service.Service._judge`             the engine raised on the step
@@ -34,13 +36,13 @@ recorded once), :mod:`~auditor.core.checks`, :mod:`~auditor.core.diagnose`,
 from auditor.core.checks import PRECISION_LOSS_THRESHOLD
 from auditor.core.diagnose import STALE_LOOKBACK
 from auditor.core.types import (
-    DIMS, KINDS, REPLACEABLE, VERDICTS, Coord, Fault, FaultKind, GroupStat, RankReport, RankRow, Spec, StepVerdict,
-    compress_ranks, expand_ranks,
+    DIMS, EXPERT_DIMS, KINDS, REPLACEABLE, VERDICTS, Coord, Fault, FaultKind, GroupStat, RankReport, RankRow, Spec, StepVerdict,
+    compress_ranks, expand_ranks, placed_count,
 )
 from auditor.core.verdict import audit_step
 
 __all__ = [
-    "DIMS", "KINDS", "REPLACEABLE", "VERDICTS", "Coord", "Fault", "FaultKind", "GroupStat", "PRECISION_LOSS_THRESHOLD",
+    "DIMS", "EXPERT_DIMS", "KINDS", "REPLACEABLE", "VERDICTS", "Coord", "Fault", "FaultKind", "GroupStat", "PRECISION_LOSS_THRESHOLD",
     "RankReport", "RankRow", "STALE_LOOKBACK", "Spec", "StepVerdict", "audit_step", "compress_ranks",
-    "expand_ranks",
+    "expand_ranks", "placed_count",
 ]

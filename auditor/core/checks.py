@@ -18,7 +18,7 @@ import numpy as np
 from auditor.core import stats
 from auditor.core.findings import VERB, WHAT, Findings, dims_text, dtypes_text
 from auditor.core.step import Part, Step
-from auditor.core.types import DIMS, FaultKind, compress_ranks
+from auditor.core.types import FaultKind, compress_ranks
 
 #: ``precision_loss`` is reported when the predicted relative error of the trainer's
 #: one-pass variance, 7γ(1 + μ²/σ²) (:func:`auditor.core.stats.one_pass_variance_error`),
@@ -115,7 +115,8 @@ def gaps(st: Step, exp: Part, e_vals, idx: np.ndarray) -> np.ndarray:
     """Whitening gaps (σ) of the elements ``idx``'s applied statistic vs their expected group's."""
     g = exp.inv[idx]
     lo, hi = stats.value_range(exp.vals["lo"][g], exp.vals["hi"][g], e_vals[1][idx], e_vals[2][idx])
-    return stats.transform_gap_array(st.a_mean[idx], st.a_var[idx], e_vals[1][idx], e_vals[2][idx], lo, hi)
+    return stats.transform_gap_array(st.a_mean[idx], st.applied_var(e_vals[2])[idx], e_vals[1][idx], e_vals[2][idx],
+                                     lo, hi)
 
 
 def group_mismatch(st: Step, exp: Part, e_vals, bad: np.ndarray, exp_axes, f: Findings) -> None:
@@ -176,10 +177,32 @@ def membership(st: Step, exp: Part, reduce_over, f: Findings) -> None:
                  "expected": list(reduce_over), "source": "group_ranks"})
 
 
+def group_agreement(st: Step, f: Findings) -> None:
+    """Unknown topology: the ranks of one all-reduce must name the same members. A rank
+    whose ``group_ranks`` differ from those a member of its group reported (same
+    microbatch) is ``wrong_group``, naming both sets."""
+    by = {(r.microbatch, r.rank): (r.group_ranks or (r.rank,)) for r in st.reports}
+    for i, r in enumerate(st.reports):
+        g = r.group_ranks or (r.rank,)
+        other = next(((m, by[(r.microbatch, m)]) for m in g
+                      if (r.microbatch, m) in by and by[(r.microbatch, m)] != g), None)
+        if other is None:
+            continue
+        m, h = other
+        f.flag(FaultKind.WRONG_GROUP, ("disagree", g, h), i,
+               lambda ranks, g=g, m=m, h=h: (
+                   f"ranks {compress_ranks(ranks)} all-reduced over ranks {compress_ranks(g)} but rank {m} of that "
+                   f"group reduced over ranks {compress_ranks(h)}: the ranks of one collective disagree on its "
+                   "members (dist.new_group called with different ranks on different ranks?)"),
+               {"group_ranks": compress_ranks(g), "peer": m, "peer_group_ranks": compress_ranks(h),
+                "source": "group_ranks"})
+
+
 def replica_divergence(st: Step, f: Findings) -> None:
     """``replica_divergence``: ranks that differ only along ``spec.replicas`` must report the
     same local values (within 4γ relative, γ of one rank's local sum); for ``norm``,
-    ``replicated_sum_sq`` must also be equal across the reduction group."""
+    ``replicated_sum_sq`` must also be equal along ``spec.replicated_along`` (default: the
+    whole reduction group) and ``spec.replicas``."""
     spec = st.spec
     checks: list[tuple[tuple[str, ...], list[str]]] = []
     if spec.replicas:
@@ -187,7 +210,8 @@ def replica_divergence(st: Step, f: Findings) -> None:
                   "norm": ["local_sum_sq", "local_replicated_sum_sq"]}[st.kind]
         checks.append((tuple(spec.replicas), fields))
     if st.kind == "norm":
-        checks.append((tuple(spec.reduce_over) + tuple(spec.replicas), ["local_replicated_sum_sq"]))
+        along = spec.reduce_over if spec.replicated_along is None else spec.replicated_along
+        checks.append((tuple(along) + tuple(d for d in spec.replicas if d not in along), ["local_replicated_sum_sq"]))
     gamma = None
     for axes, fields in checks:
         p = st.part(axes, dedupe=False)
@@ -216,7 +240,7 @@ def replica_divergence(st: Step, f: Findings) -> None:
             continue
         idx = sorted(diverged)
         names = sorted({n for i in idx for n in diverged[i]})
-        along = [a for a in axes if a in DIMS]
+        along = [a for a in axes if a in st.dims]
         ref_rank = int(st.rank[ref[idx[0]]])
         f.flag(FaultKind.REPLICA_DIVERGENCE, (axes,), idx,
                 lambda ranks, ref_rank=ref_rank, along=along, names=names: (
@@ -249,7 +273,8 @@ def cp_disagreement(st: Step, exp: Part, e_vals, e_tol, judged, f: Findings) -> 
     gap in σ (``auditor_cp_disagreement_sigma``); peers disagree when their means or
     variances differ by more than the sum of their groups' rounding bounds."""
     spec = st.spec
-    if st.expected_sizes[1] <= 1 or not ("cp" in spec.reduce_over or "cp" in spec.replicas):
+    if ("cp" not in st.dims or st.expected_sizes[1] <= 1
+            or not ("cp" in spec.reduce_over or "cp" in spec.replicas)):
         return None
     peers = st.part(("cp",), dedupe=False)
     worst: float | None = None

@@ -4,7 +4,11 @@ Tried in order, each on the mismatches the previous ones left: the other varianc
 convention (``variance_convention``); every other reduction — every subset of dp, cp, tp,
 pp, with replicas counted once or summed, and the microbatch axis for ``sum`` — naming the
 group used (``wrong_group``) or the replicas summed (``replica_overcount``); an earlier
-step's value (``stale_statistic``).
+step's value (``stale_statistic``); last, another reduction op over the expected group
+(``reduction_op``: an AVG all-reduce, the mean of per-rank norms — over every other group,
+small sums such as token counts would match noise by chance). The dims searched are those of
+the statistic's factorisation (dense or expert, DESIGN.md §3.1); with an unknown topology
+no group is searched (the group is the one the rank reported).
 """
 
 from __future__ import annotations
@@ -15,8 +19,8 @@ import math
 import numpy as np
 
 from auditor.core.findings import VERB, WHAT, Findings, dims_text
-from auditor.core.step import AXES, Part, Step
-from auditor.core.types import DIMS, FaultKind, compress_ranks
+from auditor.core.step import OP_VARIANTS, Part, Step
+from auditor.core.types import FaultKind, compress_ranks
 
 #: How many earlier steps ``stale_statistic`` compares an applied value with.
 STALE_LOOKBACK = 8
@@ -32,10 +36,12 @@ def candidates(st: Step, reduce_over: tuple[str, ...], over_mb: bool):
     then most dims shared with it (so the reference case names ``['dp']``, the group the
     trainer used, rather than the equivalent singleton), then fewest dims."""
     out = []
-    nontrivial = {d: st.expected_sizes[i] > 1 for i, d in enumerate(DIMS)}
+    if st.by_group_ranks:
+        return out  # no dims to search: the group is the one the rank reported
+    nontrivial = {d: st.expected_sizes[i] > 1 for i, d in enumerate(st.dims)}
     mb_options = (False, True) if st.kind == "sum" else (False,)
-    for k in range(len(DIMS) + 1):
-        for dims in itertools.combinations(DIMS, k):
+    for k in range(len(st.dims) + 1):
+        for dims in itertools.combinations(st.dims, k):
             for mb in mb_options:
                 for dedupe in (True, False):
                     variants = ("value", "value_rep_each") if st.kind == "norm" else ("value",)
@@ -78,7 +84,36 @@ def diagnose(st: Step, exp: Part, bad: np.ndarray, reduce_over, over_mb: bool, h
         else:
             replica_overcount(st, exp, p, hit, first, axes, variant, reduce_over, over_mb, f)
     if todo.any():
-        stale_statistic(st, exp, todo, reduce_over, history, f)
+        stale_statistic(st, exp, todo, reduce_over, history, f)  # clears the elements it explains
+    for variant in {"norm": ("mean_of_norms",), "sum": ("mean",)}.get(st.kind, ()):
+        if not todo.any() or st.by_group_ranks:
+            break
+        hit = todo & st.matches(exp, None, variant)
+        if hit.any():
+            todo &= ~hit
+            reduction_op(st, exp, hit, variant, reduce_over, f)
+
+
+def reduction_op(st: Step, exp: Part, hit, variant: str, reduce_over, f: Findings) -> None:
+    """``reduction_op`` for the elements ``hit``, whose applied value is another op's over
+    their expected group (:data:`auditor.core.step.OP_VARIANTS`): the mean of per-rank
+    norms, or an AVG all-reduce."""
+    first = int(np.flatnonzero(hit)[0])
+    dims = tuple(a for a in exp.axes if a != "mb")
+    found = float(exp.vals[variant][exp.inv[first]])
+    correct = float(exp.vals["value"][exp.inv[first]])
+    if variant == "mean_of_norms":
+        fix = ("all-reduce the squared norms (SUM) and take the square root of the total; "
+               "a norm is not the mean of per-rank norms")
+        want = f"√(Σ sum_sq) over {dims_text(reduce_over)}"
+    else:
+        fix = "all-reduce with ReduceOp.SUM, not AVG"
+        want = f"the sum over {dims_text(reduce_over)}"
+    f.flag(FaultKind.REDUCTION_OP, (dims, variant), hit,
+           lambda ranks: (f"ranks {compress_ranks(ranks)} {VERB[st.kind]} {OP_VARIANTS[variant]} over "
+                          f"{dims_text(dims)} where {want} was expected: {fix}"),
+           {"op": variant, "found": list(dims), "expected": list(reduce_over),
+            "example_rank": int(st.rank[first]), "applied_like": found, "same_group_sum": correct})
 
 
 def variance_convention(st: Step, exp: Part, todo: np.ndarray, f: Findings) -> np.ndarray:
@@ -115,7 +150,7 @@ def replica_overcount(st: Step, exp: Part, p: Part, hit, first: int, axes, varia
     else:
         denom = once.vals["value"][once.inv[first]]
         factor = float(p.vals[variant][p.inv[first]] / denom) if denom else math.inf
-    sizes = dict(zip(DIMS, st.expected_sizes.tolist()))
+    sizes = dict(zip(st.dims, st.expected_sizes.tolist()))
     core = {d for d in dims if sizes[d] > 1 and (variant != "value" or d not in spec.replicas)}
     if core != {d for d in reduce_over if sizes[d] > 1} or mb != over_mb:
         wrong_group(st, exp, once, hit, first, dims, mb, reduce_over, over_mb, f)
@@ -159,19 +194,24 @@ def wrong_group(st: Step, exp: Part, p: Part, hit, first: int, dims, mb: bool, r
     and expected, who was left out or wrongly included, and the fix."""
     kind = st.kind
     what = WHAT[kind]
-    sizes = dict(zip(AXES, st.expected_sizes.tolist()))
+    sizes = dict(zip(st.axes, st.expected_sizes.tolist()))
     want, got = exp.members(st, first), p.members(st, first)
     left_out, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
     missing_dims = [d for d in reduce_over if d not in dims and sizes[d] > 1]
     extra_dims = [d for d in dims if d not in reduce_over and sizes[d] > 1]
     local_only = all(sizes[d] == 1 or d in st.spec.replicas for d in dims)
+    # dims of size 1 add no rank: a group over only such dims is the rank alone ("local only")
+    alone = not any(sizes[d] > 1 for d in dims)
 
     def message(ranks, d=dims, mb=mb):
         who = f"ranks {compress_ranks(ranks)}"
         if kind == "sum" and local_only and mb == over_mb:
-            head = (f"{who} divided by their local count only (no all-reduce, found {dims_text(d)}) where the "
+            head = (f"{who} divided by their local count only (no all-reduce over another rank) where the "
                     f"sum over {dims_text(reduce_over)} was expected: all-reduce the token count over "
                     f"{dims_text(reduce_over)} before dividing")
+        elif alone:
+            head = (f"{who} reduced local only: over {dims_text(d) if d else 'no dim'}"
+                    f"{' (size 1: no other rank)' if d else ''} where {dims_text(reduce_over)} was expected")
         else:
             head = f"{who} reduced over {dims_text(d)} where {dims_text(reduce_over)} was expected"
         parts = [head]
@@ -196,6 +236,8 @@ def wrong_group(st: Step, exp: Part, p: Part, hit, first: int, dims, mb: bool, r
 
     evidence = {"found": list(dims), "expected": list(reduce_over), "example_rank": int(st.rank[first]),
                 "left_out": compress_ranks(left_out), "wrongly_included": compress_ranks(extra)}
+    if alone:
+        evidence["local_only"] = True
     if kind == "sum":
         evidence.update(found_over_microbatches=mb, expected_over_microbatches=over_mb)
     f.flag(FaultKind.WRONG_GROUP, (tuple(dims), mb), hit, message, evidence)
@@ -203,11 +245,12 @@ def wrong_group(st: Step, exp: Part, p: Part, hit, first: int, dims, mb: bool, r
 
 def stale_statistic(st: Step, exp: Part, todo: np.ndarray, reduce_over, history, f: Findings) -> None:
     """``stale_statistic``: the applied value equals an earlier step's correct one for the
-    same group (within this step's tolerance). Memoised per (group, applied value)."""
+    same group (within this step's tolerance). Memoised per (group, applied value). Clears
+    ``todo`` for the elements it explains."""
     _, tol = st.tolerances(exp)
     seen: dict[tuple, int | None] = {}
     for i in np.flatnonzero(todo):
-        gkey = tuple(int(st.coords[i, AXES.index(a)]) for a in DIMS if a not in reduce_over)
+        gkey = tuple(int(st.coords[i, k]) for k, a in enumerate(st.dims) if a not in reduce_over)
         if st.kind == "moments":
             memo = (gkey, st.a_n[i], st.a_mean[i], st.a_var[i])
         else:
@@ -225,6 +268,7 @@ def stale_statistic(st: Step, exp: Part, todo: np.ndarray, reduce_over, history,
         step = seen[memo]
         if step is None:
             continue
+        todo[i] = False
         f.flag(FaultKind.STALE_STATISTIC, (step,), i,
                 lambda ranks, s=step: (
                     f"ranks {compress_ranks(ranks)} {VERB[st.kind]} the {WHAT[st.kind]} of step {s}: a cached or "

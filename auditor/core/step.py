@@ -10,23 +10,26 @@ once for all elements with numpy (O(elements) per candidate) and cached on the
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
 from auditor.core import stats
-from auditor.core.types import DIMS, Coord, RankReport, Spec
-
-#: Extended coordinate axes of an element: the four parallel dims and the microbatch.
-AXES: tuple[str, ...] = DIMS + ("mb",)
+from auditor.core.types import DIMS, EXPERT_DIMS, Coord, RankReport, Spec
 
 #: Terms assumed in one rank's local sum of a ``sum``/``norm`` statistic that reports no
 #: ``local.count``: 2^24, every float32 integer (only the log2 of it enters the tolerance).
 DEFAULT_LOCAL_TERMS = float(2**24)
 
-_INT_FIELDS = operator.attrgetter("dp", "cp", "tp", "pp", "microbatch", "rank")
+#: Integer columns of an element per factorisation: its four dims, the microbatch, the rank.
+INT_FIELDS = {DIMS: operator.attrgetter("dp", "cp", "tp", "pp", "microbatch", "rank"),
+              EXPERT_DIMS: operator.attrgetter("edp", "ep", "etp", "pp", "microbatch", "rank")}
+#: Values of another reduction op, tried by the diagnosis (``reduction_op``, DESIGN.md §3.1).
+OP_VARIANTS = {"mean": "the mean (an AVG all-reduce) of the local sums",
+               "mean_of_norms": "the square of the mean of per-rank norms √(sum_sq + replicated_sum_sq)"}
 _VALS: tuple[str, ...] = ("local_count", "local_sum", "local_sum_sq", "local_min", "local_max",
                           "local_replicated_sum_sq", "applied_count", "applied_sum", "applied_sum_sq",
                           "applied_mean", "applied_var")
@@ -68,13 +71,26 @@ class Part:
 
 
 class Step:
-    """Arrays of one step's elements and a cache of partitions (one per candidate group)."""
+    """Arrays of one step's elements and a cache of partitions (one per candidate group).
+
+    ``dims``: the statistic's factorisation (dense dp/cp/tp/pp or expert edp/ep/etp/pp,
+    DESIGN.md §3.1); ``axes`` are those four and the microbatch. ``placed``: coordinates
+    per placed dim (``spec.placement`` resolved): a group's expected size counts only them.
+    ``by_group_ranks``: unknown topology, the groups are the reported ``group_ranks``.
+    """
 
     def __init__(self, reports: Sequence[RankReport], sizes: Coord, spec: Spec, kind: str,
-                 num_microbatches: int):
+                 num_microbatches: int, dims: tuple[str, ...] = DIMS, placed: Mapping[str, list[int]] | None = None,
+                 by_group_ranks: bool = False):
         # One pass over the reports into tuples, then numpy: the same values the per-report
         # helpers (RankReport.non_finite_fields, ...) give, computed per column.
         self.kind, self.spec = kind, spec
+        self.dims = dims
+        self.axes = dims + ("mb",)
+        self.placed = dict(placed or {})
+        self.by_group_ranks = by_group_ranks
+        if by_group_ranks:
+            reports = group_coords(reports)
         self._sort(reports, sizes, num_microbatches)
         self._values()
         self._non_finite()
@@ -89,7 +105,7 @@ class Step:
         """Elements in (dp, cp, tp, pp, microbatch, rank) order; integer columns."""
         rs = reports if isinstance(reports, list) else list(reports)
         self.n = n = len(rs)
-        int_rows = [_INT_FIELDS(r) for r in rs]
+        int_rows = [INT_FIELDS[self.dims](r) for r in rs]
         ints = np.array(int_rows, dtype=np.int64).reshape(-1, 6)
         order = np.lexsort((ints[:, 5], ints[:, 4], ints[:, 3], ints[:, 2], ints[:, 1], ints[:, 0]))
         if n and not (order[1:] > order[:-1]).all():
@@ -100,11 +116,16 @@ class Step:
         self.int_rows = int_rows
         self.reports = rs
         self.coords = np.ascontiguousarray(ints[:, [0, 1, 2, 3, 4]])
-        want = np.array(list(sizes) + [max(num_microbatches, 1)], dtype=np.int64)
-        self.expected_sizes = want
-        seen = self.coords.max(axis=0) + 1 if self.n else want
-        self.radix = np.maximum(want, seen)
+        full = np.array(list(sizes) + [max(num_microbatches, 1)], dtype=np.int64)
+        # along a placed dim only the placed coordinates hold the statistic
+        self.expected_sizes = np.array([len(self.placed[a]) if a in self.placed else int(full[i])
+                                        for i, a in enumerate(self.axes)], dtype=np.int64)
+        seen = self.coords.max(axis=0) + 1 if self.n else full
+        self.radix = np.maximum(full, seen)
         self.rank = np.ascontiguousarray(ints[:, 5])
+        if self.by_group_ranks:
+            self.expected_sizes = self.radix.copy()
+            self.group_len = np.array([len(r.group_ranks or (r.rank,)) for r in rs], dtype=np.float64)
 
     def _values(self) -> None:
         """Float columns (``F``; None → NaN, marked in ``none``), unit roundoff per element
@@ -174,11 +195,15 @@ class Step:
                   & ~nul["applied_sum_sq"])
         ac = col["applied_count"]
         om, ov = stats.one_pass_mean_var_array(ac, col["applied_sum"], col["applied_sum_sq"], self.spec.variance)
+        # a rank that sent only a mean (a framework averaging per-rank means) is judged on the
+        # mean alone (DESIGN.md §3.1); a variance that was NaN on the wire is stored as NULL:
+        # that is non_finite, not "mean only"
+        self.mean_only = self.applied & ~have_mv & ~have_s & ~nul["applied_mean"] & ~self.nf_mask
         known = have_mv | have_s
         self.a_n = np.where(known, ac, np.nan)
-        self.a_mean = np.where(have_mv, col["applied_mean"], np.where(have_s, om, np.nan))
+        self.a_mean = np.where(have_mv | self.mean_only, col["applied_mean"], np.where(have_s, om, np.nan))
         self.a_var = np.where(have_mv, col["applied_var"], np.where(have_s, ov, np.nan))
-        self.a_ok = np.isfinite(self.a_mean) & np.isfinite(self.a_var)
+        self.a_ok = np.isfinite(self.a_mean) & (np.isfinite(self.a_var) | self.mean_only)
         self.bad_local |= ~(np.isfinite(self.l_n) & np.isfinite(self.l_mean) & np.isfinite(self.l_m2))
 
     def _value_columns(self) -> None:
@@ -195,11 +220,16 @@ class Step:
         self.a_ok = np.isfinite(self.a_val)
         self.bad_local |= ~(np.isfinite(self.l_val) & np.isfinite(self.l_rep))
 
+    def applied_var(self, correct_var: np.ndarray) -> np.ndarray:
+        """The applied variance, with the correct one standing in where a rank sent a mean
+        only (its whitening gap is then the mean's alone)."""
+        return np.where(self.mean_only, correct_var, self.a_var)
+
     # ------------------------------------------------------------------ partitions
     def _key(self, axes: Iterable[str]) -> np.ndarray:
         key = np.zeros(self.n, dtype=np.int64)
         for ax in axes:
-            i = AXES.index(ax)
+            i = self.axes.index(ax)
             key = key * int(self.radix[i]) + self.coords[:, i]
         return key
 
@@ -207,24 +237,28 @@ class Step:
         """Groups of a reduction over ``axes`` (a subset of dp, cp, tp, pp, mb). With
         ``dedupe`` ranks differing only along ``spec.replicas`` are counted once (the
         representative is the one with the smallest coordinates)."""
-        axes = tuple(a for a in AXES if a in axes)
+        axes = tuple(a for a in self.axes if a in axes)
         ck = (axes, dedupe)
         hit = self._parts.get(ck)
         if hit is not None:
             return hit
-        outside = [a for a in AXES if a not in axes]
+        outside = [a for a in self.axes if a not in axes]
         _, inv = np.unique(self._key(outside), return_inverse=True)
         inv = inv.reshape(-1)
         ng = int(inv.max()) + 1 if self.n else 0
         size = np.bincount(inv, minlength=ng).astype(np.float64)
         w = np.ones(self.n)
         if dedupe and any(a in axes for a in self.spec.replicas):
-            shard = self._key([a for a in AXES if a not in self.spec.replicas])
+            shard = self._key([a for a in self.axes if a not in self.spec.replicas])
             _, first = np.unique(inv * (int(shard.max()) + 1) + shard, return_index=True)
             w = np.zeros(self.n)
             w[first] = 1.0
-        expected = float(np.prod([self.expected_sizes[AXES.index(a)] for a in axes])) if axes else 1.0
+        expected = float(np.prod([self.expected_sizes[self.axes.index(a)] for a in axes])) if axes else 1.0
         complete = size == expected
+        if self.by_group_ranks:  # a group is complete when every rank it names reported
+            glen = np.zeros(ng)
+            glen[inv] = self.group_len
+            complete = size == glen * (float(self.expected_sizes[4]) if "mb" in axes else 1.0)
         finite = np.bincount(inv, self.bad_local.astype(np.float64), minlength=ng) == 0
         vals: dict[str, np.ndarray] = {}
         if self.kind == "moments":
@@ -247,16 +281,38 @@ class Step:
             absum = np.bincount(inv, w * np.abs(v), minlength=ng)
             if self.kind == "norm":
                 counted = np.bincount(inv, w, minlength=ng)
-                rep_mean = np.bincount(inv, rep, minlength=ng) / np.maximum(size, 1.0)
+                rep_mean = self._replicated_once(inv, ng, size, rep, axes)
                 vals["value_rep_each"] = total + np.bincount(inv, w * rep, minlength=ng)
                 vals["rep_factor"] = counted
+                # reduction_op: the square of the mean of per-rank norms √(sum_sq + replicated_sum_sq)
+                own = np.sqrt(np.maximum(v + rep, 0.0))
+                vals["mean_of_norms"] = (np.bincount(inv, w * own, minlength=ng) / np.maximum(counted, 1.0)) ** 2
                 total = total + rep_mean
                 absum = absum + rep_mean
+            else:
+                # reduction_op: an AVG all-reduce of the local sums
+                vals["mean"] = total / np.maximum(np.bincount(inv, w, minlength=ng), 1.0)
             vals.update(value=total, abs=absum, terms=terms)
             finite &= np.isfinite(total) & np.isfinite(absum)  # float64 overflow
         p = Part(axes, dedupe, inv, size, complete, finite, vals)
         self._parts[ck] = p
         return p
+
+    def _replicated_once(self, inv: np.ndarray, ng: int, size: np.ndarray, rep: np.ndarray, axes) -> np.ndarray:
+        """Per group: the replicated part counted once per class of ranks that must hold the
+        same ``replicated_sum_sq`` — Σ_c mean_{r∈c} rep_r over the classes c of the group by
+        coordinate along ``axes ∖ spec.replicated_along`` (DESIGN.md §3.1). Without
+        ``replicated_along`` one class per group (v1: the group mean)."""
+        along = self.spec.replicated_along
+        split = [a for a in axes if a != "mb" and along is not None and a not in along]
+        if not split:
+            return np.bincount(inv, rep, minlength=ng) / np.maximum(size, 1.0)
+        ckey = inv.astype(np.int64) * int(np.prod([self.radix[self.axes.index(a)] for a in split])) + self._key(split)
+        _, first, cinv = np.unique(ckey, return_index=True, return_inverse=True)
+        cinv = cinv.reshape(-1)
+        csize = np.bincount(cinv).astype(np.float64)
+        cmean = np.bincount(cinv, rep) / np.maximum(csize, 1.0)
+        return np.bincount(inv[first], cmean, minlength=ng)
 
     # ------------------------------------------------------------------ matching
     def gamma(self, p: Part) -> np.ndarray:
@@ -289,6 +345,30 @@ class Step:
                 n, mean, var = exp
                 tn, tm, tv = tol
                 count_ok = np.isnan(self.a_n) | (np.abs(self.a_n - n) <= tn)
-                return ok & (n > 0) & count_ok & (np.abs(self.a_mean - mean) <= tm) & (np.abs(self.a_var - var) <= tv)
+                var_ok = self.mean_only | (np.abs(self.a_var - var) <= tv)
+                return ok & (n > 0) & count_ok & (np.abs(self.a_mean - mean) <= tm) & var_ok
             value = p.vals[value_key][p.inv]
+            if value_key in OP_VARIANTS:
+                # another op's value W from the ranks' reported values as they are: only the
+                # |D|-term reduction, the division, the root and the square round, so
+                # |δW| ≤ 2γ'|W| with γ' = γ of 2 terms over |D| ranks (docs/tolerance.md §2).
+                # Only where W differs from the correct value beyond rounding (one member: same).
+                g_op = stats.reduction_gamma_array(self.u, np.full(self.n, 2.0), p.size[p.inv])
+                op_tol = 2.0 * g_op * np.abs(value)
+                distinct = np.abs(value - p.vals["value"][p.inv]) > op_tol + tol[0]
+                return ok & distinct & (np.abs(self.a_val - value) <= op_tol)
             return ok & (np.abs(self.a_val - value) <= tol[0])
+
+
+def group_coords(reports: Sequence[RankReport]) -> list[RankReport]:
+    """Unknown topology: coordinates from ``group_ranks`` — ``pp`` = the group's index among
+    the distinct groups, ``dp`` = the rank's position in its group — so that the reduction
+    over ``dp`` is exactly the reported group."""
+    groups = sorted({r.group_ranks or (r.rank,) for r in reports})
+    gid = {g: i for i, g in enumerate(groups)}
+    out = []
+    for r in reports:
+        g = r.group_ranks or (r.rank,)
+        pos = g.index(r.rank) if r.rank in g else len(g)
+        out.append(dataclasses.replace(r, dp=pos, cp=0, tp=0, pp=gid[g]))
+    return out

@@ -10,10 +10,15 @@ import enum
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Iterable
+from typing import Iterable, Mapping
+
+from auditor import layout
 
 #: The parallel dimensions, in wire order: data, context, tensor, pipeline parallel.
 DIMS: tuple[str, ...] = ("dp", "cp", "tp", "pp")
+#: The expert factorisation of the same world (DESIGN.md §3.1): expert data, expert
+#: model, expert tensor parallel and the shared pipeline dim.
+EXPERT_DIMS: tuple[str, ...] = layout.EXPERT_DIMS
 
 #: A rank's coordinates (dp, cp, tp, pp).
 Coord = tuple[int, int, int, int]
@@ -44,6 +49,7 @@ class FaultKind(str, enum.Enum):
     NON_FINITE = "non_finite"
     EMPTY_GLOBAL = "empty_global"
     STALE_STATISTIC = "stale_statistic"
+    REDUCTION_OP = "reduction_op"
     #: Not decided by the engine: the service records it as a step's one fault (verdict
     #: ``audit_error``) when the engine raised on that step.
     AUDIT_ERROR = "audit_error"
@@ -60,6 +66,9 @@ class Spec:
     every rank equal to it on the other dims). ``replicas``: dims along which ranks hold the
     same data, counted once. ``variance``: ``sample`` (Bessel-corrected) or ``population``.
     ``over_microbatches``: a ``sum`` statistic is summed over all microbatches of the step.
+    ``placement``: (dim, coordinates) pairs where the statistic lives (negative coordinates
+    count from the end; empty: every rank). ``replicated_along``: dims along which a
+    ``norm``'s ``replicated_sum_sq`` is identical (None: the whole group). DESIGN.md §3.1.
     Dims keep the order they were given in (it shows in messages and evidence).
     """
 
@@ -67,6 +76,32 @@ class Spec:
     replicas: tuple[str, ...] = ("tp",)
     variance: str = "sample"
     over_microbatches: bool = False
+    placement: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    replicated_along: tuple[str, ...] | None = None
+
+    @property
+    def factorisation(self) -> str:
+        """``"expert"`` when the spec names edp, ep or etp, else ``"dense"``."""
+        named = (set(self.reduce_over) | set(self.replicas) | set(self.replicated_along or ())
+                 | {d for d, _ in self.placement})
+        return "expert" if named & layout.EXPERT_ONLY else "dense"
+
+    @property
+    def dims(self) -> tuple[str, ...]:
+        """The dims of the statistic's factorisation, in wire order."""
+        return EXPERT_DIMS if self.factorisation == "expert" else DIMS
+
+    def placed(self, sizes: Mapping[str, int]) -> dict[str, list[int]]:
+        """``placement`` with negative coordinates resolved against ``sizes`` ({dim: sorted
+        coordinates}). Raises ValueError naming the dim for a coordinate outside [-size, size)."""
+        out = {}
+        for d, sel in self.placement:
+            n = sizes.get(d, 1)
+            bad = [c for c in sel if not -n <= c < n]
+            if bad:
+                raise ValueError(f"spec.placement.{d} holds {bad[0]}, outside the {n} coordinates of {d}")
+            out[d] = sorted({c % n for c in sel})
+        return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +129,9 @@ class RankReport:
     applied_var: float | None = None
     group_ranks: tuple[int, ...] | None = None
     non_finite: str | None = None
+    edp: int = 0
+    ep: int = 0
+    etp: int = 0
 
     @property
     def coords(self) -> Coord:
@@ -171,6 +209,15 @@ class StepVerdict:
     @property
     def fault_kinds(self) -> list[str]:
         return sorted({f.kind for f in self.faults})
+
+
+def placed_count(world: int, sizes: Iterable[int], dims: Iterable[str], placed: Mapping[str, list[int]]) -> int:
+    """Ranks that hold a placed statistic: world · Π_d |S_d| / size_d (DESIGN.md §3.1)."""
+    n = world
+    for d, size in zip(dims, sizes):
+        if d in placed:
+            n = n // size * len(placed[d])
+    return n
 
 
 def compress_ranks(ranks: Iterable[int]) -> str:

@@ -11,10 +11,18 @@ plus the replicated part once for ``norm``. A rank's applied statistic *matches*
 when each component differs from the group's by no more than the rounding a correct
 reduction in the reported dtype can produce (:func:`auditor.core.stats.mean_var_tolerance`,
 :func:`auditor.core.stats.sum_tolerance`; docs/tolerance.md).
+
+Topologies (DESIGN.md §3.1). A statistic is judged in one factorisation of the world: dense
+(dp, cp, tp, pp) or expert (edp, ep, etp, pp), whichever its spec names. ``spec.placement``
+restricts the ranks that hold the statistic (a group's expected size counts only placed
+coordinates; the missing reports are the placed ones); ``spec.replicated_along`` says along
+which dims a ``norm``'s replicated part is identical. With an unknown topology each rank's
+expected group is its own ``group_ranks``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import operator
@@ -22,11 +30,13 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
+from auditor import layout
 from auditor.core import checks, diagnose, stats
 from auditor.core.findings import VERB, Findings
-from auditor.core.step import AXES, Part, Step
+from auditor.core.step import INT_FIELDS, Part, Step
 from auditor.core.types import (
-    DIMS, Coord, Fault, FaultKind, GroupStat, RankReport, RankRow, Spec, StepVerdict, compress_ranks,
+    DIMS, EXPERT_DIMS, Coord, Fault, FaultKind, GroupStat, RankReport, RankRow, Spec, StepVerdict, compress_ranks,
+    placed_count,
 )
 
 _MB_RANK = operator.attrgetter("microbatch", "rank")
@@ -40,6 +50,10 @@ def audit_step(
     num_microbatches: int = 1,
     history: Callable[[], Mapping[tuple, Sequence[tuple[int, float, float, float]]]] | None = None,
     kind: str = "moments",
+    expert_sizes: Coord | None = None,
+    order: str | None = None,
+    topology: str = "known",
+    world_size: int | None = None,
 ) -> StepVerdict:
     """Audit one step of a statistic of ``kind`` (DESIGN.md §3 table).
 
@@ -62,6 +76,16 @@ def audit_step(
     kind:
         ``moments`` (whitening mean/variance), ``sum`` (e.g. token-count denominators)
         or ``norm`` (squared gradient norm).
+    expert_sizes:
+        (edp, ep, etp, pp) of the run's expert factorisation, if it has one; a spec that
+        names expert dims is judged on the reports' expert coordinates (DESIGN.md §3.1).
+    order:
+        The run's rank order (Megatron's string), if known: missing reports of a placed
+        statistic are then named by rank, else by coordinates.
+    topology:
+        ``"unknown"``: no coordinates; each rank's expected group is its ``group_ranks``.
+    world_size:
+        Ranks of the run (default: the product of ``sizes``; required for an unknown topology).
 
     Returns
     -------
@@ -75,27 +99,37 @@ def audit_step(
     Raises
     ------
     ValueError
-        For an unknown ``kind``. Odd data never raises: NaN/Inf become ``non_finite``.
+        For an unknown ``kind``, or a spec naming expert dims without ``expert_sizes``. Odd
+        data never raises: NaN/Inf become ``non_finite``.
     """
     if kind not in VERB:
         raise ValueError(f"unknown statistic kind {kind!r}; expected one of {sorted(VERB)}")
-    world = math.prod(sizes)
+    world = world_size or math.prod(sizes)
+    unknown = topology == "unknown"
+    dims = DIMS
+    if unknown:  # judged against group_ranks: one synthetic dim (the position in the group)
+        spec = dataclasses.replace(spec, reduce_over=("dp",), replicas=(), placement=(), replicated_along=None)
+    elif spec.factorisation == "expert":
+        if expert_sizes is None:
+            raise ValueError("the spec names expert dims but the run has no expert factorisation")
+        dims, sizes = EXPERT_DIMS, expert_sizes
+    placed = spec.placed(dict(zip(dims, sizes))) if spec.placement else {}
     faults: list[Fault] = []
-    missing = _missing(reports, world, num_microbatches)
-    if missing is not None:
-        faults.append(missing)
+    missing_fault = _missing(reports, world, dims, sizes, placed, num_microbatches, order)
+    if missing_fault is not None:
+        faults.append(missing_fault)
     rows: list[RankRow] = []
     groups_out: list[GroupStat] = []
     cp_sigma = err_sigma = tol_sigma = None
     if reports:
         with np.errstate(all="ignore"):  # NaN/Inf/overflow are findings, not warnings
-            st = Step(reports, sizes, spec, kind, num_microbatches)
+            st = Step(reports, sizes, spec, kind, num_microbatches, dims, placed, by_group_ranks=unknown)
             found = Findings(st.rank)
             rows, groups_out, cp_sigma, err_sigma, tol_sigma = _audit(st, _Lazy(history), found)
         faults.extend(found.faults())
     if any(f.kind != FaultKind.MISSING_REPORT for f in faults):
         verdict = "inconsistent"
-    elif missing is not None:
+    elif missing_fault is not None:
         verdict = "incomplete"
     else:
         verdict = "consistent"
@@ -103,7 +137,42 @@ def audit_step(
     return StepVerdict(verdict, faults, rows, groups_out, cp_sigma, err_sigma, tol_sigma)
 
 
-def _missing(reports: Sequence[RankReport], world: int, num_microbatches: int) -> Fault | None:
+def _missing(reports: Sequence[RankReport], world: int, dims, sizes, placed, num_microbatches: int,
+             order: str | None) -> Fault | None:
+    """``missing_report`` of a step: every (rank, microbatch) of the world (v1), or, for a
+    placed statistic, every placed coordinate tuple and microbatch, that sent no report.
+    Placed ones are named by rank when the run's ``order`` is known, else by coordinates."""
+    if not placed:
+        return _missing_world(reports, world, num_microbatches)
+    names = None
+    get = INT_FIELDS[tuple(dims)]
+    seen = {get(r)[:5] for r in reports}
+    axes = [placed[d] if d in placed else range(s) for d, s in zip(dims, sizes)]
+    missing = [(c, mb) for c in itertools.product(*axes) for mb in range(num_microbatches)
+               if (*c, mb) not in seen]
+    expected = placed_count(world, sizes, dims, placed) * num_microbatches
+    if order is not None:
+        fact = "expert" if tuple(dims) == EXPERT_DIMS else "dense"
+        sz = dict(zip(dims, sizes))
+        missing = [(layout.rank_of(dict(zip(dims, c)), sz, order, fact), mb) for c, mb in missing]
+    else:
+        coords = sorted({c for c, _ in missing})
+        names = "; ".join(", ".join(f"{d}={v}" for d, v in zip(dims, c)) for c in coords[:8]) + (
+            f"; … {len(coords) - 8} more" if len(coords) > 8 else "")
+    if not missing:
+        return None
+    mranks = sorted({rank for rank, _ in missing}) if names is None else []
+    who = f"ranks {compress_ranks(mranks)}" if names is None else f"ranks at {names}"
+    return Fault(
+        FaultKind.MISSING_REPORT,
+        f"{len(missing)} of {expected} expected reports never arrived ({who}): those ranks crashed, hung, "
+        "or their auditor client could not send",
+        mranks,
+        {"missing": len(missing), "expected": expected},
+    )
+
+
+def _missing_world(reports: Sequence[RankReport], world: int, num_microbatches: int) -> Fault | None:
     """The ``missing_report`` finding of a step, or None when every expected report is here.
 
     Summarised as ranges, never materialised per (rank, microbatch): O(reports + world +
@@ -152,7 +221,7 @@ class _Lazy:
 def _audit(st: Step, history: "_Lazy", f: Findings):
     """Checks, then diagnoses of the mismatches, then the table and the σ figures."""
     kind, spec = st.kind, st.spec
-    reduce_over = tuple(d for d in DIMS if d in spec.reduce_over)
+    reduce_over = tuple(d for d in st.dims if d in spec.reduce_over)
     over_mb = kind == "sum" and spec.over_microbatches
     exp_axes = reduce_over + (("mb",) if over_mb else ())
     exp = st.part(exp_axes)
@@ -174,7 +243,10 @@ def _audit(st: Step, history: "_Lazy", f: Findings):
     checks.group_mismatch(st, exp, e_vals, bad, exp_axes, f)
     if bad.any():
         diagnose.diagnose(st, exp, bad, reduce_over, over_mb, history, f)
-    checks.membership(st, exp, reduce_over, f)
+    if st.by_group_ranks:
+        checks.group_agreement(st, f)
+    else:
+        checks.membership(st, exp, reduce_over, f)
 
     # rows and σ figures
     rows, groups_out, err_sigma, tol_sigma = _rows(st, exp, e_vals, e_tol, judged, reduce_over, over_mb, f.of)
@@ -211,7 +283,8 @@ def _rows(st: Step, exp: Part, e_vals, e_tol, judged: np.ndarray, reduce_over, o
             idx = np.flatnonzero(gap_at)
             g = exp.inv[idx]
             lo, hi = stats.value_range(exp.vals["lo"][g], exp.vals["hi"][g], mean_e[idx], var_e[idx])
-            gaps[idx] = stats.transform_gap_array(st.a_mean[idx], st.a_var[idx], mean_e[idx], var_e[idx], lo, hi)
+            gaps[idx] = stats.transform_gap_array(st.a_mean[idx], st.applied_var(var_e)[idx], mean_e[idx], var_e[idx],
+                                                  lo, hi)
             finite = np.isfinite(gaps)
             if finite.any():
                 err_sigma = gaps[finite].max()  # np.float64, as stats.transform_gap returns
@@ -247,13 +320,13 @@ def _rows(st: Step, exp: Part, e_vals, e_tol, judged: np.ndarray, reduce_over, o
         idx = np.flatnonzero(show)
         _, first = np.unique(exp.inv[idx], return_index=True)
         for i in idx[np.sort(first)].tolist():
-            gkey = tuple(int(st.coords[i, AXES.index(a)]) for a in DIMS if a not in reduce_over)
+            gkey = tuple(int(st.coords[i, k]) for k, a in enumerate(st.dims) if a not in reduce_over)
             mbi = 0 if over_mb else st.int_rows[i][4]
             groups_out.append(GroupStat(gkey, mbi, exp.members(st, i), float(values[0][i]), float(values[1][i]),
                                         float(values[2][i])))
+    names = ("group_position", "_", "_", "group") if st.by_group_ranks else st.dims
     rows = [
-        RankRow(ir[5], ir[4], {"dp": ir[0], "cp": ir[1], "tp": ir[2], "pp": ir[3]}, rw[0], lm, am, asd, cm, cs, es,
-                fo, re)
+        RankRow(ir[5], ir[4], dict(zip(names, ir[:4])), rw[0], lm, am, asd, cm, cs, es, fo, re)
         for ir, rw, lm, am, asd, cm, cs, es, fo, re in zip(
             st.int_rows, st.raw, local_mean, applied_mean, applied_std, correct_mean, correct_std, error_sigma,
             faults_of, relative_error)

@@ -56,12 +56,17 @@ _PG_COPY_TYPES = {"BIGINT": "int8", "INTEGER": "int4", "FLOAT": "float8", "BOOLE
 
 @dataclass(frozen=True, slots=True)
 class RunRow:
-    """A stored run: its topology, fixed by its first report or registration."""
+    """A stored run: its topology, fixed by its first report or registration (DESIGN.md
+    §3.1: ``expert`` = (edp, ep, etp, pp) or None, ``order`` = Megatron's rank order or
+    None, ``known`` False for an unknown topology)."""
 
     run_id: str
     world_size: int
     sizes: tuple[int, int, int, int]
     created_at: float
+    expert: tuple[int, int, int, int] | None = None
+    order: str | None = None
+    known: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +137,10 @@ def report_row(r, series_id: int, now: float) -> tuple:
         if bad:
             non_finite = ",".join(bad)
             vals = tuple(None if v is not None and math.isnan(v) else v for v in vals)
-    return (series_id, r.step, r.microbatch, r.rank, c.dp, c.cp, c.tp, c.pp, r.dtype, *vals[:6],
+    if r.topology == "unknown":  # no coordinates: store the rank (the audit groups by group_ranks)
+        return (series_id, r.step, r.microbatch, r.rank, r.rank, 0, 0, 0, 0, 0, 0, r.dtype, *vals[:6],
+                app is not None, *vals[6:], non_finite, compress_ranks(r.group_ranks), now)
+    return (series_id, r.step, r.microbatch, r.rank, c.dp, c.cp, c.tp, c.pp, c.edp, c.ep, c.etp, r.dtype, *vals[:6],
             app is not None, *vals[6:], non_finite,
             compress_ranks(r.group_ranks) if r.group_ranks is not None else None, now)
 
@@ -147,7 +155,9 @@ def rank_report(row: Sequence) -> RankReport:
 
 
 def _run_row(row) -> RunRow:
-    return RunRow(row.run_id, row.world_size, (row.dp, row.cp, row.tp, row.pp), row.created_at)
+    expert = (row.edp, row.ep, row.etp, row.pp) if row.edp is not None else None
+    return RunRow(row.run_id, row.world_size, (row.dp, row.cp, row.tp, row.pp), row.created_at, expert,
+                  row.rank_order, row.topology != "unknown")
 
 
 class Store:
@@ -183,12 +193,15 @@ class Store:
 
     # ------------------------------------------------------------------ runs and series
     def ensure_run(self, conn: sa.Connection, run_id: str, world_size: int, sizes: tuple[int, int, int, int],
-                   now: float) -> RunRow:
+                   now: float, expert: tuple[int, int, int, int] | None = None, order: str | None = None,
+                   known: bool = True) -> RunRow:
         """Create the run with this topology unless it exists; return the stored run."""
         conn.execute(
             self._insert(runs).values(
                 run_id=run_id, world_size=world_size, created_at=now,
                 **dict(zip(("dp", "cp", "tp", "pp"), sizes)),
+                **(dict(zip(("edp", "ep", "etp"), expert[:3])) if expert else {}),
+                rank_order=order, topology="known" if known else "unknown",
             ).on_conflict_do_nothing()
         )
         return _run_row(conn.execute(sa.select(runs).where(runs.c.run_id == run_id)).one())
@@ -216,7 +229,8 @@ class Store:
         """A series and its run; None if it was deleted."""
         row = conn.execute(
             sa.select(series.c.id, series.c.run_id, series.c.statistic, series.c.kind, series.c.spec,
-                      runs.c.world_size, runs.c.dp, runs.c.cp, runs.c.tp, runs.c.pp, runs.c.created_at)
+                      runs.c.world_size, runs.c.dp, runs.c.cp, runs.c.tp, runs.c.pp, runs.c.created_at,
+                      runs.c.edp, runs.c.ep, runs.c.etp, runs.c.rank_order, runs.c.topology)
             .join(runs, runs.c.run_id == series.c.run_id).where(series.c.id == series_id)
         ).one_or_none()
         if row is None:
@@ -362,7 +376,8 @@ class Store:
         return load
 
     def record_verdict(self, conn: sa.Connection, series_id: int, step: int, v: StepVerdict, now: float,
-                       complete: bool = True, previous: str | None = None) -> bool:
+                       complete: bool = True, previous: str | None = None,
+                       progress: dict | None = None) -> bool:
         """Record the verdict of a step, its faults and the series aggregates. False (and
         nothing written) if another transaction recorded it first. ``complete``: all
         expected reports were audited (else the report that completes the step re-audits).
@@ -374,6 +389,10 @@ class Store:
         ``steps_<previous>`` (into ``superseded_<previous>``), first/last bad step recomputed
         when the step stops being bad, and the step keeps ``previous_verdict`` and
         ``verdict_changed_at``.
+
+        ``progress`` (hang localisation, a step audited with missing reports): stored on the
+        series with its ``ranks_behind``; without it, a step at least as new as any audited
+        resets them (every placed rank reached it).
 
         Lock order: the ``step_audits`` row, then the ``series`` row, then ``series_faults``
         rows. The series row is updated before ``series_faults`` so that every auditing
@@ -434,6 +453,11 @@ class Store:
                     sa.select(sa.func.min(sa_.step), sa.func.max(sa_.step))
                     .where(sa_.series_id == series_id, sa_.verdict == "inconsistent")
                 ).one()
+        if progress is not None:
+            hang = {"ranks_behind": progress["ranks_behind"], "progress": json_safe(progress)}
+        else:
+            hang = {"ranks_behind": sa.case((latest, 0), else_=s.ranks_behind),
+                    "progress": sa.case((latest, sa.null()), else_=s.progress)}
         conn.execute(
             series.update().where(s.id == series_id).values(
                 updated_at=now, **counts, first_bad_step=first_bad, last_bad_step=last_bad,
@@ -443,6 +467,7 @@ class Store:
                     (latest, finite_or_none(v.applied_error_sigma)), else_=s.applied_error_sigma),
                 last_audited_step=sa.case((latest, step), else_=s.last_audited_step),
                 **worst,
+                **hang,
             )
         )
         if v.faults:
@@ -468,6 +493,21 @@ class Store:
                 deltas,
             )
         return True
+
+    def rank_progress(self, conn: sa.Connection, series_id: int, window: int) -> tuple[int, dict[int, int]]:
+        """Hang localisation: the first of the series' newest ``window`` steps, and each rank's
+        newest step among them (ranks that sent nothing in the window are absent). Bounded:
+        one index range of ``window`` steps."""
+        steps = conn.execute(
+            sa.select(step_audits.c.step).where(step_audits.c.series_id == series_id)
+            .order_by(step_audits.c.step.desc()).limit(window)
+        ).scalars().all()
+        lo = min(steps)
+        last = dict(conn.execute(
+            sa.select(reports.c.rank, sa.func.max(reports.c.step))
+            .where(reports.c.series_id == series_id, reports.c.step >= lo).group_by(reports.c.rank)
+        ).all())
+        return lo, last
 
     def due_steps(self, conn: sa.Connection, before: float, limit: int) -> list[tuple[int, int, int]]:
         """Open steps first seen at or before ``before``: ``(series_id, step, expected)``, in key order."""

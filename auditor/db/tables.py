@@ -30,6 +30,12 @@ runs = sa.Table(
     sa.Column("pp", sa.Integer, nullable=False),
     sa.Column("created_at", sa.Float, nullable=False),
     sa.Index("ix_runs_created_at_run_id", "created_at", "run_id"),  # GET /v1/runs keyset pages
+    # expert factorisation (NULL: none), rank order and known/unknown topology (DESIGN.md §3.1)
+    sa.Column("edp", sa.Integer),
+    sa.Column("ep", sa.Integer),
+    sa.Column("etp", sa.Integer),
+    sa.Column("rank_order", sa.String(32)),
+    sa.Column("topology", sa.String(16), nullable=False, server_default="known"),
 )
 
 # One row per (run, statistic): its kind and spec, and the running aggregates that
@@ -64,6 +70,10 @@ series = sa.Table(
     sa.Column("worst_cp_disagreement_step", BigInt),
     sa.Column("worst_applied_error_sigma", sa.Float),
     sa.Column("worst_applied_error_step", BigInt),
+    # hang localisation: placed ranks behind the newest reported step, and which ranks
+    # reached which step, as of the last step audited incomplete (NULL/0 once in step again)
+    sa.Column("ranks_behind", sa.Integer),
+    sa.Column("progress", sa.JSON),
     sa.UniqueConstraint("run_id", "statistic"),
     sa.Index("ix_series_updated_at", "updated_at"),
 )
@@ -79,6 +89,9 @@ reports = sa.Table(
     sa.Column("cp", sa.Integer, nullable=False),
     sa.Column("tp", sa.Integer, nullable=False),
     sa.Column("pp", sa.Integer, nullable=False),
+    sa.Column("edp", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("ep", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("etp", sa.Integer, nullable=False, server_default="0"),
     sa.Column("dtype", sa.String(16), nullable=False),
     sa.Column("local_count", sa.Float),
     sa.Column("local_sum", sa.Float),

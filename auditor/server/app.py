@@ -554,7 +554,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return {**out, "next_cursor": encode_cursor(last) if last is not None else None}
         return await read(page)
 
-    @app.get("/v1/runs/{run_id}/statistics/{statistic}/steps/{step}")
+    # ``:path``: statistic names may hold "/" (e.g. "grad_norm_sq/experts"), which the default
+    # converter would split into another route (404)
+    @app.get("/v1/runs/{run_id}/statistics/{statistic:path}/steps/{step}")
     async def get_step(request: Request, run_id: str = RunIdPath,
                        statistic: str = Path(min_length=1, max_length=128, pattern=STATISTIC_PATTERN),
                        step: int = Path(ge=0, le=2**62)):

@@ -46,6 +46,7 @@ EXPORTED_METRICS: tuple[str, ...] = (
     "auditor_cp_disagreement_sigma",
     "auditor_applied_error_sigma",
     "auditor_last_audited_step",
+    "auditor_ranks_behind",
     "auditor_ingest_duration_seconds",
 )
 
@@ -192,8 +193,16 @@ class AuditCollector:
         last = GaugeMetricFamily(
             "auditor_last_audited_step", "Highest step audited so far.", labels=["run", "statistic"]
         )
+        behind = GaugeMetricFamily(
+            "auditor_ranks_behind",
+            "Ranks whose newest report is older than the statistic's newest reported step, as of the last step "
+            "audited incomplete (0 once a newer step is complete); which ranks: the report's progress.",
+            labels=["run", "statistic"],
+        )
         for r in rows:
             labels = [r["run_id"], r["statistic"]]
+            if r.get("ranks_behind") is not None:
+                behind.add_metric(labels, r["ranks_behind"])
             for verdict, n in r["steps"].items():
                 steps.add_metric(labels + [verdict], n)
             for kind, n in sorted(r["faults"].items()):
@@ -204,4 +213,4 @@ class AuditCollector:
                 err.add_metric(labels, r["applied_error_sigma"])
             if r["last_audited_step"] is not None:
                 last.add_metric(labels, r["last_audited_step"])
-        yield from (steps, faults, cp, err, last)
+        yield from (steps, faults, cp, err, last, behind)

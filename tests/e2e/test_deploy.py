@@ -39,6 +39,7 @@ REQUIRED_ALERTS = {
     "AuditorReportsMissing",
     "AuditorInconsistentSteps",
     "AuditorDown",
+    "AuditorRanksStalled",
 }
 #: DESIGN.md §6: every one of these must be on the dashboard.
 DESIGN_METRICS = {

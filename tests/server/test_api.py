@@ -8,6 +8,7 @@ import time
 
 import pytest
 from factory import local_moments, reference_reports
+from auditor.db.engine import head_revision
 
 from auditor.db.engine import head_revision
 
