@@ -19,6 +19,8 @@ name                            what it is
 ``masked_moments``              a rank's masked moments (the wire ``local`` block)
 ``Reader``                      read client for notebooks and CI (not for ranks): typed runs,
                                 reports, step history (:mod:`auditor.reader`)
+``set_topology``                declare the job's sizes and rank order (no Megatron, no mesh)
+``set_device_mesh``             read coordinates from a torch ``DeviceMesh`` (torchtitan, FSDP2)
 ==============================  ==============================================================
 """
 
@@ -39,6 +41,8 @@ _TRAINER_API = {
     "wrap_distributed_whiten": "auditor.trainer.wrap",
     "set_step": "auditor.trainer.wrap",
     "step_context": "auditor.trainer.wrap",
+    "set_topology": "auditor.trainer.topology",
+    "set_device_mesh": "auditor.trainer.mesh",
     # not run inside training ranks: the typed read client for notebooks and CI scripts
     "Reader": "auditor.reader",
 }

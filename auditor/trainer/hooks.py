@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from auditor.trainer.report import build_report
+from auditor.trainer import topology
+from auditor.trainer.report import DEFAULT_SPECS, build_report
 
 if TYPE_CHECKING:
     from auditor.trainer.client import AuditorClient
@@ -173,9 +174,11 @@ def _report(client: AuditorClient, run_id, statistic, step, microbatch, num_micr
             group) -> None:
     """Build and enqueue this rank's report (wire contract §3); never raises into training."""
     try:
-        client.report(build_report(
+        body = build_report(
             run_id=run_id, statistic=statistic, step=step, microbatch=microbatch, num_microbatches=num_microbatches,
-            local=masked_moments(values, mask), applied=applied, group=group, dtype="float32"))
+            local=masked_moments(values, mask), applied=applied, group=group, dtype="float32")
+        if body is not None:
+            client.report(body)
     except Exception:  # noqa: BLE001
         log.exception("auditor: could not build the report for %s step %s", statistic, step)
 
@@ -187,7 +190,7 @@ def _report(client: AuditorClient, run_id, statistic, step, microbatch, num_micr
 def report_statistic(
     client,
     *,
-    run_id: str,
+    run_id: str | None,
     statistic: str,
     step: int,
     kind: str,
@@ -203,12 +206,15 @@ def report_statistic(
 
     ``local``/``applied``: the report's blocks (``applied=None``: the rank skipped the
     collective). ``process_group``: the group the rank reduced over (its ranks become
-    ``group_ranks``; ``None`` = WORLD). Coordinates come from Megatron-core when initialised.
+    ``group_ranks``; ``None`` = WORLD). ``run_id=None``: the job's run id; coordinates and
+    placement: :func:`auditor.trainer.report.build_report`.
     """
     try:
-        client.report(build_report(
+        body = build_report(
             run_id=run_id, statistic=statistic, step=step, microbatch=microbatch, num_microbatches=num_microbatches,
-            local=local, applied=applied, group=process_group, dtype=dtype, kind=kind, spec=spec))
+            local=local, applied=applied, group=process_group, dtype=dtype, kind=kind, spec=spec)
+        if body is not None:
+            client.report(body)
     except Exception:  # noqa: BLE001
         log.exception("auditor: could not build the report for %s step %s", statistic, step)
 
@@ -277,6 +283,7 @@ def audited_norm_sq(
     step: int = 0,
     dtype: torch.dtype = torch.float32,
     spec: dict | None = None,
+    replicated_along: list[str] | None = None,
 ) -> torch.Tensor:
     """Squared global gradient norm over the model-parallel ``process_group``, reported as a
     ``norm`` statistic.
@@ -286,13 +293,27 @@ def audited_norm_sq(
     group (e.g. TP-replicated layer norms): equal on every rank, so it is added once, after
     the all-reduce — adding it before would count it group-size times
     (``replica_overcount``). Returns a 0-d tensor of ``dtype``: the squared norm to clip with.
+
+    ``replicated_along`` (e.g. ``["tp"]``, DESIGN.md §3.1): the replicated parameters are
+    duplicated only along these dims — TP-duplicated layer norms differ between pipeline
+    stages — so, as Megatron does (``param_is_not_tensor_parallel_duplicate``), the rank at
+    coordinate 0 of every dim in ``replicated_along`` adds them *before* the all-reduce and
+    the others do not; the report's spec says so.
     """
-    local = torch.tensor(float(sum_sq), dtype=dtype)
-    dist.all_reduce(local, group=process_group)
-    total = local + torch.tensor(float(replicated_sum_sq), dtype=dtype)
+    once = float(replicated_sum_sq)
+    if replicated_along:
+        coords = topology.wire_topology().get("coords") or {}
+        mine = once if all(coords.get(d, 0) == 0 for d in replicated_along) else 0.0
+        total = torch.tensor(float(sum_sq) + mine, dtype=dtype)
+        dist.all_reduce(total, group=process_group)
+        spec = {**(spec or DEFAULT_SPECS["norm"]), "replicated_along": list(replicated_along)}
+    else:
+        local = torch.tensor(float(sum_sq), dtype=dtype)
+        dist.all_reduce(local, group=process_group)
+        total = local + torch.tensor(once, dtype=dtype)
     if client is not None:
         report_statistic(client, run_id=run_id, statistic=statistic, step=step, kind="norm",
-                         local={"sum_sq": float(sum_sq), "replicated_sum_sq": float(replicated_sum_sq)},
+                         local={"sum_sq": float(sum_sq), "replicated_sum_sq": once},
                          applied={"sum_sq": float(total)}, process_group=process_group, spec=spec,
                          dtype=_dtype_name(dtype))
     return total

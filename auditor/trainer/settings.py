@@ -13,8 +13,14 @@ variable                    meaning
 ``AUDITOR_SPOOL_DIR``       spool directory (default ``~/.cache/auditor/spool``)
 ``AUDITOR_FLUSH_TIMEOUT``   seconds ``close`` waits for delivery at exit (float)
 ``AUDITOR_MAX_QUEUE``       most reports held in memory (integer)
-``AUDITOR_RUN_ID``          run id of the wrapped whitening (else ``TORCHELASTIC_RUN_ID``)
+``AUDITOR_RUN_ID``          run id of every report (``none``/empty count as unset); else
+                            ``TORCHELASTIC_RUN_ID`` unless ``none``, else one agreed per job
+                            (:mod:`auditor.trainer.runid`)
+``TORCHELASTIC_RUN_ID``     torchrun's rendezvous id (``none`` unless ``--rdzv-id``/standalone)
 ``AUDITOR_STATISTIC``       statistic name of the wrapped whitening (default ``advantages``)
+``AUDITOR_TOPOLOGY``        explicit sizes, e.g. ``dp=4,cp=2,tp=2`` (:mod:`auditor.trainer.topology`)
+``AUDITOR_RANK_ORDER``      rank order of that topology, fastest dim first (``tp-cp-ep-dp-pp``)
+``AUDITOR_MESH_DIMS``       DeviceMesh dim names to contract dims, e.g. ``dp_shard=dp,sp=cp``
 ``RANK``                    torchrun's global rank, used in spool file names
 ==========================  ====================================================================
 """
@@ -28,6 +34,19 @@ from pathlib import Path
 from typing import Mapping
 
 log = logging.getLogger("auditor.client")
+
+#: Values that never name a run (torchrun's default ``--rdzv-id`` is ``none``).
+RUN_ID_PLACEHOLDERS = frozenset({"", "none", "null"})
+#: Megatron-core's default rank order (``initialize_model_parallel(order=...)``).
+DEFAULT_RANK_ORDER = "tp-cp-ep-dp-pp"
+
+
+def usable_run_id(run_id: str | None) -> str | None:
+    """``run_id`` stripped, or None if it is unset, empty or a placeholder such as ``none``."""
+    if run_id is None:
+        return None
+    run_id = run_id.strip()
+    return None if run_id.lower() in RUN_ID_PLACEHOLDERS else run_id
 
 
 @dataclass(frozen=True)
@@ -47,6 +66,10 @@ class TrainerSettings:
     rank: str
     raw_flush_timeout: str | None = None
     raw_max_queue: str | None = None
+    elastic_run_id: str | None = None
+    topology: str | None = None
+    rank_order: str = DEFAULT_RANK_ORDER
+    mesh_dims: Mapping[str, str] | None = None
 
     @property
     def flush_timeout(self) -> float | None:
@@ -72,13 +95,21 @@ def _number(var: str, raw: str | None, cast):
 def read_settings(env: Mapping[str, str] | None = None) -> TrainerSettings:
     """The settings in ``env`` (default ``os.environ``) now."""
     env = os.environ if env is None else env
+    mesh = {}
+    for part in filter(None, (p.strip() for p in (env.get("AUDITOR_MESH_DIMS") or "").split(","))):
+        name, _, dim = part.partition("=")
+        mesh[name.strip()] = dim.strip()
     return TrainerSettings(
         url=(env.get("AUDITOR_URL") or "").strip() or None,
         token=env.get("AUDITOR_TOKEN") or None,
         spool_dir=Path(env.get("AUDITOR_SPOOL_DIR") or Path.home() / ".cache" / "auditor" / "spool"),
-        run_id=env.get("AUDITOR_RUN_ID") or env.get("TORCHELASTIC_RUN_ID") or None,
+        run_id=usable_run_id(env.get("AUDITOR_RUN_ID")),
         statistic=env.get("AUDITOR_STATISTIC") or "advantages",
         rank=env.get("RANK", "x"),
         raw_flush_timeout=env.get("AUDITOR_FLUSH_TIMEOUT"),
         raw_max_queue=env.get("AUDITOR_MAX_QUEUE"),
+        elastic_run_id=usable_run_id(env.get("TORCHELASTIC_RUN_ID")),
+        topology=(env.get("AUDITOR_TOPOLOGY") or "").strip() or None,
+        rank_order=(env.get("AUDITOR_RANK_ORDER") or "").strip() or DEFAULT_RANK_ORDER,
+        mesh_dims=mesh,
     )

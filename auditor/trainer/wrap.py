@@ -27,10 +27,12 @@ DESIGN.md §3) with:
   come from the observed sums (slime's formula, float32).
 
 The step comes from :func:`set_step` / :func:`step_context` if the trainer sets it, else
-from a per-statistic call counter (the k-th call is step k). Configuration by environment:
-``AUDITOR_URL`` (service URL or ``file:///dir``), ``AUDITOR_RUN_ID`` (same on every rank;
-falls back to ``TORCHELASTIC_RUN_ID``), ``AUDITOR_TOKEN``, ``AUDITOR_STATISTIC``
-(default ``advantages``). Without ``AUDITOR_URL`` or a run id the wrapper just calls ``fn``.
+from a per-statistic call counter (the k-th call is step k). Configuration by environment,
+read like every trainer entry point does (:mod:`auditor.trainer.settings`): ``AUDITOR_URL``
+(service URL or ``file:///dir``), ``AUDITOR_TOKEN``, ``AUDITOR_STATISTIC`` (default
+``advantages``); the run id is :func:`auditor.trainer.runid.resolve_run_id`'s
+(``AUDITOR_RUN_ID``, else ``TORCHELASTIC_RUN_ID`` unless ``none``, else one agreed per job).
+Without ``AUDITOR_URL`` or a run id the wrapper just calls ``fn``.
 Nothing the wrapper does can raise into training: every failure is logged and ``fn``'s
 result (or exception) passes through unchanged.
 """
@@ -53,6 +55,7 @@ import torch.distributed as dist
 from auditor.trainer.client import AuditorClient, client_from_env
 from auditor.trainer.hooks import masked_summary, slime_mean_var
 from auditor.trainer.report import build_report
+from auditor.trainer.runid import resolve_run_id
 from auditor.trainer.settings import read_settings
 
 log = logging.getLogger("auditor.integrations")
@@ -118,8 +121,8 @@ def env_client() -> AuditorClient | None:
 
 
 def env_run_id() -> str | None:
-    """``$AUDITOR_RUN_ID``, else ``$TORCHELASTIC_RUN_ID``, else None."""
-    return read_settings().run_id
+    """The job's run id (:func:`auditor.trainer.runid.resolve_run_id`; never ``none``)."""
+    return resolve_run_id()
 
 
 # ------------------------------------------------------------------- all_reduce observer
@@ -169,7 +172,7 @@ def wrap_distributed_whiten(
         ``fn(values, mask, process_group=None, shift_mean=True, epsilon=1e-8) -> Tensor``;
         ``values`` any shape, floating; ``mask`` same shape, bool or floating.
     client, run_id, statistic:
-        Default to :func:`env_client`, ``$AUDITOR_RUN_ID``, ``$AUDITOR_STATISTIC`` or
+        Default to :func:`env_client`, :func:`env_run_id`, ``$AUDITOR_STATISTIC`` or
         ``"advantages"``.
     dtype:
         Precision ``fn`` reduces in (wire ``dtype``).
@@ -252,9 +255,11 @@ def _report(cl, run_id, statistic, dtype, values, mask, group, shift_mean, epsil
         applied["mean"], applied["var"] = _applied_mean_var(values, out, i_min, i_max, shift_mean, epsilon, sums)
     elif applied is not None and sums is not None and float(sums[2]) > 0:
         applied["mean"], applied["var"] = _slime_floats(sums)
-    cl.report(build_report(run_id=run_id, statistic=statistic, step=step, microbatch=microbatch,
-                           num_microbatches=num_microbatches, local=local, applied=applied, group=reduced_group,
-                           dtype=dtype))
+    body = build_report(run_id=run_id, statistic=statistic, step=step, microbatch=microbatch,
+                        num_microbatches=num_microbatches, local=local, applied=applied, group=reduced_group,
+                        dtype=dtype)
+    if body is not None:
+        cl.report(body)
 
 
 def _slime_floats(sums: torch.Tensor) -> tuple[float, float]:

@@ -223,7 +223,7 @@ def world1():
 def test_whiten_report_matches_the_wire_contract(server, world1):
     """distributed_masked_whiten enqueues one report that validates as a wire Report: local
     float64 moments, applied = the all-reduced sums with the mean/var it whitened with,
-    group ranks, and Megatron-less coordinates (dp = rank, sizes.dp = world)."""
+    group ranks, and the coordinates of a one-rank world (every coordinate 0, every size 1)."""
     client = AuditorClient(server.url)
     values = torch.tensor([1.5, 1.5, -0.5, -1.0])
     distributed_masked_whiten(values, torch.tensor([1.0, 1.0, 1.0, 0.0]), client=client, run_id="run-1", step=3)

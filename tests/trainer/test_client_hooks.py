@@ -28,6 +28,7 @@ def _worker(rank: int, port: int, spool: str, run_id: str, variant: str) -> None
     from auditor.trainer.hooks import distributed_masked_whiten as slime_whiten
     from factory import ADVANTAGES, REFERENCE_TOKENS
 
+    os.environ["AUDITOR_TOPOLOGY"] = "cp=2"  # no Megatron here: the two ranks are the CP slices of one sequence
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     own = [dist.new_group([0]), dist.new_group([1])][rank]  # slime's bug: a group without the CP peer
     values = torch.tensor([a for a, n in zip(ADVANTAGES, REFERENCE_TOKENS[rank]) for _ in range(n)] + [9.0])
@@ -105,8 +106,10 @@ def test_wrapped_whiten_reports_what_was_applied(tmp_path, variant):
 
 
 def test_offline_audit_of_wrapped_reports_flags_only_the_buggy_step(tmp_path):
-    """The spools written through the wrapper, audited offline: step 0 (reduced over each
-    rank alone) is inconsistent with group_mismatch, step 1 (over WORLD) is consistent."""
+    """The spools written through the wrapper (topology from AUDITOR_TOPOLOGY=cp=2: the
+    reports carry cp coordinates and Megatron's default order), audited offline: step 0
+    (reduced over each rank alone) is inconsistent with group_mismatch and cp_disagreement,
+    step 1 (over WORLD) is consistent."""
     _run(tmp_path, "hooks-audit", "observed")
     from auditor.offline import audit_offline
 
@@ -115,4 +118,4 @@ def test_offline_audit_of_wrapped_reports_flags_only_the_buggy_step(tmp_path):
     assert counts["invalid"] == counts["conflicting"] == 0
     assert (stat["steps_consistent"], stat["steps_inconsistent"]) == (1, 1)
     (bad,) = stat["bad_steps"]
-    assert bad["step"] == 0 and "group_mismatch" in {f["kind"] for f in bad["faults"]}
+    assert bad["step"] == 0 and {"group_mismatch", "cp_disagreement"} <= {f["kind"] for f in bad["faults"]}

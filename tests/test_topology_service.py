@@ -1,0 +1,157 @@
+"""The service side of DESIGN.md §3.1 over real HTTP: placement conflicts, statistic names
+with "/", expert topologies, unknown topologies, hang localisation (report, metric) and the
+trainer settings reader."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from auditor.trainer.settings import read_settings
+
+
+def _sum_report(run, rank, step, world, *, applied=True, total=None, **extra):
+    body = {"run_id": run, "statistic": "loss_tokens", "step": step, "rank": rank, "world_size": world,
+            "coords": {"dp": rank}, "sizes": {"dp": world}, "kind": "sum", "local": {"sum": 10.0 + rank},
+            "applied": {"sum": total if total is not None else sum(10.0 + r for r in range(world))} if applied else None}
+    body.update(extra)
+    return body
+
+
+def _post(server, reports):
+    return server.post("/v1/reports", json={"reports": reports})
+
+
+def _series(server, run):
+    (stat,) = server.get(f"/v1/runs/{run}/report").json()["statistics"]
+    return stat
+
+
+def test_hang_localisation_names_which_ranks_reached_which_step(live_server, run_id):
+    """dp=4: step 39 complete; at step 40 rank 1 skipped the all-reduce and ran ahead to 41
+    while ranks 0, 2, 3 hang. Within the grace period the sweep audits 40 and 41 incomplete;
+    the report's progress says "ranks 0,2-3 stopped at step 39; rank 1 at 41", the series
+    and /metrics say auditor_ranks_behind 3 (no per-rank label). When every rank reaches a
+    newer complete step, ranks_behind returns to 0 and progress to null."""
+    assert _post(live_server, [_sum_report(run_id, r, 39, 4) for r in range(4)]).status_code == 200
+    assert _post(live_server, [_sum_report(run_id, 1, 40, 4, applied=False),
+                               _sum_report(run_id, 1, 41, 4)]).status_code == 200
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and _series(live_server, run_id)["steps_incomplete"] < 2:
+        time.sleep(0.2)
+    stat = _series(live_server, run_id)
+    assert stat["ranks_behind"] == 3
+    assert stat["progress"]["summary"] == "ranks 0,2-3 stopped at step 39; rank 1 at 41"
+    assert stat["progress"]["at"] == [{"step": 39, "ranks": "0,2-3"}, {"step": 41, "ranks": "1"}]
+    metrics = live_server.get("/metrics").text
+    line = next(ln for ln in metrics.splitlines() if ln.startswith("auditor_ranks_behind{") and run_id in ln)
+    assert line.endswith(" 3.0") and "rank=" not in line
+    assert _post(live_server, [_sum_report(run_id, r, 42, 4) for r in range(4)]).status_code == 200
+    stat = _series(live_server, run_id)
+    assert stat["ranks_behind"] == 0 and stat["progress"] is None
+
+
+def test_report_outside_the_placement_is_409_naming_it(live_server, run_id):
+    """A statistic placed on the last pipeline stage: reports from pp=1 complete the step
+    (expected = 2, not 4); a report from a pp=0 rank is a 409 placement_conflict naming its
+    index, rank and coordinate, and nothing of that batch is stored."""
+    spec = {"reduce_over": ["dp"], "replicas": [], "placement": {"pp": "last"}}
+
+    def rep(rank):
+        return _sum_report(run_id, rank, 0, 4, coords={"dp": rank % 2, "pp": rank // 2}, sizes={"dp": 2, "pp": 2},
+                           order="tp-cp-ep-dp-pp", spec=spec, total=(10.0 + 2) + (10.0 + 3)) | {
+            "local": {"sum": 10.0 + rank}}
+
+    r = _post(live_server, [rep(0)])
+    assert r.status_code == 409
+    body = r.json()
+    detail = body.get("detail", body)
+    assert detail["error"] == "placement_conflict" and detail["conflicts"][0]["index"] == 0
+    assert detail["conflicts"][0]["rank"] == 0 and detail["conflicts"][0]["coords"] == {"pp": 0}
+    assert _post(live_server, [rep(2), rep(3)]).json()["steps_audited"] == 1
+    stat = _series(live_server, run_id)
+    assert (stat["steps_consistent"], stat["faults"]) == (1, {})
+
+
+def test_statistic_names_with_a_slash_reach_the_step_endpoint(live_server, run_id):
+    """Statistic names may hold "/" (the schema allows it): the per-step endpoint answers
+    200 for grad_norm_sq/experts (it answered 404 before) and 404 for an unknown step."""
+    body = [_sum_report(run_id, r, 5, 2) | {"statistic": "grad_norm_sq/experts"} for r in range(2)]
+    assert _post(live_server, body).status_code == 200
+    r = live_server.get(f"/v1/runs/{run_id}/statistics/grad_norm_sq/experts/steps/5")
+    assert r.status_code == 200 and r.json()["statistic"] == "grad_norm_sq/experts" and r.json()["verdict"] == "consistent"
+    assert live_server.get(f"/v1/runs/{run_id}/statistics/grad_norm_sq/experts/steps/6").status_code == 404
+
+
+def test_unknown_topology_run_and_mixing_is_409(live_server, run_id):
+    """Reports with topology 'unknown' (no coords/sizes, group_ranks required) are stored and
+    judged against their groups; a later report of the same run with coordinates is a 409
+    topology_conflict naming the field; an unknown report without group_ranks is a 422."""
+    unknown = [{"run_id": run_id, "statistic": "s", "step": 0, "rank": r, "world_size": 2, "topology": "unknown",
+                "kind": "sum", "local": {"sum": 1.0 + r}, "applied": {"sum": 3.0}, "group_ranks": [0, 1]}
+               for r in range(2)]
+    assert _post(live_server, unknown).json()["steps_audited"] == 1
+    run = live_server.get(f"/v1/runs/{run_id}/report").json()
+    assert run["topology"] == "unknown" and run["statistics"][0]["steps_consistent"] == 1
+    r = _post(live_server, [_sum_report(run_id, 0, 1, 2) | {"statistic": "s"}])
+    assert r.status_code == 409
+    r = _post(live_server, [{k: v for k, v in unknown[0].items() if k != "group_ranks"} | {"step": 2}])
+    assert r.status_code == 422 and "group_ranks required" in r.text
+
+
+def test_expert_topology_registration_and_bad_order(live_server, run_id):
+    """PUT a run with dense (dp=2, pp=2) and expert (edp=1, ep=2, etp=1) sizes and an order:
+    stored and served; a report whose coordinates contradict its order is a 422 naming the
+    dim; expert sizes whose product is not the world are a 422."""
+    reg = {"world_size": 4, "sizes": {"dp": 2, "pp": 2, "edp": 1, "ep": 2, "etp": 1}, "order": "tp-cp-ep-dp-pp"}
+    r = live_server.put(f"/v1/runs/{run_id}", json=reg)
+    assert r.status_code == 200, r.text
+    assert r.json()["sizes"] == {"dp": 2, "cp": 1, "tp": 1, "pp": 2, "edp": 1, "ep": 2, "etp": 1}
+    assert r.json()["order"] == "tp-cp-ep-dp-pp"
+    bad = _sum_report(run_id, 1, 0, 4, coords={"dp": 0, "pp": 0}, sizes=reg["sizes"], order=reg["order"])
+    r = _post(live_server, [bad])
+    assert r.status_code == 422 and "coords.dp (0) is not what order" in r.text
+    r = _post(live_server, [_sum_report(run_id, 1, 0, 4, coords={"dp": 1}, sizes={"dp": 4, "ep": 2, "edp": 1})])
+    assert r.status_code == 422 and "edp*ep*etp*pp" in r.text
+
+
+def test_trainer_settings_are_read_leniently_in_one_place():
+    """One reader for every AUDITOR_* variable a rank reads: 'none' and empty run ids are
+    unset, malformed numbers keep their defaults, the mesh map and topology are parsed."""
+    s = read_settings({"AUDITOR_URL": " http://a:1 ", "AUDITOR_RUN_ID": "none", "TORCHELASTIC_RUN_ID": "",
+                       "AUDITOR_FLUSH_TIMEOUT": "fast", "AUDITOR_MAX_QUEUE": "1e3",
+                       "AUDITOR_MESH_DIMS": "dp_shard=dp, sp=cp", "AUDITOR_TOPOLOGY": "dp=4,cp=2"})
+    assert s.url == "http://a:1" and s.run_id is None and s.elastic_run_id is None
+    assert s.flush_timeout is None and s.max_queue == 1000
+    assert s.mesh_dims == {"dp_shard": "dp", "sp": "cp"} and s.topology == "dp=4,cp=2"
+    assert read_settings({"TORCHELASTIC_RUN_ID": "3f2a-job"}).elastic_run_id == "3f2a-job"
+    assert read_settings({}).statistic == "advantages" and read_settings({}).rank_order == "tp-cp-ep-dp-pp"
+
+
+def test_explicit_topology_from_the_environment(monkeypatch):
+    """AUDITOR_TOPOLOGY (+ AUDITOR_RANK_ORDER): coordinates follow from the rank under the
+    order; dp left out is the rest of the world; ep/etp add the expert factorisation with
+    edp = world / (ep·etp·pp); a size product that does not fit the world is not guessed
+    (the source fails and the report says 'unknown')."""
+    from auditor.trainer import topology
+
+    topology.clear()
+    monkeypatch.setenv("AUDITOR_TOPOLOGY", "cp=2,tp=2")
+    t = topology.wire_topology(rank=5, world=8)
+    assert t["sizes"] == {"dp": 2, "cp": 2, "tp": 2, "pp": 1} and t["order"] == "tp-cp-ep-dp-pp"
+    assert t["coords"] == {"dp": 1, "cp": 0, "tp": 1, "pp": 0}  # 5 = tp 1 + 2·(cp 0 + 2·dp 1)
+    monkeypatch.setenv("AUDITOR_TOPOLOGY", "pp=2,ep=2")
+    t = topology.wire_topology(rank=3, world=4)
+    assert t["sizes"] == {"dp": 2, "cp": 1, "tp": 1, "pp": 2, "ep": 2, "etp": 1, "edp": 1}
+    assert t["coords"] == {"dp": 1, "cp": 0, "tp": 0, "pp": 1, "etp": 0, "ep": 1, "edp": 0}
+    monkeypatch.setenv("AUDITOR_TOPOLOGY", "cp=3")
+    assert topology.wire_topology(rank=0, world=4) == {"topology": "unknown"}
+    with pytest.raises(ValueError, match="unknown dim 'xp'"):
+        topology.parse_topology("xp=2")
+    topology.clear()
+    monkeypatch.delenv("AUDITOR_TOPOLOGY")
+    topology.set_topology(dp=2, tp=2, order="tp-cp-ep-dp-pp")
+    assert topology.wire_topology(rank=2, world=4)["coords"] == {"dp": 1, "cp": 0, "tp": 0, "pp": 0}
+    topology.clear()
+    assert topology.wire_topology(rank=0, world=4) == {"topology": "unknown"}
