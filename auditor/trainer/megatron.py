@@ -82,6 +82,22 @@ def _megatron_order(rank: int, sizes, coords, groups) -> str | None:
     return None
 
 
+def coords_and_sizes() -> tuple[dict[str, int], dict[str, int]]:
+    """The old reader, kept for code written against it: dense ``coords``/``sizes`` along
+    dp, cp, tp, pp from Megatron-core when initialised, else every rank a data-parallel
+    replica (dp = global rank). Reports no longer use it: they take
+    :func:`auditor.trainer.topology.wire_topology` (expert dims, order, DeviceMesh, or an
+    explicit "unknown" instead of that guess)."""
+    initialised = dist.is_available() and dist.is_initialized()
+    rank = dist.get_rank() if initialised else 0
+    world = dist.get_world_size() if initialised else 1
+    found = megatron_topology(rank, world)
+    if found is not None:
+        return ({d: found["coords"][d] for d in ("dp", "cp", "tp", "pp")},
+                {d: found["sizes"][d] for d in ("dp", "cp", "tp", "pp")})
+    return {"dp": rank, "cp": 0, "tp": 0, "pp": 0}, {"dp": world, "cp": 1, "tp": 1, "pp": 1}
+
+
 def default_placement(kind: str) -> dict | None:
     """Where a statistic of ``kind`` lives by default: with Megatron and pp > 1,
     ``moments``/``sum`` statistics (advantages, loss-token counts) live on the last pipeline

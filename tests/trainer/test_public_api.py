@@ -16,7 +16,8 @@ import auditor
 #: API change: update this list, the README and the docs.
 TRAINER_API = [
     "AuditorClient", "Reader", "audited_norm_sq", "audited_sum", "client_from_env", "distributed_masked_whiten",
-    "masked_moments", "report_statistic", "set_step", "step_context", "wrap_distributed_whiten",
+    "masked_moments", "report_statistic", "set_device_mesh", "set_step", "set_topology", "step_context",
+    "wrap_distributed_whiten",
 ]
 
 

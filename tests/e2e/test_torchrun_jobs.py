@@ -15,7 +15,7 @@ from auditor.server import free_port
 
 pytestmark = pytest.mark.multiprocess
 
-JOB = Path(__file__).parent / "scripts" / "torchrun_job.py"
+JOB = Path(__file__).parents[1] / "scripts" / "torchrun_job.py"
 TORCHRUN = Path(sys.executable).parent / "torchrun"
 
 
