@@ -14,7 +14,7 @@ an in-process auditor service and fails when any step is inconsistent::
 
     FAILED test_cp_whitening - auditor: run 'grpo' is INCONSISTENT
       advantages step 0: cp_disagreement (ranks 0-3): CP peers … ; wrong_group (ranks 0-3):
-      reduced over ['dp'] where ['dp', 'cp'] was expected … use
+      reduced local only: over ['dp'] (size 1: no other rank) where ['dp', 'cp'] was expected … use
       get_data_parallel_group(with_context_parallel=True)
 
 Fixtures

@@ -37,7 +37,8 @@ def test_seed_bug_fails_with_the_diagnosis_and_the_fix_passes(tmp_path):
     assert summary.startswith("FAILED test_cp_whitening.py::test_cp_whitening[buggy] - Failed: auditor: run "
                               "'grpo-buggy' is INCONSISTENT — advantages step 0: cp_disagreement"), summary
     assert "use get_data_parallel_group(with_context_parallel=True)" in summary, summary
-    assert "reduced over ['dp'] where ['dp', 'cp'] was expected" in text
+    # dp = 1 here: the DP group holds the rank alone, which the diagnosis calls "local only"
+    assert "reduced local only: over ['dp'] (size 1: no other rank) where ['dp', 'cp'] was expected" in text
 
 
 def test_plugin_autoloads_and_a_silent_test_fails(tmp_path):
