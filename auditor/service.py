@@ -706,7 +706,7 @@ class Service:
             other = self.store.rank_at(conn, sid, step, mb, tuple(row[4:8]))
             r = batch[i]
             entry = {"index": i, "run_id": r.run_id, "statistic": r.statistic, "step": r.step, "microbatch": mb,
-                     "rank": r.rank, "other_rank": other, "coords": r.coords.model_dump(),
+                     "rank": r.rank, "other_rank": other, "coords": dict(zip(DIMS, r.coords.as_tuple())),
                      "fields": ["rank", "coords"]}
             j = index_of.get((sid, step, mb, other))
             if j is not None and j != i:
@@ -777,7 +777,7 @@ def _check_placed(i: int, r: Report, allowed: dict[str, set[int]]) -> None:
                 f"{r.run_id!r} lives only where {d} is in {sorted(ok)} (spec.placement); nothing of this batch "
                 "was stored",
                 [{"index": i, "run_id": r.run_id, "statistic": r.statistic, "step": r.step, "rank": r.rank,
-                  "coords": {d: c}, "field": "coords"}],
+                  "coords": {d: c}, "fields": [f"coords.{d}"]}],
             )
 
 

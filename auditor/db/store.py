@@ -675,7 +675,7 @@ class Store:
         Each dict: ``run_id``, ``statistic``, ``steps`` (verdict → verdicts ever recorded:
         current + superseded by re-audits, so the exported counters never go down),
         ``faults`` (kind → findings ever recorded), ``cp_disagreement_sigma``,
-        ``applied_error_sigma``, ``last_audited_step``. At most ``max_series`` series (the
+        ``applied_error_sigma``, ``last_audited_step``, ``ranks_behind``. At most ``max_series`` series (the
         most recently active) get their own dict; the others are summed into one with
         ``run_id`` and ``statistic`` ``"_other"`` (gauges: their maximum), so a scrape is
         bounded however many runs exist.
@@ -685,7 +685,7 @@ class Store:
         fsum = series_faults.c.count + series_faults.c.superseded
         with self.read() as conn:
             q = (sa.select(s.id, s.run_id, s.statistic, s.cp_disagreement_sigma, s.applied_error_sigma,
-                           s.last_audited_step, *[c.label(v) for v, c in verdict_cols])
+                           s.last_audited_step, s.ranks_behind, *[c.label(v) for v, c in verdict_cols])
                  .where(s.updated_at >= since).order_by(s.updated_at.desc(), s.id))
             if max_series is not None:
                 q = q.limit(max_series)
@@ -700,7 +700,8 @@ class Store:
                     fcounts[sid][kind] = n
             out = [{"run_id": r["run_id"], "statistic": r["statistic"], "steps": {v: r[v] for v in VERDICTS},
                     "faults": fcounts.get(r["id"], {}),
-                    **{k: r[k] for k in ("cp_disagreement_sigma", "applied_error_sigma", "last_audited_step")}}
+                    **{k: r[k] for k in ("cp_disagreement_sigma", "applied_error_sigma", "last_audited_step",
+                                         "ranks_behind")}}
                    for r in rows]
             if max_series is None or len(rows) < max_series:
                 return out
@@ -708,7 +709,7 @@ class Store:
             agg = conn.execute(
                 sa.select(sa.func.count(), *[sa.func.coalesce(sa.func.sum(c), 0) for _, c in verdict_cols],
                           sa.func.max(s.cp_disagreement_sigma), sa.func.max(s.applied_error_sigma),
-                          sa.func.max(s.last_audited_step)).where(rest)
+                          sa.func.max(s.last_audited_step), sa.func.max(s.ranks_behind)).where(rest)
             ).one()
             if not agg[0]:
                 return out
@@ -721,5 +722,5 @@ class Store:
                         "steps": {v: int(agg[1 + i]) for i, v in enumerate(VERDICTS)},
                         "faults": {k: int(n) for k, n in kinds.items()},
                         "cp_disagreement_sigma": agg[1 + n_v], "applied_error_sigma": agg[2 + n_v],
-                        "last_audited_step": agg[3 + n_v]})
+                        "last_audited_step": agg[3 + n_v], "ranks_behind": agg[4 + n_v]})
         return out

@@ -38,6 +38,7 @@ TITLES: dict[str, str] = {
     "coordinate_conflict": "Two ranks claim the same coordinates",
     "topology_conflict": "Report contradicts the run's topology",
     "spec_conflict": "Report contradicts the statistic's kind or spec",
+    "placement_conflict": "Report from a rank outside the statistic's placement",
     "too_large": "Request too large",
     "validation": "Request validation failed",
     "limit_exceeded": "A configured limit would be exceeded",

@@ -65,9 +65,9 @@ def test_report_outside_the_placement_is_409_naming_it(live_server, run_id):
     r = _post(live_server, [rep(0)])
     assert r.status_code == 409
     body = r.json()
-    detail = body.get("detail", body)
-    assert detail["error"] == "placement_conflict" and detail["conflicts"][0]["index"] == 0
-    assert detail["conflicts"][0]["rank"] == 0 and detail["conflicts"][0]["coords"] == {"pp": 0}
+    assert body["type"].endswith(":placement_conflict") and "rank 0 (pp=0)" in body["detail"]
+    (c,) = body["conflicts"]
+    assert (c["index"], c["rank"], c["coords"], c["fields"]) == (0, 0, {"pp": 0}, ["coords.pp"])
     assert _post(live_server, [rep(2), rep(3)]).json()["steps_audited"] == 1
     stat = _series(live_server, run_id)
     assert (stat["steps_consistent"], stat["faults"]) == (1, {})
