@@ -165,18 +165,23 @@ class ReportSource:
 
     def report(self, run_id: str, bad_steps: int) -> dict:
         """``GET /v1/runs/{run_id}/report``."""
+        return self._run_call(run_id, "GET", "/report", lambda s: s.report(run_id, bad_steps_limit=bad_steps),
+                              params={"bad_steps": bad_steps}, timeout=60)
+
+    def _run_call(self, run_id: str, method: str, path: str, local, **http) -> dict:
+        """``method /v1/runs/{run_id}{path}`` over HTTP, or ``local(service)``; an unknown run
+        (404, :class:`auditor.service.NotFound`) raises :class:`UsageError` naming it."""
         if self._service is None:
             import httpx
 
-            r = httpx.get(f"{self.url}/v1/runs/{run_id}/report", params={"bad_steps": bad_steps}, timeout=60,
-                          headers=self.headers)
+            r = httpx.request(method, f"{self.url}/v1/runs/{run_id}{path}", headers=self.headers, **http)
             if r.status_code == 404:
                 raise UsageError(f"run {run_id!r} not found at {self.url}")
             return r.raise_for_status().json()
         from auditor.service import NotFound
 
         try:
-            return self._service.report(run_id, bad_steps_limit=bad_steps)
+            return local(self._service)
         except NotFound:
             raise UsageError(f"run {run_id!r} not found") from None
 
@@ -214,19 +219,8 @@ class ReportSource:
 
     def delete(self, run_id: str, chunk_rows: int) -> dict:
         """``DELETE /v1/runs/{run_id}``."""
-        if self._service is None:
-            import httpx
-
-            r = httpx.delete(f"{self.url}/v1/runs/{run_id}", timeout=600, headers=self.headers)
-            if r.status_code == 404:
-                raise UsageError(f"run {run_id!r} not found at {self.url}")
-            return r.raise_for_status().json()
-        from auditor.service import NotFound
-
-        try:
-            return self._service.delete_run(run_id, chunk_rows=chunk_rows)
-        except NotFound:
-            raise UsageError(f"run {run_id!r} not found") from None
+        return self._run_call(run_id, "DELETE", "", lambda s: s.delete_run(run_id, chunk_rows=chunk_rows),
+                              timeout=600)
 
 
 def _require_torch() -> None:

@@ -243,6 +243,37 @@ class Reader:
         ``$AUDITOR_READ_TOKEN``, else ``$AUDITOR_TOKEN``; none if both are unset).
     timeout:
         Per-request timeout, seconds.
+
+    Examples
+    --------
+    A service on a temporary SQLite file, fed the reference case's two CP ranks whitened
+    over the DP group without CP (each rank over itself, DESIGN.md §4), then read back:
+
+    >>> import pathlib, tempfile, httpx
+    >>> from auditor import Reader
+    >>> from auditor.testing.server import ServerProcess
+    >>> tmp = pathlib.Path(tempfile.mkdtemp())
+    >>> service = ServerProcess(f"sqlite:///{tmp}/auditor.db", tmp / "server.log").start()
+    >>> local = [{"count": 65.0, "sum": -5.0, "sum_sq": 55.0, "min": -1.0, "max": 1.5},
+    ...          {"count": 85.0, "sum": 20.0, "sum_sq": 87.5, "min": -1.0, "max": 1.5}]
+    >>> def whitening_of(m):  # what the rank applied: its own mean and Bessel-corrected variance
+    ...     n, s, q = m["count"], m["sum"], m["sum_sq"]
+    ...     return {"count": n, "sum": s, "sum_sq": q, "mean": s / n, "var": (q - s * s / n) / (n - 1)}
+    >>> reports = [{"run_id": "doc", "statistic": "advantages", "step": 0, "rank": cp, "world_size": 2,
+    ...             "coords": {"dp": 0, "cp": cp, "tp": 0, "pp": 0}, "sizes": {"dp": 1, "cp": 2, "tp": 1, "pp": 1},
+    ...             "local": local[cp], "applied": whitening_of(local[cp]), "group_ranks": [cp]} for cp in (0, 1)]
+    >>> httpx.post(service.url + "/v1/reports", json={"reports": reports}).json()["steps_audited"]
+    1
+    >>> with Reader(service.url) as r:
+    ...     adv = r.report("doc").statistic("advantages")
+    ...     detail = r.step("doc", "advantages", adv.first_bad_step)
+    >>> adv.steps_inconsistent, round(adv.worst_cp_disagreement_sigma, 6), round(adv.worst_applied_error_sigma, 6)
+    (1, 0.433155, 0.267869)
+    >>> sorted(adv.faults)
+    ['cp_disagreement', 'group_mismatch', 'wrong_group']
+    >>> [(row.rank, round(row.applied_mean, 6), round(row.correct_mean, 6)) for row in detail.ranks]
+    [(0, -0.076923, 0.1), (1, 0.235294, 0.1)]
+    >>> service.stop()
     """
 
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,

@@ -6,11 +6,12 @@ nothing here talks to the service.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 from rich.console import Console
 from rich.table import Table
+
+from auditor.web import fixed
 
 #: Bad steps shown per statistic, and rank rows shown per bad step, by default.
 MAX_STEPS = 5
@@ -31,7 +32,10 @@ def render_report(report: dict[str, Any], console: Console, *, max_steps: int = 
         Bad steps per statistic and rank rows per bad step to show; the rest is counted.
     """
     verdict = "[green]consistent[/]" if report.get("consistent") else "[red bold]INCONSISTENT[/]"
-    sizes = report.get("sizes") or {}
+    sizes = dict(report.get("sizes") or {})
+    if sizes.get("ep", 1) == 1 and sizes.get("etp", 1) == 1:  # no expert parallelism: edp is just dp×cp
+        for d in ("edp", "ep", "etp"):
+            sizes.pop(d, None)
     extra = (f"  order={report['order']}" if report.get("order") else "") + (
         "  topology unknown (judged against group_ranks)" if report.get("topology") == "unknown" else "")
     console.print(
@@ -127,10 +131,5 @@ def _int(x: Any) -> str:
 
 
 def _num(x: Any, digits: int = 6, sign: bool = True) -> str:
-    """Fixed-point (signed for means), '—' for null; NaN/Inf spelled out."""
-    if x is None:
-        return "—"
-    x = float(x)
-    if not math.isfinite(x):
-        return str(x)
-    return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
+    """:func:`auditor.web.fixed`, signed by default (means)."""
+    return fixed(x, digits, sign)

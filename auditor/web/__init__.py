@@ -43,14 +43,16 @@ def environment() -> jinja2.Environment:
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(TEMPLATE_DIR),
                              autoescape=jinja2.select_autoescape(default=True),
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
-    env.filters["num"] = _num
+    env.filters["num"] = fixed
     env.filters["ts"] = _timestamp
     env.filters["sigma"] = _sigma
     env.globals["fault_colour"] = plots.fault_colour
     return env
 
 
-def _num(x: Any, digits: int = 6, sign: bool = False) -> str:
+def fixed(x: Any, digits: int = 6, sign: bool = False) -> str:
+    """A number in fixed point with ``digits`` decimals (``+`` shown when ``sign``), '—' for
+    null, NaN/Inf spelled out. One formatter for the pages and the terminal report."""
     if x is None:
         return "—"
     x = float(x)

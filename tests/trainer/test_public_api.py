@@ -59,7 +59,7 @@ def test_old_import_paths_are_the_new_objects(old, new):
     assert resolve(old) is resolve(new)
 
 
-@pytest.mark.parametrize("module", ["auditor.trainer.client", "auditor.trainer.hooks", "auditor.trainer.wrap"])
+@pytest.mark.parametrize("module", ["auditor.trainer.client", "auditor.trainer.hooks", "auditor.trainer.wrap", "auditor.reader"])
 def test_docstring_examples_run(module):
     """Every example in the entry points' docstrings runs and prints what it shows."""
     result = doctest.testmod(importlib.import_module(module), optionflags=doctest.ELLIPSIS)
