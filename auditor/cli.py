@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import time
 from enum import Enum
 from typing import Optional
 
@@ -516,6 +518,43 @@ def demo(
 
 
 SpoolPaths = typer.Argument(..., help="Spool files (*.jsonl) or directories holding them.", show_default=False)
+Quiet = typer.Option(False, "--quiet", "-q", help="No progress bar (there is none when stderr is not a terminal).")
+
+
+def _spool_files(spools: list[str]):
+    from auditor.trainer.spool import spool_files
+
+    files = spool_files(spools)
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing or not files:
+        raise UsageError(f"no such spool file: {', '.join(missing)}" if missing
+                         else f"no spool files (*.jsonl) in {' '.join(spools)}")
+    return files
+
+
+@contextlib.contextmanager
+def _spool_progress(what: str, quiet: bool):
+    """A progress bar on stderr over the bytes of the spools (with reports and reports/s),
+    yielding the ``on_progress(done_bytes, total_bytes, reports)`` callback of
+    :mod:`auditor.offline`. Off with ``--quiet`` and when stderr is not a terminal (CI logs,
+    pipes: the callback is then a no-op)."""
+    console = Console(stderr=True)
+    if quiet or not console.is_terminal:
+        yield None
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    with Progress(TextColumn(f"[bold]{what}"), BarColumn(), DownloadColumn(),
+                  TextColumn("{task.fields[reports]:,} reports ({task.fields[rate]:,.0f}/s)"),
+                  TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False) as progress:
+        task = progress.add_task(what, total=None, reports=0, rate=0.0)
+        t0 = time.perf_counter()
+
+        def on_progress(done: int, total: int, reports: int) -> None:
+            rate = reports / max(time.perf_counter() - t0, 1e-9)
+            progress.update(task, completed=done, total=total, reports=reports, rate=rate)
+
+        yield on_progress
 
 
 @app.command("import")
@@ -524,34 +563,20 @@ def import_spools(
     spools: list[str] = SpoolPaths,
     url: str = typer.Option(..., "--url", envvar="AUDITOR_URL", help="Base URL of the auditor service."),
     token: Optional[str] = typer.Option(None, "--token", envvar="AUDITOR_TOKEN", help="Bearer token."),
-    batch_size: int = typer.Option(1000, min=1, help="Reports per request."),
+    batch_size: int = typer.Option(1000, min=1, help="Reports per request (cut between steps)."),
     restart: bool = typer.Option(False, help="Ignore the .offset sidecars and upload from the start."),
+    quiet: bool = Quiet,
 ) -> None:
-    """Upload trainer spools to a service. Resumable (each file's `.offset` sidecar records what
-    was delivered) and idempotent (the service ignores identical re-sends). Reports the
+    """Upload trainer spools to a service: the files (one per rank) are merged so that each
+    request carries whole steps. Resumable (each file's `.offset` sidecar records what was
+    delivered) and idempotent (the service ignores identical re-sends). Reports the
     service refuses go to `<spool>.deadletter`. Exit 0: all delivered; 1: some refused
-    (dead-lettered); 2: service unreachable, or a wrong URL or token (401/403/404)."""
+    (dead-lettered); 2: service unreachable, or a wrong URL or token (401/403/404/405)."""
     url = _service_url(url)
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn
-
     from auditor.offline import upload
-    from auditor.trainer.spool import spool_files
 
-    files = spool_files(spools)
-    missing = [str(p) for p in files if not p.is_file()]
-    if missing or not files:
-        raise UsageError(f"no such spool file: {', '.join(missing)}" if missing
-                         else f"no spool files (*.jsonl) in {' '.join(spools)}")
-    total = sum(p.stat().st_size for p in files)
-    done: dict[str, int] = {}
-    with Progress(TextColumn("[bold]import"), BarColumn(), DownloadColumn(), TimeRemainingColumn(),
-                  console=Console(stderr=True), transient=False) as progress:
-        task = progress.add_task("import", total=total)
-
-        def on_progress(path, offset, _size):
-            done[str(path)] = offset
-            progress.update(task, completed=sum(done.values()))
-
+    files = _spool_files(spools)
+    with _spool_progress("import", quiet) as on_progress:
         try:
             counts = upload(files, url, token=token, batch_size=batch_size, restart=restart, on_progress=on_progress)
         except ConnectionError as e:  # unreachable, or a wrong URL/token: 2 (1 means refused reports)
@@ -575,18 +600,20 @@ def audit_spools(
     keep_database: Optional[str] = typer.Option(
         None, "--database-url", help="Store into this database instead of a temporary SQLite file."),
     check: bool = typer.Option(False, "--check", help="Exit 1 if any audited run is inconsistent."),
+    batch_size: int = typer.Option(10_000, min=1, max=100_000,
+                                   help="Reports stored and audited per transaction (cut between steps); "
+                                        "memory grows with it, not with the spools."),
+    quiet: bool = Quiet,
 ) -> None:
     """Audit trainer spools offline, with no service: the same engine and report as the service
-    (steps still incomplete at the end are audited as after the grace period)."""
+    (steps still incomplete at the end are audited as after the grace period). The files (one
+    per rank) are merged and streamed in batches of whole steps: memory stays flat."""
     from auditor.offline import audit_offline
-    from auditor.trainer.spool import spool_files
 
-    files = spool_files(spools)
-    missing = [str(p) for p in files if not p.is_file()]
-    if missing or not files:
-        raise UsageError(f"no such spool file: {', '.join(missing)}" if missing
-                         else f"no spool files (*.jsonl) in {' '.join(spools)}")
-    reports, counts = audit_offline(files, keep_database, run_id=run_id, bad_steps=bad_steps)
+    files = _spool_files(spools)
+    with _spool_progress("audit", quiet) as on_progress:
+        reports, counts = audit_offline(files, keep_database, run_id=run_id, bad_steps=bad_steps,
+                                        batch_size=batch_size, on_progress=on_progress)
     typer.echo(f"read {counts['reports']} report(s) from {counts['files']} file(s): {counts['stored']} stored, "
                f"{counts['duplicates']} duplicate(s), {counts['invalid']} invalid, "
                f"{counts['conflicting']} conflicting", err=True)

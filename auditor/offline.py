@@ -1,9 +1,15 @@
 """Spools without a live service: ``auditor import`` (upload them) and ``auditor audit``
 (audit them locally with the service's own flows).
 
-The spool files are the trainer side's (:mod:`auditor.trainer.spool`); uploads go through the
-trainer side's one delivery loop (:func:`auditor.trainer.delivery.deliver`); offline audits
-through :class:`auditor.service.Service` on a local database.
+Both stream the spool files through :class:`auditor.trainer.spool.SpoolReader`: the files
+(one per rank, as trainers leave them, or one interleaved file) are merged line by line so
+that the reports of a step travel together, and cut into batches between steps. A batch is
+then what one ``POST /v1/reports`` carries: uploads go through the trainer side's one
+delivery loop (:func:`auditor.trainer.delivery.deliver`), offline audits decode it as the
+service decodes a request body (:func:`auditor.schemas.parse_report_batch`) and store it with
+:meth:`auditor.service.Service.ingest` on a local database, which audits every step the batch
+completes from the rows in hand. Memory is one batch (plus one line per file), whatever the
+size of the spool.
 """
 
 from __future__ import annotations
@@ -12,21 +18,24 @@ import logging
 import os
 import tempfile
 import time
+from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import httpx
-from pydantic import ValidationError
 
 from auditor.db.engine import ensure_schema, make_engine
-from auditor.schemas import Report
+from auditor.schemas import parse_report_batch
 from auditor.service import ConflictError, LimitError, NotFound, Service
 from auditor.trainer.delivery import CONFIGURATION_ERRORS, DeliveryError, Outcome, deliver
 from auditor.trainer.spool import (
-    append_lines, dead_letter_path, iter_lines, read_lines, read_offset, spool_files, write_offset,
+    MergedLine, SpoolReader, append_lines, dead_letter_path, read_offset, spool_files, write_offset,
 )
 
 log = logging.getLogger("auditor.spool")
+
+#: ``on_progress(done_bytes, total_bytes, reports)`` of :func:`upload` and :func:`audit_offline`.
+Progress = Callable[[int, int, int], None]
 
 
 class ServiceConfigError(ConnectionError):
@@ -35,88 +44,112 @@ class ServiceConfigError(ConnectionError):
 
 def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = None, batch_size: int = 1000,
            timeout: float = 30.0, max_attempts: int = 8, restart: bool = False,
-           on_progress: Callable[[Path, int, int], None] | None = None) -> dict[str, int]:
+           on_progress: Progress | None = None) -> dict[str, int]:
     """Upload spool files to the service at ``url`` (``auditor import``). Resumable and idempotent.
 
-    Each file is sent from its offset sidecar (``restart`` ignores it) in batches of
-    ``batch_size``; the sidecar is advanced after every batch the service answered, so an
-    interrupted import continues where it stopped, and a batch sent twice is a no-op for the
-    service. Reports the service refuses for good (409/422/413, or one report that keeps
-    making it fail with a 500: :func:`auditor.trainer.delivery.deliver` bisects such batches)
-    are counted ``rejected`` and appended to the dead-letter file next to the spool
-    (``<spool>.deadletter``); the import goes on after them.
+    The files are read from their offset sidecars (``restart`` ignores them), merged so that
+    the reports of a step are sent together (:class:`~auditor.trainer.spool.SpoolReader`),
+    and sent in requests of at most ``batch_size`` reports cut between steps. After every
+    batch the service answered, each file's sidecar is advanced past its lines in that batch,
+    so an interrupted import continues where it stopped, and a batch sent twice is a no-op
+    for the service. Reports the service refuses for good (409/422/413, or one report that
+    keeps making it fail with a 500: :func:`auditor.trainer.delivery.deliver` bisects such
+    batches) are counted ``rejected`` and appended to the dead-letter file next to the spool
+    they came from (``<spool>.deadletter``); the import goes on after them.
 
-    ``on_progress(path, done_bytes, total_bytes)`` is called after every batch. Returns
-    counters ``files``, ``sent`` (delivered), ``duplicates`` (of those, already stored: an
-    identical re-send), ``rejected``, ``retries``. Raises ``ConnectionError`` after
-    ``max_attempts`` consecutive transient failures (the sidecar then marks where to resume),
-    and :class:`ServiceConfigError` at once on 401/403/404/405 (a wrong URL or token).
+    ``on_progress(done_bytes, total_bytes, reports_sent)`` is called after every batch.
+    Returns counters ``files``, ``sent`` (delivered), ``duplicates`` (of those, already
+    stored: an identical re-send), ``rejected``, ``retries``. Raises ``ConnectionError``
+    after ``max_attempts`` consecutive transient failures (the sidecars then mark where to
+    resume), and :class:`ServiceConfigError` at once on 401/403/404/405 (a wrong URL or token).
     """
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
     counts = dict.fromkeys(("files", "sent", "duplicates", "rejected", "retries"), 0)
     url = url.rstrip("/")
+    files = spool_files(paths)
+    counts["files"] = len(files)
+    starts = [0 if restart else min(read_offset(p), p.stat().st_size) for p in files]
+    reader = SpoolReader(files, starts)
+    written = list(starts)  # offset recorded in each file's sidecar
+    total = sum(reader.sizes)
+    source: dict[int, int] = {}  # id(line) -> file index, for the lines of the batch in flight
+
+    def on_retry(out: Outcome, _failures: int) -> None:
+        if out.status in CONFIGURATION_ERRORS:
+            raise ServiceConfigError(f"{url}/v1/reports answered {out.message[:300]}: check --url and "
+                                     "--token; nothing was imported from this batch")
+        counts["retries"] += 1
+
+    def on_final(kind: str, chunk: list[bytes], _pending: list, out: Outcome) -> None:
+        if kind == "sent":
+            counts["sent"] += len(chunk)
+            counts["duplicates"] += out.duplicates
+            return
+        refused = [ln for i, ln in enumerate(chunk) if i in out.rejected] if kind == "partial" else chunk
+        counts["rejected"] += len(refused)
+        by_file: dict[int, list[bytes]] = defaultdict(list)
+        for ln in refused:
+            by_file[source[id(ln)]].append(ln)
+        for i, lines in by_file.items():
+            dead = dead_letter_path(files[i])
+            append_lines(dead, lines)
+            log.warning("%s: %d reports rejected, appended to %s: %s", files[i], len(lines), dead,
+                        out.message[:300])
+
+    if on_progress:
+        on_progress(reader.done_bytes(), total, 0)
     with httpx.Client(timeout=timeout, headers=headers) as http:
-        for path in spool_files(paths):
-            counts["files"] += 1
-            size = path.stat().st_size
-            offset = 0 if restart else min(read_offset(path), size)
+        for batch in reader.batches(batch_size):
+            lines = [item[3] for item in batch]
+            source = {id(item[3]): item[1] for item in batch}
+            try:
+                deliver(http, url, lines, on_final=on_final, on_retry=on_retry, max_attempts=max_attempts)
+            except DeliveryError as e:
+                raise ConnectionError(f"{url}: {e}; the .offset sidecars next to the spools mark what was "
+                                      "delivered, re-run to resume") from None
+            ends = {item[1]: item[2] for item in batch}  # each file's lines come in file order
+            for i, end in ends.items():
+                write_offset(files[i], end)
+                written[i] = end
             if on_progress:
-                on_progress(path, offset, size)
-
-            def on_retry(out: Outcome, _failures: int) -> None:
-                if out.status in CONFIGURATION_ERRORS:
-                    raise ServiceConfigError(f"{url}/v1/reports answered {out.message[:300]}: check --url and "
-                                             "--token; nothing was imported from this batch")
-                counts["retries"] += 1
-
-            def on_final(kind: str, chunk: list[bytes], _pending: list, out: Outcome, path=path) -> None:
-                if kind == "sent":
-                    counts["sent"] += len(chunk)
-                    counts["duplicates"] += out.duplicates
-                    return
-                refused = [ln for i, ln in enumerate(chunk) if i in out.rejected] if kind == "partial" else chunk
-                counts["rejected"] += len(refused)
-                dead = dead_letter_path(path)
-                append_lines(dead, refused)
-                log.warning("%s: %d reports rejected, appended to %s: %s", path, len(refused), dead,
-                            out.message[:300])
-
-            while True:
-                lines, end = read_lines(path, offset, max_lines=batch_size)
-                if not lines:
-                    if end > offset:
-                        write_offset(path, end)
-                    break
-                try:
-                    deliver(http, url, lines, on_final=on_final, on_retry=on_retry, max_attempts=max_attempts)
-                except DeliveryError as e:
-                    raise ConnectionError(f"{url}: {e}; {path} is delivered up to byte {offset}, "
-                                          "re-run to resume") from None
-                offset = end
-                write_offset(path, offset)
-                if on_progress:
-                    on_progress(path, offset, size)
+                on_progress(reader.done_bytes(), total, counts["sent"] + counts["rejected"])
+    for i, end in enumerate(reader.ends):  # trailing blank lines, and files with nothing to send
+        if end > written[i]:
+            write_offset(files[i], end)
     return counts
 
 
 def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None = None, *,
-                  run_id: str | None = None, bad_steps: int = 20, batch_size: int = 1000) -> tuple[list[dict], dict]:
+                  run_id: str | None = None, bad_steps: int = 20, batch_size: int = 10_000,
+                  on_progress: Progress | None = None) -> tuple[list[dict], dict]:
     """Audit spool files with no service (``auditor audit``): the service's own flows.
 
-    The reports are validated with the wire schema and stored with
-    :meth:`auditor.service.Service.ingest` into ``database_url`` (default: a temporary SQLite
-    file, deleted afterwards), which audits every completed step exactly as the service
-    does; steps still incomplete are then audited by :meth:`Service.sweep` with a grace
-    period of 0 (``missing_report``), as the service would after its grace period.
+    The files are merged so that the reports of a step come together
+    (:class:`~auditor.trainer.spool.SpoolReader`), cut into batches of at most ``batch_size``
+    reports between steps, each batch decoded and validated as the service decodes a request
+    body (:func:`auditor.schemas.parse_report_batch`; a batch with an invalid line is decoded
+    line by line, and the invalid lines are logged as ``FILE:LINE`` with the wire field and
+    skipped) and stored with :meth:`auditor.service.Service.ingest` into ``database_url``
+    (default: a temporary SQLite file, deleted afterwards), which audits every step the batch
+    completes exactly as the service does. A batch the service refuses (409: a report
+    differs from a stored one, or contradicts its run's topology or spec) is bisected down
+    to the reports it refuses, which are counted and skipped. Steps still incomplete at the
+    end are audited by :meth:`Service.sweep` with a grace period of 0 (``missing_report``),
+    as the service would after its grace period.
 
+    ``on_progress(done_bytes, total_bytes, reports_read)`` is called after every batch.
     Returns ``(reports, counts)``: one consistency report per run (the JSON of
     ``GET /v1/runs/{run_id}/report``; only ``run_id`` if given), and counters ``files``,
     ``reports`` (lines read), ``stored``, ``duplicates``, ``invalid`` (not JSON or not a valid
     report), ``conflicting`` (409 on the service: differs from a stored report, topology or spec).
     """
     counts = dict.fromkeys(("files", "reports", "stored", "duplicates", "invalid", "conflicting"), 0)
+    files = spool_files(paths)
+    counts["files"] = len(files)
+    reader = SpoolReader(files)
+    total = sum(reader.sizes)
     tmp = None
     if database_url is None:
         tmp = tempfile.TemporaryDirectory(prefix="auditor-audit-")
@@ -125,9 +158,10 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
     try:
         ensure_schema(engine, database_url)
         service = Service.from_engine(engine)
-        run_ids: list[str] = []
+        run_ids: dict[str, None] = {}  # in order of appearance
+        invalid = _InvalidLines(files)
 
-        def ingest(batch: list[Report]) -> None:
+        def ingest(batch: Sequence) -> None:
             try:
                 out = service.ingest(batch)
                 counts["stored"] += out.accepted
@@ -136,38 +170,26 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
                 if len(batch) == 1:
                     counts["conflicting"] += 1
                     return
-                for r in batch:
-                    ingest([r])
+                half = len(batch) // 2  # the service stored nothing of it: bisect to the refused reports
+                ingest(batch[:half])
+                ingest(batch[half:])
 
-        for path in spool_files(paths):
-            counts["files"] += 1
-            batch: list[Report] = []
-            where = _LineNumbers(path)
-            invalid = 0
-            for line, end in iter_lines(path):
-                counts["reports"] += 1
-                try:
-                    r = Report.model_validate_json(line)
-                except ValidationError as exc:
-                    counts["invalid"] += 1
-                    invalid += 1
-                    if invalid <= MAX_INVALID_LOGGED:
-                        log.warning("%s:%d: invalid report skipped: %s", path, where.line_before(end),
-                                    invalid_reason(exc))
-                    continue
-                if run_id is not None and r.run_id != run_id:
-                    continue
+        if on_progress:
+            on_progress(0, total, 0)
+        for batch in reader.batches(batch_size):
+            counts["reports"] += len(batch)
+            reports = _decode(batch, invalid)
+            if run_id is not None:
+                reports = [r for r in reports if r.run_id == run_id]
+            for r in reports:
                 if r.run_id not in run_ids:
-                    run_ids.append(r.run_id)
-                batch.append(r)
-                if len(batch) >= batch_size:
-                    ingest(batch)
-                    batch = []
-            if batch:
-                ingest(batch)
-            if invalid > MAX_INVALID_LOGGED:
-                log.warning("%s: %d more invalid line(s) skipped (%d in all)", path, invalid - MAX_INVALID_LOGGED,
-                            invalid)
+                    run_ids[r.run_id] = None
+            if reports:
+                ingest(reports)
+            if on_progress:
+                on_progress(reader.done_bytes(), total, counts["reports"])
+        counts["invalid"] = invalid.total
+        invalid.summarise()
         now = time.time() + 1.0
         while service.sweep(grace_seconds=0.0, now=now):
             pass
@@ -179,25 +201,74 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
             tmp.cleanup()
 
 
+def _decode(batch: list[MergedLine], invalid: "_InvalidLines") -> list:
+    """The valid reports of a batch of spool lines, decoded as the body of one
+    ``POST /v1/reports`` would be; if that fails (some line is invalid), line by line, and
+    the invalid lines are handed to ``invalid``."""
+    lines = [item[3] for item in batch]
+    reports, _errors, n = parse_report_batch(b'{"reports":[' + b",".join(lines) + b"]}", 1)
+    if reports is not None and n == len(lines):
+        return reports
+    good = []
+    for item in batch:
+        one, errors, n = parse_report_batch(b'{"reports":[' + item[3] + b"]}", 1000)
+        if one is not None and n == 1:
+            good.extend(one)
+        else:
+            invalid.add(item, errors if n == 1 else [{"loc": (), "msg": f"{n} JSON values on one line",
+                                                      "type": "value_error"}])
+    return good
+
+
 #: Invalid lines of one spool file named one by one (the rest are counted): a file that is
 #: not a spool at all must not print one identical line per line.
 MAX_INVALID_LOGGED = 5
 
 
-def invalid_reason(exc: ValidationError) -> str:
+def invalid_reason(errors: list[dict]) -> str:
     """Why a spool line is not a report, naming the wire field (``local.count``,
-    ``coords.cp``) as the service's 422 does: the first error, and how many more there are."""
-    errors = exc.errors(include_url=False, include_input=False)
+    ``coords.cp``) as the service's 422 does: the first error, and how many more there are.
+    ``errors``: of :func:`auditor.schemas.parse_report_batch` for a body of that one line
+    (``loc`` ``("reports", 0, field...)``)."""
     if not errors:
-        return str(exc).splitlines()[0]
+        return "not a report"
     e = errors[0]
     if e["type"] == "json_invalid":
-        return f"not JSON ({e['msg']})"
+        return f"not JSON ({e['msg'].removeprefix('invalid JSON: ')})"
+    loc = list(e["loc"])
+    if loc[:2] == ["reports", 0]:
+        loc = loc[2:]
     field = ""
-    for part in e["loc"]:
+    for part in loc:
         field += f"[{part}]" if isinstance(part, int) else (f".{part}" if field else str(part))
     more = f" (+{len(errors) - 1} more error{'s' if len(errors) > 2 else ''})" if len(errors) > 1 else ""
     return f"{field or 'report'}: {e['msg']}{more}"
+
+
+class _InvalidLines:
+    """Counts invalid spool lines per file and logs the first :data:`MAX_INVALID_LOGGED` of
+    each as ``FILE:LINE: invalid report skipped: <reason>``; :meth:`summarise` logs how many
+    more each file had."""
+
+    def __init__(self, files: list[Path]):
+        self.files = files
+        self.per_file: dict[int, int] = defaultdict(int)
+        self.numbers: dict[int, _LineNumbers] = {}
+        self.total = 0
+
+    def add(self, item: MergedLine, errors: list[dict]) -> None:
+        i = item[1]
+        self.total += 1
+        self.per_file[i] += 1
+        if self.per_file[i] <= MAX_INVALID_LOGGED:
+            where = self.numbers.setdefault(i, _LineNumbers(self.files[i]))
+            log.warning("%s:%d: invalid report skipped: %s", self.files[i], where.line_before(item[2]),
+                        invalid_reason(errors))
+
+    def summarise(self) -> None:
+        for i, n in sorted(self.per_file.items()):
+            if n > MAX_INVALID_LOGGED:
+                log.warning("%s: %d more invalid line(s) skipped (%d in all)", self.files[i], n - MAX_INVALID_LOGGED, n)
 
 
 class _LineNumbers:

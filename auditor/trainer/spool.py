@@ -15,9 +15,11 @@ partial last line; readers stop at the last newline, and a torn line is skipped.
 
 from __future__ import annotations
 
-import json
+import heapq
 import logging
 import os
+import re
+import resource
 import socket
 import threading
 import time
@@ -106,7 +108,7 @@ def read_lines(path: str | os.PathLike, start: int = 0, max_lines: int | None = 
     may still be being written, or was torn by a crash). Blank lines are consumed, not returned.
     """
     lines: list[bytes] = []
-    for _report, line, end in _iter_lines(path, start, parse=False):
+    for line, end in _iter_lines(path, start):
         lines.append(line)
         start = end
         if max_lines is not None and len(lines) >= max_lines:
@@ -127,7 +129,7 @@ def _end_of_blank_tail(path, start: int) -> int:
     return start
 
 
-def _iter_lines(path, start: int, parse: bool) -> Iterator[tuple[dict | None, bytes, int]]:
+def _iter_lines(path, start: int) -> Iterator[tuple[bytes, int]]:
     pos = start
     with open(path, "rb") as f:
         f.seek(start)
@@ -136,21 +138,8 @@ def _iter_lines(path, start: int, parse: bool) -> Iterator[tuple[dict | None, by
                 return  # torn or still being written
             pos += len(line)
             body = line.strip()
-            if not body:
-                continue
-            report = None
-            if parse:
-                try:
-                    report = json.loads(body)
-                except ValueError:
-                    report = None
-            yield report, body, pos
-
-
-def iter_reports(path: str | os.PathLike, start: int = 0) -> Iterator[tuple[dict | None, bytes, int]]:
-    """Every complete line of ``path`` from byte ``start``: ``(report, or None if the line is not
-    valid JSON; the raw line; the offset just past it)``."""
-    return _iter_lines(path, start, parse=True)
+            if body:
+                yield body, pos
 
 
 class Spool:
@@ -237,8 +226,130 @@ class Spool:
         return delivered
 
 
-def iter_lines(path: str | os.PathLike, start: int = 0) -> Iterator[tuple[bytes, int]]:
-    """Every complete, non-blank line of ``path`` from byte ``start`` (unparsed): ``(line, the
-    offset just past it)``."""
-    for _report, line, end in _iter_lines(path, start, parse=False):
-        yield line, end
+# ----------------------------------------------------------------------- merged reading
+#: ``"run_id": "..."``, ``"statistic": "..."`` and ``"step": N`` of one encoded report, found
+#: without decoding it. A JSON string cannot hold an unescaped ``"`` so a match is always a
+#: key of some object of the line; the reports' other objects (coords, sizes, local, applied,
+#: spec) have no keys of these names.
+_KEY_FIELDS = re.compile(rb'"(run_id|statistic|step)"\s*:\s*("(?:[^"\\]|\\.)*"|\d+)')
+
+#: Merge key of a line whose fields were not found: sorts before every report.
+NO_KEY: tuple[bytes, int, bytes] = (b"", -1, b"")
+
+
+def line_key(line: bytes) -> tuple[bytes, int, bytes] | None:
+    """``(run_id, step, statistic)`` of an encoded report (the JSON strings still quoted), or
+    None if one of them is missing. Only an ordering hint for :func:`merge_spools`: nothing
+    is validated, and a wrong key only changes which batch a line travels in."""
+    found = dict(reversed(_KEY_FIELDS.findall(line)))  # the first of each
+    try:
+        return found[b"run_id"], int(found[b"step"]), found[b"statistic"]
+    except KeyError:
+        return None
+
+
+#: One line of a merged spool: ``(key, file index, offset just past the line, line)``.
+MergedLine = tuple[tuple[bytes, int, bytes], int, int, bytes]
+
+
+class SpoolReader:
+    """The lines of several spool files as one stream, each file read line by line from its
+    own start offset, merged so that the reports of one step from all files come together.
+
+    Trainers leave one file per rank, each in step order; a step is complete only once every
+    rank's report of it was read. Reading the files one after another would hold every step
+    open until the last file; :meth:`lines` instead merges them (a k-way merge, ``heapq``)
+    by :func:`line_key` — ``(run_id, step, statistic)``, ties in file order — so the ranks of
+    a step follow each other, and :meth:`batches` cuts the stream between steps.
+
+    A file that is not in that order (several runs, statistics written in another order)
+    still has every line read exactly once, in file order: only fewer steps are whole per
+    batch. A line without the key fields (not JSON, not a report) takes the key of the line
+    before it in its file and travels with it.
+
+    Memory: one buffered line per file (the merge's heads) plus what the consumer holds;
+    never a whole file. ``ends[i]`` is the offset of file ``i`` up to which lines were
+    yielded, trailing blank lines included once the file is exhausted (what an import
+    records as delivered); a torn last line (no newline) is never read.
+
+    Parameters
+    ----------
+    paths:
+        Spool files (see :func:`spool_files`).
+    starts:
+        Byte offset to start each file from (default 0 for every file).
+    """
+
+    def __init__(self, paths: list[Path], starts: list[int] | None = None):
+        self.paths = list(paths)
+        self.starts = list(starts) if starts is not None else [0] * len(self.paths)
+        self.ends = list(self.starts)
+        self.sizes = [p.stat().st_size for p in self.paths]
+
+    def _file(self, i: int) -> Iterator[MergedLine]:
+        pos = self.starts[i]
+        key = NO_KEY
+        with open(self.paths[i], "rb") as f:
+            f.seek(pos)
+            for line in f:
+                if not line.endswith(b"\n"):
+                    break  # torn or still being written
+                pos += len(line)
+                body = line.strip()
+                if not body:
+                    continue
+                key = line_key(body) or key
+                yield key, i, pos, body
+        self.ends[i] = pos
+
+    def lines(self) -> Iterator[MergedLine]:
+        """Every complete, non-blank line of every file, merged (see the class)."""
+        group = _open_files_allowed()
+        for lo in range(0, len(self.paths), group):
+            files = [self._file(i) for i in range(lo, min(lo + group, len(self.paths)))]
+            for item in heapq.merge(*files) if len(files) > 1 else files[0]:
+                self.ends[item[1]] = item[2]
+                yield item
+
+    def batches(self, size: int) -> Iterator[list[MergedLine]]:
+        """:meth:`lines` in lists of at most ``size``, cut between steps: a full batch whose
+        last step continues in the next line ends before that step instead, and the step
+        opens the next batch (unless it fills the whole batch: a step larger than ``size``
+        is cut). Holds one batch and one line of look-ahead."""
+        if size < 1:
+            raise ValueError(f"batch size must be >= 1, got {size}")
+        batch: list[MergedLine] = []
+        for item in self.lines():
+            if len(batch) >= size:
+                last = batch[-1][0]
+                cut = len(batch)
+                if item[0] == last:  # the last step goes on: move it to the next batch
+                    while cut > 0 and batch[cut - 1][0] == last:
+                        cut -= 1
+                    cut = cut or len(batch)
+                yield batch[:cut]
+                batch = batch[cut:]
+            batch.append(item)
+        if batch:
+            yield batch
+
+    def done_bytes(self) -> int:
+        """Bytes of all files read so far (from offset 0: a resumed file counts as read up
+        to where it resumes)."""
+        return sum(self.ends)
+
+
+def _open_files_allowed() -> int:
+    """How many spool files may be open at once: the soft ``RLIMIT_NOFILE``, raised to the
+    hard limit if needed, less room for the database, sockets and logs. Files beyond it are
+    merged in groups one after another (a step split across groups completes later)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 1 << 16
+    if soft != resource.RLIM_INFINITY and soft < want:
+        try:
+            new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+            soft = new
+        except (ValueError, OSError):
+            pass
+    return max(1, (want if soft == resource.RLIM_INFINITY else soft) - 128)
