@@ -10,7 +10,7 @@ import pytest
 
 from auditor.trainer.client import client_from_env
 from auditor.offline import upload
-from auditor.trainer.spool import Spool, read_lines, read_offset
+from auditor.trainer.spool import Spool, SpoolReader, line_key, read_lines, read_offset
 from factory import reference_reports
 
 
@@ -74,3 +74,63 @@ def test_file_only_mode_from_the_environment(tmp_path, monkeypatch):
     (path,) = tmp_path.glob("rank3-*.jsonl")
     assert [json.loads(x)["rank"] for x in path.read_text().splitlines()] == [0, 1]
     assert client.stats["spooled"] == 2 and client.stats["dropped"] == 0
+
+
+def _rank_files(tmp_path, ranks: int, steps: int, statistics=("advantages", "loss")) -> list:
+    """One spool file per rank, as trainers leave them: each in step order, every statistic
+    of a step (in the order the trainer reports them, not sorted) before the next step."""
+    paths = []
+    for rank in range(ranks):
+        p = tmp_path / f"rank{rank}.jsonl"
+        p.write_text("".join(json.dumps({"run_id": "r", "statistic": stat, "step": step, "rank": rank}) + "\n"
+                             for step in range(steps) for stat in statistics))
+        paths.append(p)
+    return paths
+
+
+def _keys(items):
+    return [(json.loads(line)["step"], json.loads(line)["statistic"], json.loads(line)["rank"]) for *_, line in items]
+
+
+def test_reader_merges_rank_files_so_the_ranks_of_a_step_follow_each_other(tmp_path):
+    """The k-way merge of per-rank files yields every line once, each file's lines in file
+    order, ordered by (run, step, statistic) with the ranks of one (step, statistic) next to
+    each other in file order; batches are cut between steps (a full batch gives its last,
+    unfinished step to the next one), and a step larger than a batch is cut."""
+    paths = _rank_files(tmp_path, ranks=3, steps=3)
+    reader = SpoolReader(paths)
+    merged = list(reader.lines())
+    assert _keys(merged) == [(step, stat, rank) for step in range(3) for stat in ("advantages", "loss")
+                             for rank in range(3)]
+    assert reader.ends == [p.stat().st_size for p in paths]
+    batches = [_keys(b) for b in SpoolReader(paths).batches(5)]
+    assert [len(b) for b in batches] == [3] * 6  # 5 would split a 3-rank group: whole groups only
+    assert all(len({(s, st) for s, st, _ in b}) == 1 for b in batches)
+    assert [len(b) for b in SpoolReader(paths).batches(2)] == [2, 1] * 6  # groups of 3 > 2: cut
+    assert [len(b) for b in SpoolReader(paths).batches(7)] == [6, 6, 6]
+
+
+def test_reader_resumes_from_offsets_and_keeps_bad_lines_with_their_neighbours(tmp_path):
+    """Each file is read from its own start offset; a line without the key fields (not JSON)
+    keeps its place after the line before it in its file; a torn last line is never read and
+    trailing blank lines count as read once the file is exhausted."""
+    a, b = _rank_files(tmp_path, ranks=2, steps=2, statistics=("advantages",))
+    first = len(a.read_bytes().splitlines(keepends=True)[0])
+    with open(b, "ab") as f:
+        f.write(b"{not json\n\n")
+    size_b = b.stat().st_size
+    with open(b, "ab") as f:
+        f.write(b'{"run_id":"r","statistic":"advantages","step":9')  # torn: no newline
+    reader = SpoolReader([a, b], starts=[first, 0])
+    items = list(reader.lines())
+    assert [line for *_, line in items] == [b.read_bytes().splitlines()[0], a.read_bytes().splitlines()[1],
+                                            b.read_bytes().splitlines()[1], b"{not json"]
+    assert reader.ends == [a.stat().st_size, size_b]
+
+
+def test_line_key_is_read_without_decoding():
+    """The merge key (run_id, step, statistic) comes from the encoded line; a missing field
+    gives None (the line then travels with its file's previous line)."""
+    line = b'{"run_id": "run-1", "step": 12, "statistic": "adv", "rank": 3, "spec": {"x": "\\"step\\":1"}}'
+    assert line_key(line) == (b'"run-1"', 12, b'"adv"')
+    assert line_key(b'{"run_id":"r","statistic":"a"}') is None

@@ -1,0 +1,198 @@
+"""`auditor audit` and `auditor import` of per-rank spools: streamed in batches of whole
+steps with bounded memory, the same verdicts and numbers as ingest over HTTP, a progress bar
+only on a terminal."""
+
+from __future__ import annotations
+
+import json
+import os
+import pty
+import subprocess
+import sys
+import time
+
+import pytest
+from factory import applied, local_moments, reference_reports, total
+
+from auditor.offline import audit_offline
+from auditor.service import Service
+from auditor.trainer.spool import SpoolReader
+
+
+def _auditor(*args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "auditor", *args], capture_output=True, text=True, timeout=180, **kw)
+
+
+def _r6(x: float | None) -> float | None:
+    return None if x is None else round(x, 6)
+
+
+def _write_rank_files(directory, reports: list[dict]) -> list:
+    """One spool file per rank (``rank<r>.jsonl``), each in the order of ``reports``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    by_rank: dict[int, list[str]] = {}
+    for r in reports:
+        by_rank.setdefault(r["rank"], []).append(json.dumps(r, separators=(",", ":")))
+    paths = []
+    for rank, lines in sorted(by_rank.items()):
+        p = directory / f"rank{rank}.jsonl"
+        p.write_text("\n".join(lines) + "\n")
+        paths.append(p)
+    return paths
+
+
+def _wide_reference_step(run_id: str, step: int, dp: int, buggy: bool) -> list[dict]:
+    """The reference case (DESIGN.md §4) on ``dp`` data replicas × cp 2: every replica holds
+    the reference sequences, so the correct statistic is the reference's global one (mean
+    +0.100000); ``buggy`` reduces each rank over itself (the DP group without CP)."""
+    loc = [local_moments(0), local_moments(1)]
+    glob = total(*loc * dp)
+    out = []
+    for rank in range(2 * dp):
+        cp = rank % 2
+        out.append({
+            "run_id": run_id, "statistic": "advantages", "step": step, "rank": rank, "world_size": 2 * dp,
+            "coords": {"dp": rank // 2, "cp": cp, "tp": 0, "pp": 0}, "sizes": {"dp": dp, "cp": 2, "tp": 1, "pp": 1},
+            "local": loc[cp], "applied": applied(loc[cp] if buggy else glob), "dtype": "float32",
+        })
+    return out
+
+
+def test_audit_streams_a_large_spool_holding_one_batch(tmp_path, run_id, monkeypatch):
+    """50,048 reports in 64 per-rank files (782 steps of 64 ranks; step 7 reduced over the
+    DP group without CP), audited with batches of 1,000: the reader never holds more than one
+    batch (plus the one line per file the merge looks at) — counted by instrumenting the file
+    readers and the service's ingest, not timed — every step is audited, and only step 7 is
+    inconsistent, with the reference case's correct mean +0.100000."""
+    steps, dp, size = 782, 32, 1000
+    reports = [r for s in range(steps) for r in _wide_reference_step(run_id, s, dp, buggy=s == 7)]
+    paths = _write_rank_files(tmp_path / "spool", reports)
+    assert len(reports) == 50_048 and len(paths) == 64
+
+    held = {"read": 0, "ingested": 0, "most": 0, "batches": 0, "largest": 0}
+    read_file = SpoolReader._file
+
+    def counting_file(self, i):
+        for item in read_file(self, i):
+            held["read"] += 1
+            held["most"] = max(held["most"], held["read"] - held["ingested"])
+            yield item
+
+    ingest = Service.ingest
+
+    def counting_ingest(self, batch, now=None):
+        out = ingest(self, batch, now)
+        held["ingested"] += len(batch)
+        held["batches"] += 1
+        held["largest"] = max(held["largest"], len(batch))
+        return out
+
+    monkeypatch.setattr(SpoolReader, "_file", counting_file)
+    monkeypatch.setattr(Service, "ingest", counting_ingest)
+    (report,), counts = audit_offline([tmp_path / "spool"], batch_size=size)
+
+    assert counts == {"files": 64, "reports": 50_048, "stored": 50_048, "duplicates": 0, "invalid": 0,
+                      "conflicting": 0}
+    assert held["ingested"] == 50_048 and held["largest"] <= size
+    assert held["batches"] == -(-steps // (size // 64))  # whole steps: 15 steps of 64 ranks per batch
+    assert held["most"] <= size + len(paths)
+    (s,) = report["statistics"]
+    assert (s["steps_audited"], s["steps_consistent"], s["steps_inconsistent"], s["steps_incomplete"]) == \
+        (782, 781, 1, 0)
+    (bad,) = s["bad_steps"]
+    assert bad["step"] == 7 and {f["kind"] for f in bad["faults"]} == {"cp_disagreement", "group_mismatch",
+                                                                       "wrong_group"}
+    assert {round(r["correct_mean"], 6) for r in bad["ranks"]} == {0.1}
+    assert sorted({round(r["applied_mean"], 6) for r in bad["ranks"]}) == [-0.076923, 0.235294]
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_audit_of_rank_files_equals_import_into_the_live_service(live_server, tmp_path, run_id):
+    """The reference run in one spool file per CP rank — steps 0–2 reduced over the DP group
+    without CP (slime's bug), 3–4 fixed, step 5 reported by rank 0 only, and a line in rank 1's
+    file that is not JSON: `auditor audit` (no service) and `auditor import` into a live
+    service give the same verdicts, faults, ranks and numbers (cp_disagreement 0.433155 σ,
+    applied error 0.267869 σ, CP-rank means −0.076923 / +0.235294, correct mean +0.100000);
+    the import advances each file's offset sidecar to its end, dead-letters the bad line next
+    to rank 1's file and exits 1; the audit names the line and exits 0."""
+    reports = [r for s in range(5) for r in reference_reports(run_id, buggy=s < 3, step=s)]
+    reports.append(reference_reports(run_id, buggy=False, step=5)[0])
+    rank0, rank1 = _write_rank_files(tmp_path / "spool", reports)
+    lines = rank1.read_text().splitlines()
+    rank1.write_text("\n".join([*lines[:2], "{not json", *lines[2:]]) + "\n")
+
+    out = _auditor("audit", str(tmp_path / "spool"), "--format", "json", "--batch-size", "3")
+    assert out.returncode == 0, out.stderr
+    assert f"{rank1}:3: invalid report skipped: not JSON" in out.stderr
+    (offline,) = json.loads(out.stdout)
+    out = _auditor("import", str(tmp_path / "spool"), "--url", live_server.url, "--batch-size", "3")
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "imported 11 new report(s) from 2 file(s); 1 rejected" in out.stdout
+    assert (tmp_path / "spool" / "rank1.jsonl.deadletter").read_text() == "{not json\n"
+    assert not (tmp_path / "spool" / "rank0.jsonl.deadletter").exists()
+    assert [int((p.parent / (p.name + ".offset")).read_text()) for p in (rank0, rank1)] == \
+        [rank0.stat().st_size, rank1.stat().st_size]
+
+    deadline = time.monotonic() + 30
+    while (live := live_server.get(f"/v1/runs/{run_id}/report").json())["statistics"][0]["steps_pending"]:
+        assert time.monotonic() < deadline, "the grace period sweep did not audit step 5"
+        time.sleep(0.2)
+
+    def verdicts(report):
+        (s,) = report["statistics"]
+        steps = {b["step"]: (b["verdict"], sorted((f["kind"], tuple(f["ranks"])) for f in b["faults"]),
+                             [(r["rank"], _r6(r["applied_mean"]), _r6(r["correct_mean"])) for r in b["ranks"]],
+                             _r6(b["cp_disagreement_sigma"]), _r6(b["applied_error_sigma"]))
+                 for b in s["bad_steps"]}
+        counts = {k: s[k] for k in ("steps_audited", "steps_consistent", "steps_inconsistent", "steps_incomplete")}
+        return counts, s["faults"], steps, round(s["worst_cp_disagreement_sigma"], 6), report["consistent"]
+
+    assert verdicts(offline) == verdicts(live)
+    counts, faults, steps, worst, consistent = verdicts(offline)
+    assert counts == {"steps_audited": 6, "steps_consistent": 2, "steps_inconsistent": 3, "steps_incomplete": 1}
+    assert faults == {"cp_disagreement": 3, "group_mismatch": 3, "wrong_group": 3, "missing_report": 1}
+    assert worst == 0.433155 and not consistent
+    verdict, kinds, ranks, cp_sigma, applied_sigma = steps[0]
+    assert verdict == "inconsistent" and (cp_sigma, applied_sigma) == (0.433155, 0.267869)
+    assert ranks == [(0, -0.076923, 0.1), (1, 0.235294, 0.1)]
+    assert steps[5][0] == "incomplete" and ("missing_report", (1,)) in steps[5][1]
+
+
+def test_progress_bar_only_on_a_terminal(tmp_path):
+    """The progress bar goes to stderr when it is a terminal (a pty here), and is off when
+    stderr is a pipe (CI logs) or with --quiet; stdout stays the report alone."""
+    _write_rank_files(tmp_path / "spool", [r for s in range(3) for r in reference_reports("prog", buggy=False, step=s)])
+
+    def run(*extra: str, tty: bool) -> tuple[str, str]:
+        argv = [sys.executable, "-m", "auditor", "audit", str(tmp_path / "spool"), "--format", "json", *extra]
+        if not tty:
+            out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+            assert out.returncode == 0, out.stderr
+            return out.stdout, out.stderr
+        leader, follower = pty.openpty()
+        try:
+            p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=follower, timeout=120,
+                               env={**os.environ, "COLUMNS": "200", "TERM": "xterm"})
+            os.close(follower)
+            err = b""
+            while True:
+                try:
+                    chunk = os.read(leader, 65536)
+                except OSError:  # EIO: the follower side is closed and drained
+                    break
+                if not chunk:
+                    break
+                err += chunk
+        finally:
+            os.close(leader)
+        assert p.returncode == 0, err
+        return p.stdout.decode(), err.decode(errors="replace")
+
+    out, err = run(tty=True)
+    assert "audit" in err and "6 reports" in err and "━" in err
+    assert json.loads(out)[0]["run_id"] == "prog"
+    for extra, tty in (((), False), (("--quiet",), True)):
+        out, err = run(*extra, tty=tty)
+        assert "━" not in err and "reports (" not in err
+        assert err.strip().startswith("read 6 report(s) from 2 file(s)")
+        assert json.loads(out)[0]["run_id"] == "prog"
