@@ -25,12 +25,13 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Sequence
 
+import numpy as np
 import sqlalchemy as sa
 
 from auditor import core, layout
 from auditor.core import DIMS, EXPERT_DIMS, REPLACEABLE, RankReport
 from auditor.db.store import (
-    COLUMNS, COMPARED, Arrival, RunRow, SeriesRow, Store, json_safe, rank_report, report_row,
+    COLUMNS, COMPARED, Arrival, RunRow, SeriesRow, Store, VerdictItem, elements, json_safe, rank_report, report_row,
 )
 from auditor.schemas import DEFAULT_SPECS, Report, RunRegistration, StatisticSpec
 
@@ -151,6 +152,18 @@ class SeriesInfo:
     def of(cls, row: SeriesRow) -> "SeriesInfo":
         spec = StatisticSpec(**row.spec)
         return cls(row.id, row.run_id, row.statistic, row.kind, spec, spec.to_core())
+
+
+@dataclass(frozen=True, slots=True)
+class _Due:
+    """A step to audit: its series, topology, step row, the verdict it replaces (re-audit)
+    and its reports as ``reports`` rows when the caller holds them all."""
+
+    info: SeriesInfo
+    topo: Topology
+    arrival: Arrival
+    previous: str | None
+    rows: list[tuple] | None
 
 
 @dataclass
@@ -343,7 +356,11 @@ class Service:
                         i = next(index_of[k] for k in sorted(rows) if k[:2] == (p.series_id, p.step))
                         raise _microbatch_conflict(i, batch[i], p.expected // placed_of[p.series_id][0])
                 by_id = {info.id: info for info in series_of.values()}
-                by_step: dict[tuple[int, int], list[tuple]] | None = None
+                by_step: dict[tuple[int, int], list[tuple]] = defaultdict(list)
+                if all_new:
+                    for row in ordered:
+                        by_step[row[:2]].append(row)
+                todo: list[_Due] = []
                 for p in sorted(progress, key=lambda p: (p.series_id, p.step)):
                     if p.received < p.expected:
                         continue
@@ -354,33 +371,28 @@ class Service:
                             continue
                         previous = p.verdict
                     info = by_id[p.series_id]
-                    mine = None
-                    if all_new and p.received == added[(p.series_id, p.step)]:
-                        # Every stored report of the step is one this transaction just
-                        # wrote: audit the rows in hand instead of reading them back.
-                        if by_step is None:
-                            by_step = defaultdict(list)
-                            for row in ordered:
-                                by_step[row[:2]].append(row)
-                        mine = [rank_report(row) for row in by_step[(p.series_id, p.step)]]
+                    # Every stored report of the step is one this transaction just wrote:
+                    # audit the rows in hand instead of reading them back.
+                    mine = (by_step[(p.series_id, p.step)]
+                            if all_new and p.received == added[(p.series_id, p.step)] else None)
                     topo = self._topology.get(info.run_id) or new_topology[info.run_id]
-                    v = self._audit(conn, info, topo, p, now, mine, previous=previous)
-                    if v is not None:
-                        out.audited.append((p.series_id, p.step, v))
+                    todo.append(_Due(info, topo, p, previous, mine))
+                out.audited += self._audit_steps(conn, todo, now)
         self._topology.update(new_topology)
         self._series.update(new_series)
         return out
 
     def _judge(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, step: int, expected: int,
-               rank_reports: list[RankReport]) -> core.StepVerdict:
-        """Run the engine on one step. Never raises: an exception of the engine (or findings
-        that cannot be stored) becomes the verdict ``audit_error`` with the exception as the
-        step's one fault, logged once; nothing else of the batch is affected."""
+               rank_reports: list[RankReport], history) -> core.StepVerdict:
+        """Run the engine on one step (``history``: its lazy loader). Never raises: an
+        exception of the engine (or findings that cannot be stored) becomes the verdict
+        ``audit_error`` with the exception as the step's one fault, logged once; nothing else
+        of the batch is affected."""
         try:
             v = core.audit_step(
                 rank_reports, topo.sizes, info.engine_spec,
                 num_microbatches=max(1, expected // topo.placed_count(info.engine_spec)),
-                history=self.store.history(conn, info.id, step), kind=info.kind, **topo.audit_args(),
+                history=history, kind=info.kind, **topo.audit_args(),
             )
             json.dumps(json_safe([[[list(g.key), g.microbatch, g.count, g.mean, g.var] for g in v.groups],
                                   [f.evidence for f in v.faults]]), allow_nan=False)  # storable
@@ -392,22 +404,91 @@ class Service:
             fault = core.Fault(core.FaultKind.AUDIT_ERROR, message, [], {"exception": type(exc).__name__})
             return core.StepVerdict("audit_error", [fault], [], [], None, None)
 
-    def _audit(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, p: Arrival, now: float,
-               rank_reports: list[RankReport] | None = None, previous: str | None = None) -> str | None:
-        """Audit one step inside the caller's transaction and record the verdict; return it,
-        or None if another transaction recorded it first. ``rank_reports``: every stored
-        report of the step, if the caller holds them (else they are read). ``previous``:
-        re-audit a step whose verdict ``previous`` was recorded while reports were missing."""
+    def _audit_steps(self, conn: sa.Connection, due: Sequence["_Due"], now: float) -> list[tuple[int, int, str]]:
+        """Audit steps (key order) inside the caller's transaction and record their verdicts
+        with one :meth:`auditor.db.store.Store.record_verdicts`; return ``(series_id, step,
+        verdict)`` of those recorded (not those another transaction recorded first).
+
+        The clean steps of each series are judged together by
+        :func:`auditor.core.audit_clean` (one array pass over all of them); every other step
+        (or every step, if that pass raises) by :func:`auditor.core.audit_step`, the one
+        source of every finding. A step's reports are the rows in hand (``_Due.rows``) or
+        read back. Verdicts wait to be written until the end, except that a step whose
+        diagnosis needs the series' history first writes those of the steps before it, so
+        it sees them as it did when each verdict was written at once."""
         store = self.store
-        if rank_reports is None:
-            rank_reports = store.step_reports(conn, info.id, p.step)
-        v = self._judge(conn, info, topo, p.step, p.expected, rank_reports)
-        progress = None
-        if any(f.kind == core.FaultKind.MISSING_REPORT for f in v.faults):
-            progress = self._progress(conn, info, topo)
-        done = store.record_verdict(conn, info.id, p.step, v, now, complete=len(rank_reports) >= p.expected,
-                                    previous=previous, progress=progress)
-        return v.verdict if done else None
+        rows = {(d.arrival.series_id, d.arrival.step): d.rows for d in due}
+        for d in due:
+            if d.rows is None and core.batch.eligible(d.info.engine_spec, d.info.kind,
+                                                      "known" if d.topo.known else "unknown"):
+                rows[(d.arrival.series_id, d.arrival.step)] = store.report_rows(conn, d.arrival.series_id,
+                                                                                d.arrival.step)
+        fast = self._audit_clean(due, rows)
+        pending: list[VerdictItem] = []
+        recorded: list[tuple[int, int, str]] = []
+
+        def flush() -> None:
+            for it, ok in zip(pending, store.record_verdicts(conn, pending, now)):
+                if ok:
+                    recorded.append((it.series_id, it.step, it.verdict.verdict))
+            pending.clear()
+
+        for d in due:
+            info, p = d.info, d.arrival
+            key = (p.series_id, p.step)
+            v = fast.get(key)
+            n = p.expected
+            if v is None:
+                rr = rows.get(key)
+                rank_reports = ([rank_report(r) for r in rr] if rr is not None
+                                else store.step_reports(conn, info.id, p.step))
+                n = len(rank_reports)
+                load = store.history(conn, info.id, p.step)
+
+                def history(load=load):
+                    flush()  # the verdicts of the steps before this one, as history
+                    return load()
+
+                v = self._judge(conn, info, d.topo, p.step, p.expected, rank_reports, history)
+            progress = None
+            if any(f.kind == core.FaultKind.MISSING_REPORT for f in v.faults):
+                progress = self._progress(conn, info, d.topo)
+            pending.append(VerdictItem(p.series_id, p.step, v, n >= p.expected, d.previous, progress))
+        flush()
+        return recorded
+
+    def _audit_clean(self, due: Sequence["_Due"], rows: dict) -> dict[tuple[int, int], core.StepVerdict]:
+        """The verdicts :func:`auditor.core.audit_clean` gives, per (series_id, step), of the
+        steps in ``due`` whose reports are in ``rows``. An exception is logged and leaves
+        every step to the exact engine."""
+        out: dict[tuple[int, int], core.StepVerdict] = {}
+        try:
+            for _, group in itertools.groupby(due, key=lambda d: d.arrival.series_id):
+                group = [d for d in group if rows.get((d.arrival.series_id, d.arrival.step)) is not None]
+                if not group:
+                    continue
+                info, topo = group[0].info, group[0].topo
+                if not core.batch.eligible(info.engine_spec, info.kind, "known" if topo.known else "unknown"):
+                    continue
+                el = elements([rows[(d.arrival.series_id, d.arrival.step)] for d in group])
+                verdicts = core.audit_clean(el, np.array([d.arrival.expected for d in group]), topo.sizes,
+                                            info.engine_spec, info.kind)
+                for d, v in zip(group, verdicts):
+                    if v is not None:
+                        out[(d.arrival.series_id, d.arrival.step)] = v
+        except Exception:  # noqa: BLE001 - the exact engine judges every step instead
+            log.exception("the batched audit raised; auditing each step on its own")
+            return {}
+        return out
+
+    def _audit(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, p: Arrival, now: float,
+               previous: str | None = None) -> str | None:
+        """Audit one step (its reports read back) inside the caller's transaction and record
+        the verdict; return it, or None if another transaction recorded it first.
+        ``previous``: re-audit a step whose verdict ``previous`` was recorded while reports
+        were missing."""
+        done = self._audit_steps(conn, [_Due(info, topo, p, previous, None)], now)
+        return done[0][2] if done else None
 
     def _progress(self, conn: sa.Connection, info: SeriesInfo, topo: Topology) -> dict:
         """Hang localisation: which ranks reached which step, from the newest

@@ -30,7 +30,8 @@ verdicts), :mod:`~auditor.core.stats` (moments, Chan merge, one-pass mean/var, t
 gap, rounding tolerance), :mod:`~auditor.core.step` (a step's columns and the groups of
 each candidate reduction), :mod:`~auditor.core.findings` (``Findings.flag``: each finding
 recorded once), :mod:`~auditor.core.checks`, :mod:`~auditor.core.diagnose`,
-:mod:`~auditor.core.verdict` (``audit_step``).
+:mod:`~auditor.core.verdict` (``audit_step``), :mod:`~auditor.core.batch` (``audit_clean``:
+the clean steps of a series in one array pass, the same verdicts).
 """
 
 from auditor.core.checks import PRECISION_LOSS_THRESHOLD
@@ -40,9 +41,12 @@ from auditor.core.types import (
     compress_ranks, expand_ranks, placed_count,
 )
 from auditor.core.verdict import audit_step
+from auditor.core import batch
+from auditor.core.batch import audit_clean
 
 __all__ = [
     "DIMS", "EXPERT_DIMS", "KINDS", "REPLACEABLE", "VERDICTS", "Coord", "Fault", "FaultKind", "GroupStat", "PRECISION_LOSS_THRESHOLD",
-    "RankReport", "RankRow", "STALE_LOOKBACK", "Spec", "StepVerdict", "audit_step", "compress_ranks",
+    "RankReport", "RankRow", "STALE_LOOKBACK", "Spec", "StepVerdict", "audit_clean", "audit_step", "batch",
+    "compress_ranks",
     "expand_ranks", "placed_count",
 ]

@@ -29,7 +29,9 @@ import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
-from auditor.core import REPLACEABLE, STALE_LOOKBACK, VERDICTS, RankReport, StepVerdict, compress_ranks, expand_ranks
+from auditor.core import (
+    REPLACEABLE, STALE_LOOKBACK, VERDICTS, RankReport, StepVerdict, batch, compress_ranks, expand_ranks,
+)
 from auditor.db.engine import write_begin
 from auditor.db.tables import faults, reports, runs, series, series_faults, step_audits
 
@@ -48,7 +50,11 @@ _NO_APPLIED = (None,) * len(_APPLIED_FIELDS)
 #: Picks the RankReport fields (in dataclass order) out of a ``reports`` row tuple.
 _AUDIT_FIELDS = operator.itemgetter(*(COLUMNS.index(f) for f in _REPORT_FIELDS))
 _GROUP_RANKS = _REPORT_FIELDS.index("group_ranks")
-_APPLIED = _REPORT_FIELDS.index("applied")
+_APPLIED_COLUMN = COLUMNS.index("applied")
+#: Columns of a ``reports`` row that :func:`elements` reads.
+_INT_COLUMNS = operator.itemgetter(*(COLUMNS.index(c) for c in ("dp", "cp", "tp", "pp", "microbatch", "rank")))
+_VALUE_COLUMNS = operator.itemgetter(*(COLUMNS.index(c) for c in batch.VALUE_FIELDS))
+_DTYPE, _NON_FINITE, _GROUP_RANKS_COLUMN = (COLUMNS.index(c) for c in ("dtype", "non_finite", "group_ranks"))
 #: Below this many rows a PostgreSQL batch is inserted with one ``INSERT ... RETURNING``.
 _PG_COPY_MIN_ROWS = 32
 _PG_COPY_TYPES = {"BIGINT": "int8", "INTEGER": "int4", "FLOAT": "float8", "BOOLEAN": "bool", "TEXT": "text"}
@@ -92,6 +98,122 @@ class Arrival:
     #: False when ``verdict`` was recorded while reports were missing (the report that
     #: completes the step re-audits it); None while open.
     complete_at_audit: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class VerdictItem:
+    """One step's verdict to record (:meth:`Store.record_verdicts`)."""
+
+    series_id: int
+    step: int
+    verdict: StepVerdict
+    #: all expected reports were audited (else the report that completes the step re-audits)
+    complete: bool = True
+    #: re-audit: the verdict recorded while reports were missing that this one replaces
+    previous: str | None = None
+    #: hang localisation of a step audited with missing reports (``Service._progress``)
+    progress: dict | None = None
+
+
+def _bind(name: str, type_: Any) -> Any:
+    """A typed parameter that PostgreSQL can type even where it only meets IS NULL."""
+    return sa.cast(sa.bindparam(name, type_=type_), type_)
+
+
+def _verdict_statements() -> tuple[Any, Any]:
+    """The step row UPDATEs of :meth:`Store.record_verdicts`: first audit (``verdict IS
+    NULL``) and re-audit (the ``previous`` verdict, recorded while incomplete)."""
+    a = step_audits.c
+    b = {k: sa.bindparam(k, type_=t) for k, t in (
+        ("sid", sa.BigInteger), ("st", sa.BigInteger), ("v_verdict", sa.String), ("now", sa.Float),
+        ("complete", sa.Boolean), ("cp", sa.Float), ("ae", sa.Float), ("tol", sa.Float), ("kinds", sa.String),
+        ("v_groups", sa.JSON), ("prev", sa.String))}
+    values = {"verdict": b["v_verdict"], "audited_at": b["now"], "complete_at_audit": b["complete"],
+              "cp_disagreement_sigma": b["cp"], "applied_error_sigma": b["ae"], "tolerance_sigma": b["tol"],
+              "fault_kinds": b["kinds"], "groups": b["v_groups"]}
+    key = (a.series_id == b["sid"], a.step == b["st"])
+    first = step_audits.update().where(*key, a.verdict.is_(None)).values(**values)
+    again = (step_audits.update().where(*key, a.verdict == b["prev"], a.complete_at_audit.is_(False))
+             .values(**values, previous_verdict=b["prev"], verdict_changed_at=b["now"]))
+    return first, again
+
+
+def _series_statement() -> Any:
+    """The ``series`` UPDATE of :meth:`Store.record_verdicts`, one parameter set per series
+    (or per item, applied in order): verdict counts by delta, first/last bad step, worst σ
+    and its step, the newest step's σ figures, hang localisation."""
+    s = series.c
+    sid = _bind("sid", sa.BigInteger)
+    lstep = _bind("lstep", sa.BigInteger)
+    latest = sa.or_(s.last_audited_step.is_(None), s.last_audited_step <= lstep)
+    recompute = _bind("recompute", sa.Integer) == 1
+    has_progress = _bind("has_progress", sa.Integer) == 1
+    values: dict[str, Any] = {"updated_at": sa.bindparam("now", type_=sa.Float)}
+    for v in VERDICTS:
+        values[f"steps_{v}"] = s[f"steps_{v}"] + _bind(f"d_{v}", sa.BigInteger)
+    for v in REPLACEABLE:
+        values[f"superseded_{v}"] = s[f"superseded_{v}"] + _bind(f"s_{v}", sa.BigInteger)
+    for col, agg, key, beyond in (("first_bad_step", sa.func.min, "bad_lo", operator.gt),
+                                  ("last_bad_step", sa.func.max, "bad_hi", operator.lt)):
+        bad = _bind(key, sa.BigInteger)
+        stored = sa.select(agg(step_audits.c.step)).where(
+            step_audits.c.series_id == sid, step_audits.c.verdict == "inconsistent").scalar_subquery()
+        values[col] = sa.case((recompute, stored),
+                              (sa.and_(bad.is_not(None), sa.or_(s[col].is_(None), beyond(s[col], bad))), bad),
+                              else_=s[col])
+    for name, key in (("cp_disagreement", "wcp"), ("applied_error", "wae")):
+        value, col = _bind(key, sa.Float), s[f"worst_{name}_sigma"]
+        higher = sa.and_(value.is_not(None), sa.or_(col.is_(None), col < value))
+        values[f"worst_{name}_sigma"] = sa.case((higher, value), else_=col)
+        values[f"worst_{name}_step"] = sa.case((higher, _bind(key + "_step", sa.BigInteger)),
+                                               else_=s[f"worst_{name}_step"])
+    values["cp_disagreement_sigma"] = sa.case((latest, _bind("cp", sa.Float)), else_=s.cp_disagreement_sigma)
+    values["applied_error_sigma"] = sa.case((latest, _bind("ae", sa.Float)), else_=s.applied_error_sigma)
+    values["last_audited_step"] = sa.case((latest, lstep), else_=s.last_audited_step)
+    values["ranks_behind"] = sa.case((has_progress, _bind("ranks_behind", sa.Integer)), (latest, 0),
+                                     else_=s.ranks_behind)
+    values["progress"] = sa.case((has_progress, sa.bindparam("v_progress", type_=sa.JSON)), (latest, sa.null()),
+                                 else_=s.progress)
+    return series.update().where(s.id == sid).values(**values)
+
+
+def _series_params(series_id: int, items: Sequence[VerdictItem], now: float) -> dict:
+    """One parameter set of :func:`_series_statement` for ``items`` of one series (key
+    order) whose net effect is that of recording them one by one: verdict deltas summed,
+    the lowest/highest inconsistent step, the largest σ with the first step that reached
+    it, the newest step's σ figures. Re-audits and progress come one item at a time."""
+    d: dict[str, Any] = {"sid": series_id, "now": now, "recompute": 0, "has_progress": 0, "ranks_behind": None,
+                         "v_progress": None}
+    for v in VERDICTS:
+        d[f"d_{v}"] = 0
+    for v in REPLACEABLE:
+        d[f"s_{v}"] = 0
+    bad = []
+    for it in items:
+        v = it.verdict.verdict
+        d[f"d_{v}"] += 1
+        if v == "inconsistent":
+            bad.append(it.step)
+        if it.previous is not None:  # the same verdict again: steps_<v> unchanged, one more superseded
+            d[f"d_{it.previous}"] -= 1
+            d[f"s_{it.previous}"] += 1
+            if it.previous == "inconsistent" and v != "inconsistent":
+                d["recompute"] = 1  # the step no longer counts as bad
+        if it.progress is not None:
+            d.update(has_progress=1, ranks_behind=it.progress["ranks_behind"], v_progress=json_safe(it.progress))
+    d["bad_lo"], d["bad_hi"] = (min(bad), max(bad)) if bad else (None, None)
+    for key, attr in (("wcp", "cp_disagreement_sigma"), ("wae", "applied_error_sigma")):
+        best = best_step = None
+        for it in items:
+            x = finite_or_none(getattr(it.verdict, attr))
+            if x is not None and (best is None or best < x):
+                best, best_step = x, it.step
+        d[key], d[key + "_step"] = best, best_step
+    last = max(items, key=lambda it: it.step)
+    d["lstep"] = last.step
+    d["cp"] = finite_or_none(last.verdict.cp_disagreement_sigma)
+    d["ae"] = finite_or_none(last.verdict.applied_error_sigma)
+    return d
 
 
 def json_safe(obj: Any) -> Any:
@@ -145,6 +267,22 @@ def report_row(r, series_id: int, now: float) -> tuple:
             compress_ranks(r.group_ranks) if r.group_ranks is not None else None, now)
 
 
+def elements(steps: Sequence[Sequence[tuple]]) -> batch.Elements:
+    """The columns :func:`auditor.core.audit_clean` reads, of the ``reports`` rows
+    (:data:`COLUMNS` order) of several steps: ``steps[i]`` holds the rows of step ``i``."""
+    rows = [r for rs in steps for r in rs]
+    n = len(rows)
+    return batch.Elements(
+        step=np.repeat(np.arange(len(steps), dtype=np.int64), [len(rs) for rs in steps]),
+        ints=np.array([_INT_COLUMNS(r) for r in rows], dtype=np.int64).reshape(n, 6),
+        values=np.array([_VALUE_COLUMNS(r) for r in rows], dtype=np.float64).reshape(n, len(batch.VALUE_FIELDS)),
+        applied=np.array([r[_APPLIED_COLUMN] for r in rows], dtype=bool).reshape(n),
+        dtype=[r[_DTYPE] for r in rows],
+        noted=np.array([r[_NON_FINITE] is not None for r in rows], dtype=bool).reshape(n),
+        group_ranks=[r[_GROUP_RANKS_COLUMN] for r in rows],
+    )
+
+
 def rank_report(row: Sequence) -> RankReport:
     """The engine's :class:`~auditor.core.types.RankReport` of a ``reports`` row tuple
     (:data:`COLUMNS` order)."""
@@ -172,8 +310,9 @@ class Store:
                             "ON CONFLICT DO NOTHING")
         self._copy_sql = f"COPY reports ({names}) FROM STDIN (FORMAT BINARY)"
         mark = "%s" if self.dialect == "postgresql" else "?"
-        self._step_sql = (f"SELECT {', '.join(f'{chr(34)}{f}{chr(34)}' for f in _REPORT_FIELDS)} FROM reports "
-                          f"WHERE series_id = {mark} AND step = {mark}")
+        self._step_sql = f"SELECT {names} FROM reports WHERE series_id = {mark} AND step = {mark}"
+        self._verdict_stmt, self._reaudit_stmt = _verdict_statements()
+        self._series_stmt = _series_statement()
         self._copy_types = [
             _PG_COPY_TYPES["TEXT" if isinstance(c.type, sa.String) else c.type.compile(postgresql.dialect())]
             for c in reports.columns
@@ -313,29 +452,25 @@ class Store:
                                     c.dp == dp, c.cp == cp, c.tp == tp, c.pp == pp)
         ).scalar_one_or_none()
 
-    def step_reports(self, conn: sa.Connection, series_id: int, step: int) -> list[RankReport]:
-        """Every stored report of one step. Read with the driver's cursor (one step can hold
-        thousands of rows and this is on the verdict-latency path); SQLite's 0/1 ``applied``
-        becomes a bool as SQLAlchemy would make it."""
+    def report_rows(self, conn: sa.Connection, series_id: int, step: int) -> list[tuple]:
+        """Every stored report of one step as ``reports`` row tuples (:data:`COLUMNS` order).
+        Read with the driver's cursor (one step can hold thousands of rows and this is on
+        the verdict-latency path); SQLite's 0/1 ``applied`` becomes a bool as SQLAlchemy
+        would make it."""
         cur = conn.connection.driver_connection.cursor()
         try:
             cur.execute(self._step_sql, (series_id, step))
             rows = cur.fetchall()
         finally:
             cur.close()
-        out = []
-        fix_bool = self.dialect == "sqlite"
-        for row in rows:
-            if row[_GROUP_RANKS] is None and not fix_bool:
-                out.append(RankReport(*row))
-                continue
-            v = list(row)
-            if fix_bool:
-                v[_APPLIED] = bool(v[_APPLIED])
-            if v[_GROUP_RANKS] is not None:
-                v[_GROUP_RANKS] = expand_ranks(v[_GROUP_RANKS])
-            out.append(RankReport(*v))
-        return out
+        if self.dialect == "sqlite":
+            a = _APPLIED_COLUMN
+            rows = [(*r[:a], bool(r[a]), *r[a + 1:]) for r in rows]
+        return rows
+
+    def step_reports(self, conn: sa.Connection, series_id: int, step: int) -> list[RankReport]:
+        """Every stored report of one step, as the engine's reports."""
+        return [rank_report(r) for r in self.report_rows(conn, series_id, step)]
 
     # ------------------------------------------------------------------------- steps
     def count_arrivals(self, conn: sa.Connection, added: Mapping[tuple[int, int], int],
@@ -378,110 +513,106 @@ class Store:
     def record_verdict(self, conn: sa.Connection, series_id: int, step: int, v: StepVerdict, now: float,
                        complete: bool = True, previous: str | None = None,
                        progress: dict | None = None) -> bool:
-        """Record the verdict of a step, its faults and the series aggregates. False (and
-        nothing written) if another transaction recorded it first. ``complete``: all
-        expected reports were audited (else the report that completes the step re-audits).
+        """Record one step's verdict: :meth:`record_verdicts` of one item. False (and
+        nothing written) if another transaction recorded it first."""
+        return self.record_verdicts(conn, [VerdictItem(series_id, step, v, complete, previous, progress)], now)[0]
 
-        ``previous``: replace the verdict ``previous`` recorded while reports were missing
-        (a re-audit): the step row matches only while ``complete_at_audit`` is false, so one
-        transaction wins across replicas; the old faults are deleted and taken out of
-        ``series_faults`` (their ``superseded`` keeps the total), the old verdict out of
-        ``steps_<previous>`` (into ``superseded_<previous>``), first/last bad step recomputed
-        when the step stops being bad, and the step keeps ``previous_verdict`` and
-        ``verdict_changed_at``.
+    def record_verdicts(self, conn: sa.Connection, items: Sequence["VerdictItem"], now: float) -> list[bool]:
+        """Record the verdicts of many steps, their faults and the series aggregates, in a
+        bounded number of statements (executemany; at most ten, however many steps).
+        Returns per item (in the given order) True if it was recorded, False (and nothing of
+        it written) if another transaction recorded that step first.
 
-        ``progress`` (hang localisation, a step audited with missing reports): stored on the
-        series with its ``ranks_behind``; without it, a step at least as new as any audited
-        resets them (every placed rank reached it).
+        Per item: ``complete``: all expected reports were audited (else the report that
+        completes the step re-audits). ``previous``: replace the verdict ``previous``
+        recorded while reports were missing (a re-audit): the step row matches only while
+        ``complete_at_audit`` is false, so one transaction wins across replicas; the old
+        faults are deleted and taken out of ``series_faults`` (their ``superseded`` keeps
+        the total), the old verdict out of ``steps_<previous>`` (into
+        ``superseded_<previous>``), first/last bad step recomputed when the step stops being
+        bad, and the step keeps ``previous_verdict`` and ``verdict_changed_at``.
+        ``progress`` (hang localisation, a step audited with missing reports): stored on
+        the series with its ``ranks_behind``; without it, a step at least as new as any
+        audited resets them (every placed rank reached it).
 
-        Lock order: the ``step_audits`` row, then the ``series`` row, then ``series_faults``
-        rows. The series row is updated before ``series_faults`` so that every auditing
-        transaction takes these locks in one order; the other way round, a transaction
-        auditing two steps with different fault kinds deadlocked with one auditing a third
-        (PostgreSQL).
+        The series row ends as if the items had been recorded one by one in key order:
+        one parameter set per series for plain first audits (their sums, extremes and
+        newest step), one per item for series with re-audits or progress (the statement's
+        CASE expressions then apply them in order).
+
+        Lock order: the ``step_audits`` rows (key order), then the ``series`` rows (id
+        order), then the ``series_faults`` rows (key order). The series rows are updated
+        before ``series_faults`` so that every auditing transaction takes these locks in
+        one order; the other way round, a transaction auditing two steps with different
+        fault kinds deadlocked with one auditing a third (PostgreSQL).
         """
-        sa_ = step_audits.c
-        groups = [[list(g.key), g.microbatch, g.count, g.mean, g.var] for g in v.groups]
-        if previous is None:
-            cond, extra = sa_.verdict.is_(None), {}
+        order = sorted(range(len(items)), key=lambda i: (items[i].series_id, items[i].step))
+        won = [False] * len(items)
+        if not order:
+            return won
+        first = [i for i in order if items[i].previous is None]
+        again = [i for i in order if items[i].previous is not None]
+        params = {i: self._step_params(items[i], now) for i in order}
+        if len(order) == 1:  # the rowcount of one UPDATE says whether it won
+            i = order[0]
+            won[i] = conn.execute(self._reaudit_stmt if again else self._verdict_stmt, [params[i]]).rowcount == 1
         else:
-            cond = sa.and_(sa_.verdict == previous, sa_.complete_at_audit.is_(False))
-            extra = {"previous_verdict": previous, "verdict_changed_at": now}
-        done = conn.execute(
-            step_audits.update()
-            .where(sa_.series_id == series_id, sa_.step == step, cond)
-            .values(
-                verdict=v.verdict, audited_at=now, complete_at_audit=complete,
-                cp_disagreement_sigma=finite_or_none(v.cp_disagreement_sigma),
-                applied_error_sigma=finite_or_none(v.applied_error_sigma),
-                tolerance_sigma=finite_or_none(v.tolerance_sigma),
-                fault_kinds=",".join(map(str, v.fault_kinds)) or None, groups=json_safe(groups), **extra,
-            )
-        ).rowcount
-        if done != 1:
-            return False
-        old_faults: dict[str, int] = {}
-        if previous is not None:
-            old_faults = dict(conn.execute(
-                sa.select(faults.c.kind, sa.func.count()).where(faults.c.series_id == series_id, faults.c.step == step)
-                .group_by(faults.c.kind)
-            ).all())
-            conn.execute(faults.delete().where(faults.c.series_id == series_id, faults.c.step == step))
-        s = series.c
-        bad = v.verdict == "inconsistent"
-        latest = sa.or_(s.last_audited_step.is_(None), s.last_audited_step <= step)
-        worst = {}  # the largest σ of any step, and the step that had it
-        for name, value in (("cp_disagreement", v.cp_disagreement_sigma), ("applied_error", v.applied_error_sigma)):
-            value = finite_or_none(value)
-            if value is None:
-                continue
-            col = s[f"worst_{name}_sigma"]
-            higher = sa.or_(col.is_(None), col < value)
-            worst[f"worst_{name}_sigma"] = sa.case((higher, value), else_=col)
-            worst[f"worst_{name}_step"] = sa.case((higher, step), else_=s[f"worst_{name}_step"])
-        counts: dict[str, Any] = {f"steps_{v.verdict}": s[f"steps_{v.verdict}"] + 1}
-        first_bad = sa.case((sa.and_(sa.literal(bad), sa.or_(s.first_bad_step.is_(None), s.first_bad_step > step)),
-                             step), else_=s.first_bad_step)
-        last_bad = sa.case((sa.and_(sa.literal(bad), sa.or_(s.last_bad_step.is_(None), s.last_bad_step < step)),
-                            step), else_=s.last_bad_step)
-        if previous is not None:
-            counts[f"superseded_{previous}"] = s[f"superseded_{previous}"] + 1
-            # (the same verdict again: steps_<v> unchanged, one more recorded in superseded_<v>)
-            counts[f"steps_{previous}"] = s[f"steps_{previous}"] + (0 if previous == v.verdict else -1)
-            if previous == "inconsistent" and not bad:  # the step no longer counts as bad
-                first_bad, last_bad = conn.execute(
-                    sa.select(sa.func.min(sa_.step), sa.func.max(sa_.step))
-                    .where(sa_.series_id == series_id, sa_.verdict == "inconsistent")
-                ).one()
-        if progress is not None:
-            hang = {"ranks_behind": progress["ranks_behind"], "progress": json_safe(progress)}
-        else:
-            hang = {"ranks_behind": sa.case((latest, 0), else_=s.ranks_behind),
-                    "progress": sa.case((latest, sa.null()), else_=s.progress)}
-        conn.execute(
-            series.update().where(s.id == series_id).values(
-                updated_at=now, **counts, first_bad_step=first_bad, last_bad_step=last_bad,
-                cp_disagreement_sigma=sa.case(
-                    (latest, finite_or_none(v.cp_disagreement_sigma)), else_=s.cp_disagreement_sigma),
-                applied_error_sigma=sa.case(
-                    (latest, finite_or_none(v.applied_error_sigma)), else_=s.applied_error_sigma),
-                last_audited_step=sa.case((latest, step), else_=s.last_audited_step),
-                **worst,
-                **hang,
-            )
-        )
-        if v.faults:
-            conn.execute(faults.insert(), [
-                {"series_id": series_id, "step": step, "kind": str(f.kind), "ranks": compress_ranks(f.ranks),
-                 "message": f.message, "evidence": json_safe(f.evidence)}
-                for f in v.faults
-            ])
-        new_faults: dict[str, int] = defaultdict(int)
-        for f in v.faults:
-            new_faults[str(f.kind)] += 1
-        deltas = [{"series_id": series_id, "kind": k, "count": new_faults.get(k, 0) - old_faults.get(k, 0),
-                   "superseded": old_faults.get(k, 0)}
-                  for k in sorted(set(new_faults) | set(old_faults))]
+            savepoint = conn.begin_nested()
+            n = sum(conn.execute(stmt, [params[i] for i in idx]).rowcount
+                    for stmt, idx in ((self._verdict_stmt, first), (self._reaudit_stmt, again)) if idx)
+            if n == len(order):
+                savepoint.commit()
+                won = [True] * len(items)
+            else:  # another transaction recorded some of them: find which, one by one
+                savepoint.rollback()
+                for i in order:
+                    stmt = self._verdict_stmt if items[i].previous is None else self._reaudit_stmt
+                    won[i] = conn.execute(stmt, [params[i]]).rowcount == 1
+        mine = [i for i in order if won[i]]
+        if not mine:
+            return won
+
+        old_faults: dict[tuple[int, int], dict[str, int]] = defaultdict(dict)
+        reaudited = [(items[i].series_id, items[i].step) for i in mine if items[i].previous is not None]
+        if reaudited:
+            where = sa.tuple_(faults.c.series_id, faults.c.step).in_(reaudited)
+            for sid, st, kind, cnt in conn.execute(
+                sa.select(faults.c.series_id, faults.c.step, faults.c.kind, sa.func.count()).where(where)
+                .group_by(faults.c.series_id, faults.c.step, faults.c.kind)
+            ):
+                old_faults[(sid, st)][kind] = cnt
+            conn.execute(faults.delete().where(where))
+
+        by_series: dict[int, list[VerdictItem]] = defaultdict(list)
+        for i in mine:
+            by_series[items[i].series_id].append(items[i])
+        series_params = []
+        for sid in sorted(by_series):
+            its = by_series[sid]
+            if any(it.previous is not None or it.progress is not None for it in its):
+                series_params += [_series_params(sid, [it], now) for it in its]
+            else:
+                series_params.append(_series_params(sid, its, now))
+        conn.execute(self._series_stmt, series_params)
+
+        fault_rows = [
+            {"series_id": items[i].series_id, "step": items[i].step, "kind": str(f.kind),
+             "ranks": compress_ranks(f.ranks), "message": f.message, "evidence": json_safe(f.evidence)}
+            for i in mine for f in items[i].verdict.faults
+        ]
+        if fault_rows:
+            conn.execute(faults.insert(), fault_rows)
+        deltas: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0])
+        for i in mine:
+            it = items[i]
+            old = old_faults.get((it.series_id, it.step), {})
+            new: dict[str, int] = defaultdict(int)
+            for f in it.verdict.faults:
+                new[str(f.kind)] += 1
+            for k in set(new) | set(old):
+                d = deltas[(it.series_id, k)]
+                d[0] += new.get(k, 0) - old.get(k, 0)
+                d[1] += old.get(k, 0)
         if deltas:
             stmt = self._insert(series_faults)
             conn.execute(
@@ -490,9 +621,19 @@ class Store:
                     set_={"count": series_faults.c.count + stmt.excluded.count,
                           "superseded": series_faults.c.superseded + stmt.excluded.superseded},
                 ),
-                deltas,
+                [{"series_id": sid, "kind": k, "count": c, "superseded": sup}
+                 for (sid, k), (c, sup) in sorted(deltas.items())],
             )
-        return True
+        return won
+
+    @staticmethod
+    def _step_params(it: "VerdictItem", now: float) -> dict:
+        v = it.verdict
+        groups = [[list(g.key), g.microbatch, g.count, g.mean, g.var] for g in v.groups]
+        return {"sid": it.series_id, "st": it.step, "v_verdict": v.verdict, "now": now, "complete": it.complete,
+                "cp": finite_or_none(v.cp_disagreement_sigma), "ae": finite_or_none(v.applied_error_sigma),
+                "tol": finite_or_none(v.tolerance_sigma), "kinds": ",".join(map(str, v.fault_kinds)) or None,
+                "v_groups": json_safe(groups), "prev": it.previous}
 
     def rank_progress(self, conn: sa.Connection, series_id: int, window: int) -> tuple[int, dict[int, int]]:
         """Hang localisation: the first of the series' newest ``window`` steps, and each rank's

@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 
 import pytest
+import sqlalchemy as sa
 from factory import reference_reports
 
 from auditor import core
-from auditor.db.store import COLUMNS, KEY, Store, rank_report, report_row
+from auditor.db.store import COLUMNS, KEY, Store, VerdictItem, rank_report, report_row
 from auditor.schemas import Report
 
 
@@ -104,3 +105,93 @@ def test_open_steps_are_due_after_their_grace_period(store, run_id):
     with store.read() as conn:
         assert (sid, 0, 2) in store.due_steps(conn, now, 10_000)
         assert (sid, 0, 2) not in store.due_steps(conn, now - 1, 10_000)
+
+
+def _verdict(verdict: str, cp=None, ae=None, faults=(), step_groups=1) -> core.StepVerdict:
+    fs = [core.Fault(core.FaultKind(k), f"{k} message", [0, 1], {"max_error_sigma": 1.5} if k != "missing_report"
+                     else {"missing": 1, "expected": 2}) for k in faults]
+    groups = [core.GroupStat((0, g), 0, [], 150.0, 0.1 * g, 1.25) for g in range(step_groups)]
+    return core.StepVerdict(verdict, fs, [], groups, cp, ae, 0.01 if verdict == "consistent" else None)
+
+
+#: (step, verdict, complete, previous, progress) in three rounds: first audits in an order
+#: that is not the step order (a newer step before older ones), ties and NaN among the σ
+#: figures, then re-audits (incomplete → consistent, inconsistent → consistent) mixed with
+#: first audits and a step recorded already (it must lose).
+_PROGRESS = {"newest_step": 7, "ranks_behind": 1, "at": [], "summary": "rank 1 stopped at step 3"}
+_ROUNDS = [
+    [(7, _verdict("consistent", 0.2, 0.3), True, None, None),
+     (0, _verdict("consistent", 0.1, 0.2), True, None, None),
+     (1, _verdict("inconsistent", 0.5, 0.9, ("cp_disagreement", "group_mismatch")), True, None, None),
+     (2, _verdict("incomplete", None, None, ("missing_report",)), False, None, _PROGRESS),
+     (3, _verdict("consistent", 0.5, 0.9, step_groups=2), True, None, None),
+     (4, _verdict("inconsistent", float("nan"), 2.0, ("missing_report", "group_mismatch")), False, None, None),
+     (5, _verdict("audit_error", None, None, ("audit_error",)), True, None, None)],
+    [(8, _verdict("inconsistent", 3.0, 0.1, ("wrong_group",)), True, None, None),
+     (6, _verdict("consistent", 0.05, 0.05), True, None, None)],
+    [(2, _verdict("consistent", 0.3, 0.3), True, "incomplete", None),
+     (4, _verdict("consistent", 0.2, 0.1), True, "inconsistent", None),
+     (1, _verdict("consistent"), True, None, None),
+     (9, _verdict("incomplete", None, None, ("missing_report",)), False, None, dict(_PROGRESS, newest_step=9)),
+     (10, _verdict("consistent", 0.4, 0.4), True, None, None)],
+]
+
+
+def test_record_verdicts_equals_record_verdict_one_by_one(store, run_id):
+    """The same rounds of verdicts recorded one by one (record_verdict, key order) in one
+    series and all at once (record_verdicts) in another leave identical step rows, faults,
+    series aggregates and fault counts, and win/lose the same."""
+    now = time.time()
+    sids = []
+    with store.write() as conn:
+        store.ensure_run(conn, run_id, 2, (1, 2, 1, 1), now)
+        for name in ("one", "all"):
+            sid = store.ensure_series(conn, run_id, name, "moments", {}, now).id
+            sids.append(sid)
+            store.count_arrivals(conn, {(sid, s): 1 for s in range(11)}, {(sid, s): 2 for s in range(11)}, now)
+    for r, items in enumerate(_ROUNDS):
+        with store.write() as conn:
+            one = [store.record_verdict(conn, sids[0], st, v, now + r, complete=c, previous=p, progress=g)
+                   for st, v, c, p, g in sorted(items, key=lambda it: it[0])]
+            many = store.record_verdicts(conn, [VerdictItem(sids[1], st, v, c, p, g) for st, v, c, p, g in items],
+                                         now + r)
+        assert [ok for _, ok in sorted(zip([it[0] for it in items], many))] == one
+    assert one == [False, True, True, True, True]  # steps 1, 2, 4, 9, 10: step 1 was recorded already
+    with store.read() as conn:
+        rows = [store.series_rows(conn, run_id, statistic=name)[0] for name in ("one", "all")]
+        strip = {"id", "statistic"}
+        assert {k: v for k, v in rows[0].items() if k not in strip} == {k: v for k, v in rows[1].items()
+                                                                        if k not in strip}
+        assert (rows[0]["first_bad_step"], rows[0]["last_bad_step"], rows[0]["last_audited_step"]) == (1, 8, 10)
+        assert rows[0]["superseded_incomplete"] == 1 and rows[0]["ranks_behind"] == 0
+        for s in range(11):
+            a, b = (dict(store.step_row(conn, sid, s)) for sid in sids)
+            assert {**a, "series_id": 0} == {**b, "series_id": 0}, s
+            fa, fb = ([dict(f) for f in store.step_faults(conn, sid, s)] for sid in sids)
+            assert fa == fb, s
+        assert store.fault_counts(conn, sids[0]) == store.fault_counts(conn, sids[1]) == {
+            "audit_error": 1, "missing_report": 1, "wrong_group": 1, "cp_disagreement": 1, "group_mismatch": 1}
+
+
+def test_record_verdicts_takes_a_bounded_number_of_statements(store, run_id):
+    """Recording the verdicts of 5 or 200 steps (with faults) takes the same few statements."""
+    now = time.time()
+    counts = []
+    with store.write() as conn:
+        store.ensure_run(conn, run_id, 2, (1, 2, 1, 1), now)
+        sid = store.ensure_series(conn, run_id, "adv", "moments", {}, now).id
+        store.count_arrivals(conn, {(sid, s): 2 for s in range(205)}, {(sid, s): 2 for s in range(205)}, now)
+    for steps in (range(5), range(5, 205)):
+        statements = []
+        listen = lambda *a, **k: statements.append(a[2])  # noqa: E731
+        sa.event.listen(store.engine, "before_cursor_execute", listen)
+        try:
+            with store.write() as conn:
+                done = store.record_verdicts(conn, [
+                    VerdictItem(sid, s, _verdict("inconsistent", 0.1 * s, 0.2, ("group_mismatch",)) if s % 3 else
+                                _verdict("consistent", 0.1, 0.1)) for s in steps], now)
+        finally:
+            sa.event.remove(store.engine, "before_cursor_execute", listen)
+        assert all(done)
+        counts.append(len(statements))
+    assert counts[0] == counts[1] <= 10, counts

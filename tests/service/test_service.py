@@ -78,3 +78,26 @@ def test_registration_and_reads(service, run_id):
                  lambda: service.report(run_id, statistic="nope")):
         with pytest.raises(NotFound):
             call()
+
+
+def test_ingest_takes_a_bounded_number_of_statements_per_batch(service, run_id):
+    """A batch completing 20 or 200 steps (some inconsistent) is stored, audited and its
+    verdicts recorded in the same number of SQL statements: the cost is per batch, not per
+    step; every step gets its verdict."""
+    import sqlalchemy as sa
+
+    counts = []
+    service.ingest(batch(run_id, buggy=False, step=10_000))  # the run and series exist (and are cached)
+    for first, steps in ((0, 20), (20, 200)):  # ≥ 32 reports: PostgreSQL's COPY path both times
+        reports = [r for s in range(first, first + steps) for r in batch(run_id, buggy=s % 7 == 3, step=s)]
+        statements = []
+        listen = lambda *a, **k: statements.append(a[2])  # noqa: E731
+        sa.event.listen(service.store.engine, "before_cursor_execute", listen)
+        try:
+            out = service.ingest(reports)
+        finally:
+            sa.event.remove(service.store.engine, "before_cursor_execute", listen)
+        assert len(out.audited) == steps
+        assert sum(v == "inconsistent" for _, _, v in out.audited) == sum(s % 7 == 3 for s in range(first, first + steps))
+        counts.append(len(statements))
+    assert counts[0] == counts[1], counts
