@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import httpx
 
@@ -55,7 +57,8 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
     for the service. Reports the service refuses for good (409/422/413, or one report that
     keeps making it fail with a 500: :func:`auditor.trainer.delivery.deliver` bisects such
     batches) are counted ``rejected`` and appended to the dead-letter file next to the spool
-    they came from (``<spool>.deadletter``); the import goes on after them.
+    they came from (``<spool>.deadletter``); the import goes on after them. The next batch is
+    read while one is on the wire (:func:`read_ahead`).
 
     ``on_progress(done_bytes, total_bytes, reports_sent)`` is called after every batch.
     Returns counters ``files``, ``sent`` (delivered), ``duplicates`` (of those, already
@@ -101,7 +104,7 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
     if on_progress:
         on_progress(reader.done_bytes(), total, 0)
     with httpx.Client(timeout=timeout, headers=headers) as http:
-        for batch in reader.batches(batch_size):
+        for batch in read_ahead(reader.batches(batch_size)):
             lines = [item[3] for item in batch]
             source = {id(item[3]): item[1] for item in batch}
             try:
@@ -119,6 +122,46 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
         if end > written[i]:
             write_offset(files[i], end)
     return counts
+
+
+def read_ahead(batches: Iterator[list], depth: int = 1) -> Iterator[list]:
+    """``batches``, read by a thread up to ``depth`` batches ahead of the consumer: the next
+    batch is read and merged while the current one is on the wire (waiting for the answer
+    releases the GIL). Holds up to ``depth`` + 2 batches (the consumer's, the queued ones, the
+    one being read). An exception of the reader is raised in the consumer; a consumer that
+    stops early stops the thread after the batch it is reading."""
+    q: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    end = object()
+
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                q.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def run() -> None:
+        try:
+            for b in batches:
+                if not put(b):
+                    return
+            put(end)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            put(exc)
+
+    t = threading.Thread(target=run, name="spool-reader", daemon=True)
+    t.start()
+    try:
+        while (b := q.get()) is not end:
+            if isinstance(b, BaseException):
+                raise b
+            yield b
+    finally:
+        stop.set()
+        t.join()
 
 
 def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None = None, *,

@@ -9,12 +9,13 @@ import os
 import pty
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 from factory import applied, local_moments, reference_reports, total
 
-from auditor.offline import audit_offline
+from auditor.offline import audit_offline, read_ahead
 from auditor.service import Service
 from auditor.trainer.spool import SpoolReader
 
@@ -196,3 +197,24 @@ def test_progress_bar_only_on_a_terminal(tmp_path):
         assert "━" not in err and "reports (" not in err
         assert err.strip().startswith("read 6 report(s) from 2 file(s)")
         assert json.loads(out)[0]["run_id"] == "prog"
+
+
+def test_read_ahead_hands_over_errors_and_stops_with_its_consumer():
+    """The import's reader thread: batches arrive in order, an error of the reader (a spool
+    that cannot be read) is raised in the consumer after the batches before it, and a
+    consumer that stops early (the service went away) stops the thread instead of leaving
+    it blocked on a full queue."""
+    def failing():
+        yield [1]
+        yield [2]
+        raise OSError("spool unreadable")
+
+    it = read_ahead(failing())
+    assert [next(it), next(it)] == [[1], [2]]
+    with pytest.raises(OSError, match="spool unreadable"):
+        next(it)
+    it = read_ahead(iter([[i] for i in range(100)]))
+    assert next(it) == [0]
+    before = threading.active_count()
+    it.close()
+    assert threading.active_count() == before - 1
