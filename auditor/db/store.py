@@ -630,10 +630,14 @@ class Store:
     def _step_params(it: "VerdictItem", now: float) -> dict:
         v = it.verdict
         groups = [[list(g.key), g.microbatch, g.count, g.mean, g.var] for g in v.groups]
+        try:  # plain ints and floats: only non-finite floats need json_safe (one C-level check)
+            finite = math.isfinite(math.fsum([x for g in v.groups for x in (g.count, g.mean, g.var)]))
+        except (OverflowError, ValueError):
+            finite = False
         return {"sid": it.series_id, "st": it.step, "v_verdict": v.verdict, "now": now, "complete": it.complete,
                 "cp": finite_or_none(v.cp_disagreement_sigma), "ae": finite_or_none(v.applied_error_sigma),
                 "tol": finite_or_none(v.tolerance_sigma), "kinds": ",".join(map(str, v.fault_kinds)) or None,
-                "v_groups": json_safe(groups), "prev": it.previous}
+                "v_groups": groups if finite else json_safe(groups), "prev": it.previous}
 
     def rank_progress(self, conn: sa.Connection, series_id: int, window: int) -> tuple[int, dict[int, int]]:
         """Hang localisation: the first of the series' newest ``window`` steps, and each rank's

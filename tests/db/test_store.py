@@ -195,3 +195,18 @@ def test_record_verdicts_takes_a_bounded_number_of_statements(store, run_id):
         assert all(done)
         counts.append(len(statements))
     assert counts[0] == counts[1] <= 10, counts
+
+
+def test_verdict_updates_find_the_step_row_by_its_key_on_sqlite(store):
+    """SQLite's plan for the verdict UPDATEs (and the bad-step recount) is a key lookup:
+    with ``verdict`` in the filter, a plan over ``ix_step_audits_open`` would scan every
+    open step of every series for each verdict written."""
+    if store.dialect != "sqlite":
+        pytest.skip("a SQLite query plan")
+    with store.read() as conn:
+        raw = conn.connection.driver_connection
+        for stmt in (store._verdict_stmt, store._reaudit_stmt, store._series_stmt):
+            sql = str(stmt.compile(dialect=store.engine.dialect))
+            plan = [row[3] for row in raw.execute("EXPLAIN QUERY PLAN " + sql, [None] * sql.count("?"))]
+            assert all("ix_step_audits_open" not in p and not p.startswith("SCAN") for p in plan), plan
+            assert any("(series_id=? AND step=?)" in p or "(rowid=?)" in p for p in plan), plan
