@@ -1,17 +1,18 @@
 """Many steps of one series at once: the verdict of every *clean* step in one array pass.
 
 ``audit_clean`` is :func:`auditor.core.verdict.audit_step` for the common case, vectorised
-across steps as ``audit_step`` is across ranks: a ``moments`` statistic of a known dense
-topology without placement, every expected report present, every rank applied finite
-values that match its expected group within rounding, replicas agree, CP peers agree, no
-precision loss, ``group_ranks`` (when sent) naming the expected group. For such a step it
+across steps as ``audit_step`` is across ranks: a statistic of any kind on a known dense
+topology without placement (``norm``: without ``replicated_along``), every expected report
+present, every rank applied finite values that match its expected group within rounding,
+replicas agree, CP peers agree, no precision loss or empty group, ``group_ranks`` (when
+sent) naming the expected group. For such a step it
 returns exactly what ``audit_step`` returns — verdict ``consistent``, no faults, the same
 groups (key, microbatch, count, mean, var) and σ figures bit for bit — computed with the
 same functions of :mod:`auditor.core.stats` on the same values in the same order (group
 sums are ``np.bincount`` over elements sorted as :class:`auditor.core.step.Step` sorts
 them, so each group adds its members in the same order). Every other step comes back as
 ``None``: the caller audits it with ``audit_step``, whose words and diagnoses stay the one
-source of every finding. Being conservative costs only speed; ``tests/core/test_batch.py``
+source of every finding. Being conservative costs only speed; ``tests/golden/test_golden_batch.py``
 checks the identity on a seeded corpus of every kind and fault.
 
 The per-rank table (``StepVerdict.rows``) and the members of each group
@@ -30,6 +31,7 @@ import numpy as np
 
 from auditor.core import stats
 from auditor.core.checks import PRECISION_LOSS_THRESHOLD
+from auditor.core.step import DEFAULT_LOCAL_TERMS
 from auditor.core.types import DIMS, Coord, GroupStat, RankReport, Spec, StepVerdict, compress_ranks
 
 #: Float columns of :class:`Elements` ``values`` (the :class:`~auditor.core.types.RankReport`
@@ -37,8 +39,6 @@ from auditor.core.types import DIMS, Coord, GroupStat, RankReport, Spec, StepVer
 VALUE_FIELDS: tuple[str, ...] = ("local_count", "local_sum", "local_sum_sq", "local_min", "local_max",
                                  "local_replicated_sum_sq", "applied_count", "applied_sum", "applied_sum_sq",
                                  "applied_mean", "applied_var")
-#: Columns that must be finite or None (``local_replicated_sum_sq`` is not read for moments).
-_CHECKED = [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]
 _INTS = operator.attrgetter("dp", "cp", "tp", "pp", "microbatch", "rank")
 _VALUES = operator.attrgetter(*VALUE_FIELDS)
 _DEFAULT_U = stats.UNIT_ROUNDOFF["float32"]
@@ -82,8 +82,10 @@ class Elements:
 
 
 def eligible(spec: Spec, kind: str, topology: str = "known") -> bool:
-    """Whether :func:`audit_clean` can judge any step of such a series."""
-    return kind == "moments" and topology == "known" and not spec.placement and spec.factorisation == "dense"
+    """Whether :func:`audit_clean` can judge any step of such a series: a known dense
+    topology without placement (and, for ``norm``, without ``replicated_along``)."""
+    return (kind in ("moments", "sum", "norm") and topology == "known" and not spec.placement
+            and spec.factorisation == "dense" and not (kind == "norm" and spec.replicated_along is not None))
 
 
 def audit_clean(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec,
@@ -97,20 +99,26 @@ def audit_clean(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec,
     if not k or not len(el.step) or not eligible(spec, kind, topology):
         return out
     with np.errstate(all="ignore"):
-        return _audit(el, np.asarray(expected, dtype=np.int64), sizes, spec, out)
+        return _audit(el, np.asarray(expected, dtype=np.int64), sizes, spec, kind, out)
 
 
-def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, out: list) -> list:
+def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, kind: str, out: list) -> list:
     k = len(expected)
+    moments = kind == "moments"
     F, none = el.values, np.isnan(el.values)
-    c_, s_, q_ = F[:, 0], F[:, 1], F[:, 2]
     have_mv = ~none[:, 9] & ~none[:, 10]
     have_s = ~have_mv & ~none[:, 6] & ~none[:, 7] & ~none[:, 8]
     # element-level cleanliness: applied, nothing noted non-finite, every value finite or
-    # None, local (count, sum, sum_sq) present, an applied (mean, var) or (count, sum, sum_sq)
-    ok = (el.applied & ~el.noted & (none[:, _CHECKED] | np.isfinite(F[:, _CHECKED])).all(axis=1)
-          & ~none[:, 0] & ~none[:, 1] & ~none[:, 2] & (have_mv | have_s))
-    clean = (np.bincount(el.step, minlength=k) == expected) & (np.bincount(el.step, (~ok).astype(np.float64), minlength=k) == 0)
+    # None; moments: local (count, sum, sum_sq) and an applied (mean, var) or (count, sum,
+    # sum_sq); sum/norm: the local and applied value
+    ok = el.applied & ~el.noted & (none | np.isfinite(F)).all(axis=1)
+    if moments:
+        ok &= ~none[:, 0] & ~none[:, 1] & ~none[:, 2] & (have_mv | have_s)
+    else:
+        ok &= ~none[:, 1 if kind == "sum" else 2] & ~none[:, 7 if kind == "sum" else 8]
+    world = int(np.prod(sizes))
+    clean = ((np.bincount(el.step, minlength=k) == expected) & (expected % world == 0)
+             & (np.bincount(el.step, (~ok).astype(np.float64), minlength=k) == 0))
     if not clean.any():
         return out
     keep = clean[el.step]
@@ -120,7 +128,7 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, out: li
     group_ranks = [g for g, x in zip(el.group_ranks, keep.tolist()) if x]
     # Step's element order within each step: (dp, cp, tp, pp, microbatch, rank)
     order = np.lexsort((ints[:, 5], ints[:, 4], ints[:, 3], ints[:, 2], ints[:, 1], ints[:, 0], step))
-    step, ints, F, have_mv = step[order], ints[order], F[order], have_mv[order]
+    step, ints, F, none, have_mv = step[order], ints[order], F[order], none[order], have_mv[order]
     ol = order.tolist()
     dtypes = [dtypes[i] for i in ol]
     group_ranks = [group_ranks[i] for i in ol]
@@ -129,6 +137,7 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, out: li
     rank = ints[:, 5]
     axes = DIMS + ("mb",)
     radix = coords.max(axis=0) + 1
+    nmb = expected // world  # microbatches per step
 
     def key(names) -> np.ndarray:
         kk = step.astype(np.int64)
@@ -149,68 +158,109 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, out: li
         if elements.any():
             bad[step[elements]] = True
 
-    # the columns of Step._moments_columns
-    kinds = set(dtypes)
-    if len(kinds) == 1:
+    if len(set(dtypes)) == 1:
         u = np.full(n, stats.UNIT_ROUNDOFF.get(dtypes[0], _DEFAULT_U))
     else:
         u = np.array([stats.UNIT_ROUNDOFF.get(d, _DEFAULT_U) for d in dtypes], dtype=np.float64)
-    c, t, tq = (np.where(F[:, j] == 0, 0.0, F[:, j]) for j in (0, 1, 2))
-    l_n, l_mean, l_m2 = stats.moments_from_sums_array(c, t, tq)
-    lo, hi = F[:, 3], F[:, 4]
-    l_lo = np.where((c > 0) & np.isfinite(lo), lo, np.inf)
-    l_hi = np.where((c > 0) & np.isfinite(hi), hi, -np.inf)
-    om, ov = stats.one_pass_mean_var_array(F[:, 6], F[:, 7], F[:, 8], spec.variance)
-    a_n = F[:, 6]
-    a_mean = np.where(have_mv, F[:, 9], om)
-    a_var = np.where(have_mv, F[:, 10], ov)
-    flag(~(np.isfinite(a_mean) & np.isfinite(a_var)))
-    flag(~(np.isfinite(l_n) & np.isfinite(l_mean) & np.isfinite(l_m2)))
+
+    # the columns of Step._moments_columns / Step._value_columns
+    if moments:
+        c, t, tq = (np.where(F[:, j] == 0, 0.0, F[:, j]) for j in (0, 1, 2))
+        l_n, l_mean, l_m2 = stats.moments_from_sums_array(c, t, tq)
+        lo, hi = F[:, 3], F[:, 4]
+        l_lo = np.where((c > 0) & np.isfinite(lo), lo, np.inf)
+        l_hi = np.where((c > 0) & np.isfinite(hi), hi, -np.inf)
+        om, ov = stats.one_pass_mean_var_array(F[:, 6], F[:, 7], F[:, 8], spec.variance)
+        a_n = F[:, 6]
+        a_mean = np.where(have_mv, F[:, 9], om)
+        a_var = np.where(have_mv, F[:, 10], ov)
+        flag(~(np.isfinite(a_mean) & np.isfinite(a_var)))
+        flag(~(np.isfinite(l_n) & np.isfinite(l_mean) & np.isfinite(l_m2)))
+        local_terms = l_n
+    else:
+        l_val = F[:, 1 if kind == "sum" else 2]
+        l_rep = np.where(none[:, 5], 0.0, F[:, 5])
+        lc = F[:, 0]
+        l_terms = np.where(np.isfinite(lc) & (lc != 0), lc, DEFAULT_LOCAL_TERMS)
+        a_val = F[:, 7 if kind == "sum" else 8]
+        flag(~(np.isfinite(l_val) & np.isfinite(l_rep) & np.isfinite(a_val)))
+        local_terms = l_terms
 
     # replica_divergence
+    divergence: list[tuple[tuple[str, ...], list[int]]] = []
     if spec.replicas:
-        inv_r, _, size_r = part(tuple(spec.replicas))
-        if size_r.max() > 1:
-            gamma = stats.reduction_gamma_array(u, l_n, np.ones(n))
-            _, first = np.unique(inv_r, return_index=True)
-            ref = first[inv_r]
-            for j in (0, 1, 2):
-                a = F[:, j]
-                b = a[ref]
-                flag(np.isfinite(a) & np.isfinite(b)
-                     & (np.abs(a - b) > 4 * gamma * np.maximum(np.abs(a), np.abs(b)) + 1e-300))
+        divergence.append((tuple(spec.replicas), {"moments": [0, 1, 2], "sum": [1], "norm": [2, 5]}[kind]))
+    if kind == "norm":  # replicated_along is None: the whole reduction group
+        divergence.append((tuple(spec.reduce_over) + tuple(d for d in spec.replicas if d not in spec.reduce_over),
+                           [5]))
+    gamma = None
+    for along, cols in divergence:
+        inv_r, _, size_r = part(along)
+        if size_r.max() <= 1:
+            continue
+        if gamma is None:
+            gamma = stats.reduction_gamma_array(u, local_terms, np.ones(n))
+        _, first = np.unique(inv_r, return_index=True)
+        ref = first[inv_r]
+        for j in cols:
+            a = np.where(none[:, 5], 0.0, F[:, 5]) if j == 5 else F[:, j]
+            b = a[ref]
+            flag(np.isfinite(a) & np.isfinite(b)
+                 & (np.abs(a - b) > 4 * gamma * np.maximum(np.abs(a), np.abs(b)) + 1e-300))
 
     # the expected group (Step.part with dedupe)
     reduce_over = tuple(d for d in DIMS if d in spec.reduce_over)
-    inv, ng, size = part(reduce_over)
+    over_mb = kind == "sum" and spec.over_microbatches
+    inside = reduce_over + (("mb",) if over_mb else ())
+    inv, ng, size = part(inside)
     w = np.ones(n)
-    if any(a in reduce_over for a in spec.replicas):
+    if any(a in inside for a in spec.replicas):
         shard = key([a for a in axes if a not in spec.replicas])
         _, first = np.unique(inv * (int(shard.max()) + 1) + shard, return_index=True)
         w = np.zeros(n)
         w[first] = 1.0
     want = float(np.prod([sizes[DIMS.index(a)] for a in reduce_over])) if reduce_over else 1.0
-    n_g, mean_g, m2_g = stats.merge_groups(inv, ng, w * l_n, l_mean, w * l_m2)
-    lo_g = np.full(ng, np.inf)
-    hi_g = np.full(ng, -np.inf)
-    np.minimum.at(lo_g, inv, l_lo)
-    np.maximum.at(hi_g, inv, l_hi)
-    judged = ((size == want) & np.isfinite(n_g) & np.isfinite(mean_g) & np.isfinite(m2_g))[inv]
-    flag(~judged)
+    want_e = want * nmb[step] if over_mb else np.full(n, want)
+    if moments:
+        n_g, mean_g, m2_g = stats.merge_groups(inv, ng, w * l_n, l_mean, w * l_m2)
+        lo_g = np.full(ng, np.inf)
+        hi_g = np.full(ng, -np.inf)
+        np.minimum.at(lo_g, inv, l_lo)
+        np.maximum.at(hi_g, inv, l_hi)
+        finite_g = np.isfinite(n_g) & np.isfinite(mean_g) & np.isfinite(m2_g)
+        terms_g = n_g
+    else:
+        terms_g = np.bincount(inv, w * l_terms, minlength=ng)
+        total = np.bincount(inv, w * l_val, minlength=ng)
+        absum = np.bincount(inv, w * np.abs(l_val), minlength=ng)
+        if kind == "norm":  # the replicated part counted once per group
+            rep_mean = np.bincount(inv, l_rep, minlength=ng) / np.maximum(size, 1.0)
+            total = total + rep_mean
+            absum = absum + rep_mean
+        finite_g = np.isfinite(total) & np.isfinite(absum)
+    flag(~((size[inv] == want_e) & finite_g[inv]))
 
     # Step.tolerances / Step.matches / empty_global / precision_loss
-    g = stats.reduction_gamma_array(u, n_g[inv], size[inv])
-    n_e, mean_e, m2_e = n_g[inv], mean_g[inv], m2_g[inv]
-    conv = spec.variance
-    safe = np.where(n_e > 0, n_e, 1.0)
-    bessel = (conv == "sample") & (n_e >= 2)
-    var_e = np.where(n_e > 0, m2_e / np.where(bessel, np.maximum(n_e - 1.0, 1.0), safe), np.nan)
-    tm, tv = stats.mean_var_tolerance(g, n_e, mean_e, m2_e, conv)
-    tn = g * n_e
-    match = ((n_e > 0) & (np.isnan(a_n) | (np.abs(a_n - n_e) <= tn)) & (np.abs(a_mean - mean_e) <= tm)
-             & (np.abs(a_var - var_e) <= tv))
-    flag(~match)
-    flag(stats.one_pass_variance_error(g, n_e, mean_e, m2_e) > PRECISION_LOSS_THRESHOLD)
+    g = stats.reduction_gamma_array(u, terms_g[inv], size[inv])
+    if moments:
+        n_e, mean_e, m2_e = n_g[inv], mean_g[inv], m2_g[inv]
+        conv = spec.variance
+        safe = np.where(n_e > 0, n_e, 1.0)
+        bessel = (conv == "sample") & (n_e >= 2)
+        var_e = np.where(n_e > 0, m2_e / np.where(bessel, np.maximum(n_e - 1.0, 1.0), safe), np.nan)
+        tm, tv = stats.mean_var_tolerance(g, n_e, mean_e, m2_e, conv)
+        tn = g * n_e
+        flag(~((n_e > 0) & (np.isnan(a_n) | (np.abs(a_n - n_e) <= tn)) & (np.abs(a_mean - mean_e) <= tm)
+               & (np.abs(a_var - var_e) <= tv)))
+        flag(stats.one_pass_variance_error(g, n_e, mean_e, m2_e) > PRECISION_LOSS_THRESHOLD)
+        values = (n_e, mean_e, var_e)
+    else:
+        value = total[inv]
+        tol0 = stats.sum_tolerance(g, absum[inv])
+        flag(~(np.abs(a_val - value) <= tol0))
+        if kind == "sum":
+            flag(value == 0)  # empty_global
+        values = (value, value, np.zeros(n))
 
     # membership: group_ranks, where sent, must name the expected group
     sent = [i for i, gr in enumerate(group_ranks) if gr is not None]
@@ -218,9 +268,7 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, out: li
         member_text: dict[int, str] = {}
         by = np.lexsort((rank, inv))
         cuts = np.flatnonzero(inv[by][1:] != inv[by][:-1]) + 1
-        groups_of = np.split(rank[by], cuts)
-        gid = inv[by][np.concatenate(([0], cuts))].tolist()
-        members = dict(zip(gid, groups_of))
+        members = dict(zip(inv[by][np.concatenate(([0], cuts))].tolist(), np.split(rank[by], cuts)))
         inv_l = inv.tolist()
         wrong = np.zeros(n, dtype=bool)
         for i in sent:
@@ -232,19 +280,22 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, out: li
                 wrong[i] = True
         flag(wrong)
 
-    # σ figures: the applied error (verdict._rows) and its rounding bound
-    lo_e, hi_e = stats.value_range(lo_g[inv], hi_g[inv], mean_e, var_e)
-    gaps = stats.transform_gap_array(a_mean, a_var, mean_e, var_e, lo_e, hi_e)
-    tol = np.zeros(n)
-    for sm in (-1.0, 1.0):
-        for sv in (-1.0, 1.0):
-            tol = np.fmax(tol, stats.transform_gap_array(mean_e + sm * tm, var_e + sv * tv, mean_e, var_e, lo_e, hi_e))
-    err_sigma = _max_finite(step, gaps, k)
-    tol_all_finite = np.bincount(step, (~np.isfinite(tol)).astype(np.float64), minlength=k) == 0
-    tol_sigma = _max_finite(step, tol, k)
+    # σ figures (moments): the applied error (verdict._rows) and its rounding bound
+    err_sigma = tol_sigma = cp_sigma = [None] * k
+    tol_all_finite = np.zeros(k, dtype=bool)
+    if moments:
+        lo_e, hi_e = stats.value_range(lo_g[inv], hi_g[inv], mean_e, var_e)
+        gaps = stats.transform_gap_array(a_mean, a_var, mean_e, var_e, lo_e, hi_e)
+        tol = np.zeros(n)
+        for sm in (-1.0, 1.0):
+            for sv in (-1.0, 1.0):
+                tol = np.fmax(tol, stats.transform_gap_array(mean_e + sm * tm, var_e + sv * tv, mean_e, var_e,
+                                                             lo_e, hi_e))
+        err_sigma = _max_finite(step, gaps, k)
+        tol_all_finite = np.bincount(step, (~np.isfinite(tol)).astype(np.float64), minlength=k) == 0
+        tol_sigma = _max_finite(step, tol, k)
 
     # cp_disagreement: every pair of CP peers (same dp, tp, pp, microbatch)
-    cp_sigma: list[float | None] = [None] * k
     if sizes[1] > 1 and ("cp" in spec.reduce_over or "cp" in spec.replicas):
         inv_p, _, size_p = part(("cp",))
         order_p = np.argsort(inv_p, kind="stable")
@@ -258,23 +309,26 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, out: li
             J_.append(order_p[d:][same])
         if I_:
             I, J = np.concatenate(I_), np.concatenate(J_)
-            lo_i, hi_i = stats.value_range(lo_g[inv[I]], hi_g[inv[I]], mean_e[I], var_e[I])
-            lo_j, hi_j = stats.value_range(lo_g[inv[J]], hi_g[inv[J]], mean_e[J], var_e[J])
-            gap = stats.transform_gap_array(a_mean[I], a_var[I], a_mean[J], a_var[J],
-                                            np.where(lo_j < lo_i, lo_j, lo_i), np.where(hi_j > hi_i, hi_j, hi_i))
-            differ = ((np.abs(a_mean[I] - a_mean[J]) > tm[I] + tm[J])
-                      | (np.abs(a_var[I] - a_var[J]) > tv[I] + tv[J]))
+            if moments:
+                lo_i, hi_i = stats.value_range(lo_g[inv[I]], hi_g[inv[I]], mean_e[I], var_e[I])
+                lo_j, hi_j = stats.value_range(lo_g[inv[J]], hi_g[inv[J]], mean_e[J], var_e[J])
+                gap = stats.transform_gap_array(a_mean[I], a_var[I], a_mean[J], a_var[J],
+                                                np.where(lo_j < lo_i, lo_j, lo_i), np.where(hi_j > hi_i, hi_j, hi_i))
+                differ = ((np.abs(a_mean[I] - a_mean[J]) > tm[I] + tm[J])
+                          | (np.abs(a_var[I] - a_var[J]) > tv[I] + tv[J]))
+                cp_sigma = _max_finite(step[I], gap, k)
+            else:
+                differ = np.abs(a_val[I] - a_val[J]) > tol0[I] + tol0[J]
             if differ.any():
                 bad[step[I[differ]]] = True
-            cp_sigma = _max_finite(step[I], gap, k)
 
     # the groups, each step's in order of its first element
     _, first = np.unique(inv, return_index=True)
     first.sort()
     outside = [j for j, d in enumerate(DIMS) if d not in reduce_over]
     gkeys = coords[first][:, outside].tolist()
-    mbs = coords[first, 4].tolist()
-    gvals = zip(n_e[first].tolist(), mean_e[first].tolist(), var_e[first].tolist())
+    mbs = [0] * len(first) if over_mb else coords[first, 4].tolist()
+    gvals = zip(values[0][first].tolist(), values[1][first].tolist(), values[2][first].tolist())
     groups: list[list[GroupStat]] = [[] for _ in range(k)]
     for s, gk, mb, (cnt, mean, var) in zip(step[first].tolist(), gkeys, mbs, gvals):
         groups[s].append(GroupStat(tuple(gk), mb, [], cnt, mean, var))

@@ -2,7 +2,7 @@
 step at a time), on seeded randomised steps of every kind, spec and fault: every step it
 judges gets exactly the verdict ``audit_step`` gives (consistent, no faults, the same
 groups and σ figures float for float), it judges no other, and it takes most of the
-consistent ``moments`` steps (else it would be correct but useless).
+consistent steps (else it would be correct but useless).
 
 Two corpora: the golden generator's cases (1–3 steps each, every fault of DESIGN.md §5),
 and batches of 2–24 steps of one series in shuffled order, each step correct or carrying
@@ -52,26 +52,26 @@ def _check(case, spec, steps, counts) -> None:
         if f is not None:
             assert _same(f, exact), where
             counts["fast"] += 1
-        if exact.verdict == "consistent" and case.kind == "moments":
-            counts["consistent_moments"] += 1
-            counts["consistent_moments_fast"] += f is not None
+        if exact.verdict == "consistent":
+            counts["consistent"] += 1
+            counts["consistent_fast"] += f is not None
 
 
 def test_golden_cases_through_audit_clean():
-    counts = {"fast": 0, "consistent_moments": 0, "consistent_moments_fast": 0}
+    counts = {"fast": 0, "consistent": 0, "consistent_fast": 0}
     for case in generate.cases(regenerate.SEED, 300):
         if case.raw:
             continue  # NaN handed to the engine as NaN: the store never does that
         spec, steps = _engine_input(case)
         _check(case, spec, steps, counts)
     assert counts["fast"] > 80, counts
-    assert counts["consistent_moments_fast"] >= 0.9 * counts["consistent_moments"], counts
+    assert counts["consistent_fast"] >= 0.9 * counts["consistent"], counts
 
 
 def test_multi_step_batches_with_a_fault_per_step():
     """Batches of many steps of one series, each step clean or with one injected fault."""
     rng = random.Random(20261130)
-    counts = {"fast": 0, "consistent_moments": 0, "consistent_moments_fast": 0}
+    counts = {"fast": 0, "consistent": 0, "consistent_fast": 0}
     pool = [f for f in generate.FAULTS if f not in ("precision", "rep_each")]
     for index in range(100):
         kind = rng.choice(("moments", "moments", "moments", "sum", "norm"))
@@ -88,11 +88,11 @@ def test_multi_step_batches_with_a_fault_per_step():
         spec, steps = _engine_input(case)
         _check(case, spec, steps, counts)
     assert counts["fast"] > 300, counts
-    assert counts["consistent_moments_fast"] >= 0.9 * counts["consistent_moments"], counts
+    assert counts["consistent_fast"] >= 0.9 * counts["consistent"], counts
 
 
 def test_unclean_inputs_are_left_to_audit_step():
-    """NaN noted by the store, a skipped collective, a missing report, another series kind:
+    """NaN noted by the store, a skipped collective, a missing report, an unknown topology:
     None (the exact engine judges them)."""
     sizes = (1, 2, 1, 1)
     spec = core.Spec()
@@ -110,5 +110,5 @@ def test_unclean_inputs_are_left_to_audit_step():
     out = core.audit_clean(el, np.array([2, 2, 2, 2]), sizes, spec)
     assert out[0] is not None and _same(out[0], exact)
     assert out[1:] == [None, None, None]
-    assert core.audit_clean(batch.Elements.of_reports([good]), np.array([2]), sizes, spec, kind="sum") == [None]
+    assert core.audit_clean(batch.Elements.of_reports([good]), np.array([2]), sizes, spec, topology="unknown") == [None]
     assert math.isfinite(out[0].tolerance_sigma)
