@@ -15,6 +15,7 @@ size of the spool.
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import queue
 import tempfile
@@ -35,6 +36,7 @@ from auditor.trainer.spool import (
 )
 
 log = logging.getLogger("auditor.spool")
+_run_id = operator.attrgetter("run_id")
 
 #: ``on_progress(done_bytes, total_bytes, reports)`` of :func:`upload` and :func:`audit_offline`.
 Progress = Callable[[int, int, int], None]
@@ -224,9 +226,7 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
             reports = _decode(batch, invalid)
             if run_id is not None:
                 reports = [r for r in reports if r.run_id == run_id]
-            for r in reports:
-                if r.run_id not in run_ids:
-                    run_ids[r.run_id] = None
+            run_ids.update(dict.fromkeys(map(_run_id, reports)))
             if reports:
                 ingest(reports)
             if on_progress:

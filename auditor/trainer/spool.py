@@ -275,9 +275,10 @@ class SpoolReader:
     before it in its file and travels with it.
 
     Memory: one buffered line per file (the merge's heads) plus what the consumer holds;
-    never a whole file. ``ends[i]`` is the offset of file ``i`` up to which lines were
-    yielded, trailing blank lines included once the file is exhausted (what an import
-    records as delivered); a torn last line (no newline) is never read.
+    never a whole file. ``ends[i]`` is the offset of file ``i`` up to which lines were read
+    (the merge's head of that file included), trailing blank lines included once the file is
+    exhausted (what an import then records as delivered); a torn last line (no newline) is
+    never read.
 
     Parameters
     ----------
@@ -295,28 +296,27 @@ class SpoolReader:
 
     def _file(self, i: int) -> Iterator[MergedLine]:
         pos = self.starts[i]
+        ends = self.ends
         key = NO_KEY
         with open(self.paths[i], "rb") as f:
             f.seek(pos)
             for line in f:
-                if not line.endswith(b"\n"):
+                if line[-1:] != b"\n":
                     break  # torn or still being written
                 pos += len(line)
                 body = line.strip()
-                if not body:
-                    continue
-                key = line_key(body) or key
-                yield key, i, pos, body
-        self.ends[i] = pos
+                if body:
+                    key = line_key(body) or key
+                    ends[i] = pos
+                    yield key, i, pos, body
+        ends[i] = pos
 
     def lines(self) -> Iterator[MergedLine]:
         """Every complete, non-blank line of every file, merged (see the class)."""
         group = _open_files_allowed()
         for lo in range(0, len(self.paths), group):
             files = [self._file(i) for i in range(lo, min(lo + group, len(self.paths)))]
-            for item in heapq.merge(*files) if len(files) > 1 else files[0]:
-                self.ends[item[1]] = item[2]
-                yield item
+            yield from heapq.merge(*files) if len(files) > 1 else files[0]
 
     def batches(self, size: int) -> Iterator[list[MergedLine]]:
         """:meth:`lines` in lists of at most ``size``, cut between steps: a full batch whose
