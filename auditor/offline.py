@@ -14,10 +14,14 @@ size of the spool.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import logging
 import operator
 import os
 import queue
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -32,7 +36,7 @@ from auditor.schemas import parse_report_batch
 from auditor.service import ConflictError, LimitError, NotFound, Service
 from auditor.trainer.delivery import CONFIGURATION_ERRORS, DeliveryError, Outcome, deliver
 from auditor.trainer.spool import (
-    MergedLine, SpoolReader, append_lines, dead_letter_path, read_offset, spool_files, write_offset,
+    SpoolReader, append_lines, dead_letter_path, read_batches, read_offset, spool_files, write_offset,
 )
 
 log = logging.getLogger("auditor.spool")
@@ -168,7 +172,8 @@ def read_ahead(batches: Iterator[list], depth: int = 1) -> Iterator[list]:
 
 def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None = None, *,
                   run_id: str | None = None, bad_steps: int = 20, batch_size: int = 10_000,
-                  on_progress: Progress | None = None) -> tuple[list[dict], dict]:
+                  on_progress: Progress | None = None,
+                  reader_process: bool | None = None) -> tuple[list[dict], dict]:
     """Audit spool files with no service (``auditor audit``): the service's own flows.
 
     The files are merged so that the reports of a step come together
@@ -184,7 +189,11 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
     end are audited by :meth:`Service.sweep` with a grace period of 0 (``missing_report``),
     as the service would after its grace period.
 
-    ``on_progress(done_bytes, total_bytes, reports_read)`` is called after every batch.
+    The files are read and merged by a second process (:func:`_piped_batches`) when
+    ``reader_process`` is true — by default on a machine with more than one CPU when the
+    spools hold at least :data:`READER_PROCESS_BYTES` — so that reading overlaps decoding,
+    storing and auditing; memory is then two batches (the one being read, the one being
+    stored). ``on_progress(done_bytes, total_bytes, reports_read)`` is called after every batch.
     Returns ``(reports, counts)``: one consistency report per run (the JSON of
     ``GET /v1/runs/{run_id}/report``; only ``run_id`` if given), and counters ``files``,
     ``reports`` (lines read), ``stored``, ``duplicates``, ``invalid`` (not JSON or not a valid
@@ -193,8 +202,7 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
     counts = dict.fromkeys(("files", "reports", "stored", "duplicates", "invalid", "conflicting"), 0)
     files = spool_files(paths)
     counts["files"] = len(files)
-    reader = SpoolReader(files)
-    total = sum(reader.sizes)
+    total = sum(p.stat().st_size for p in files)
     tmp = None
     if database_url is None:
         tmp = tempfile.TemporaryDirectory(prefix="auditor-audit-")
@@ -221,16 +229,19 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
 
         if on_progress:
             on_progress(0, total, 0)
-        for batch in reader.batches(batch_size):
-            counts["reports"] += len(batch)
-            reports = _decode(batch, invalid)
-            if run_id is not None:
-                reports = [r for r in reports if r.run_id == run_id]
-            run_ids.update(dict.fromkeys(map(_run_id, reports)))
-            if reports:
-                ingest(reports)
-            if on_progress:
-                on_progress(reader.done_bytes(), total, counts["reports"])
+        if reader_process is None:
+            reader_process = (os.cpu_count() or 1) > 1 and total >= READER_PROCESS_BYTES
+        with (_piped_batches(files, batch_size) if reader_process else _local_batches(files, batch_size)) as batches:
+            for lines, where, done in batches:
+                counts["reports"] += len(lines)
+                reports = _decode(lines, where, invalid)
+                if run_id is not None:
+                    reports = [r for r in reports if r.run_id == run_id]
+                run_ids.update(dict.fromkeys(map(_run_id, reports)))
+                if reports:
+                    ingest(reports)
+                if on_progress:
+                    on_progress(done, total, counts["reports"])
         counts["invalid"] = invalid.total
         invalid.summarise()
         now = time.time() + 1.0
@@ -244,22 +255,74 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
             tmp.cleanup()
 
 
-def _decode(batch: list[MergedLine], invalid: "_InvalidLines") -> list:
+#: Spools at least this large are read by a second process in :func:`audit_offline` (a
+#: smaller one is read before that process would have started).
+READER_PROCESS_BYTES = 32 << 20
+
+#: What both batch sources yield: ``(lines, where, bytes of the spools read so far)``;
+#: ``where[2k], where[2k + 1]``: file index and end offset of line ``k``.
+Batch = tuple[list[bytes], Sequence[int], int]
+
+
+@contextlib.contextmanager
+def _local_batches(files: list[Path], size: int) -> Iterator[Iterator[Batch]]:
+    """:meth:`SpoolReader.batches` in this process, as :data:`Batch` tuples."""
+    reader = SpoolReader(files)
+
+    def batches() -> Iterator[Batch]:
+        for batch in reader.batches(size):
+            yield ([item[3] for item in batch], [v for item in batch for v in (item[1], item[2])],
+                   reader.done_bytes())
+
+    yield batches()
+
+
+@contextlib.contextmanager
+def _piped_batches(files: list[Path], size: int) -> Iterator[Iterator[Batch]]:
+    """The batches of a :class:`SpoolReader` over ``files`` read and merged by a child
+    process (:func:`auditor.trainer.spool.reader_main`, the same code), sent through a pipe
+    (:func:`~auditor.trainer.spool.read_batches`): the reading runs on another core
+    meanwhile. The child is this interpreter importing this checkout of ``auditor``; it is
+    killed if the consumer stops early. Raises OSError if it dies mid-stream."""
+    import auditor
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(Path(auditor.__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.Popen([sys.executable, "-P", "-c", "from auditor.trainer.spool import reader_main; reader_main()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=1 << 20)
+    try:
+        proc.stdin.write(json.dumps({"paths": [str(p) for p in files], "size": size}).encode())
+        proc.stdin.close()
+
+        def batches() -> Iterator[Batch]:
+            try:
+                yield from read_batches(proc.stdout)
+            except EOFError as e:
+                raise OSError(f"the spool reader process exited with code {proc.wait()}: {e}") from None
+
+        yield batches()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        proc.stdout.close()
+
+
+def _decode(lines: list[bytes], where: Sequence[int], invalid: "_InvalidLines") -> list:
     """The valid reports of a batch of spool lines, decoded as the body of one
     ``POST /v1/reports`` would be; if that fails (some line is invalid), line by line, and
-    the invalid lines are handed to ``invalid``."""
-    lines = [item[3] for item in batch]
+    the invalid lines (file index and end offset in ``where``) are handed to ``invalid``."""
     reports, _errors, n = parse_report_batch(b'{"reports":[' + b",".join(lines) + b"]}", 1)
     if reports is not None and n == len(lines):
         return reports
     good = []
-    for item in batch:
-        one, errors, n = parse_report_batch(b'{"reports":[' + item[3] + b"]}", 1000)
+    for k, line in enumerate(lines):
+        one, errors, n = parse_report_batch(b'{"reports":[' + line + b"]}", 1000)
         if one is not None and n == 1:
             good.extend(one)
         else:
-            invalid.add(item, errors if n == 1 else [{"loc": (), "msg": f"{n} JSON values on one line",
-                                                      "type": "value_error"}])
+            invalid.add(where[2 * k], where[2 * k + 1],
+                        errors if n == 1 else [{"loc": (), "msg": f"{n} JSON values on one line", "type": "value_error"}])
     return good
 
 
@@ -299,13 +362,13 @@ class _InvalidLines:
         self.numbers: dict[int, _LineNumbers] = {}
         self.total = 0
 
-    def add(self, item: MergedLine, errors: list[dict]) -> None:
-        i = item[1]
+    def add(self, i: int, end: int, errors: list[dict]) -> None:
+        """Line of file ``i`` ending at byte ``end`` is invalid, for ``errors``."""
         self.total += 1
         self.per_file[i] += 1
         if self.per_file[i] <= MAX_INVALID_LOGGED:
             where = self.numbers.setdefault(i, _LineNumbers(self.files[i]))
-            log.warning("%s:%d: invalid report skipped: %s", self.files[i], where.line_before(item[2]),
+            log.warning("%s:%d: invalid report skipped: %s", self.files[i], where.line_before(end),
                         invalid_reason(errors))
 
     def summarise(self) -> None:

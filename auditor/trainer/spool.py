@@ -16,15 +16,20 @@ partial last line; readers stop at the last newline, and a torn line is skipped.
 from __future__ import annotations
 
 import heapq
+import json
 import logging
 import os
 import re
 import resource
 import socket
+import struct
+import sys
 import threading
 import time
+from array import array
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from auditor.trainer.settings import read_settings
 
@@ -360,3 +365,55 @@ def _open_files_allowed() -> int:
         except (ValueError, OSError):
             pass
     return max(1, (want if soft == resource.RLIM_INFINITY else soft) - 128)
+
+
+# ------------------------------------------------------------- batches through a pipe
+#: Frame header of :func:`write_batches`: lines in the batch (-1: end of stream), bytes of
+#: the lines, bytes of the spools read so far.
+_FRAME = struct.Struct("<qqq")
+
+
+def write_batches(reader: SpoolReader, size: int, out: BinaryIO) -> None:
+    """Write ``reader.batches(size)`` to ``out`` (a pipe to another process, which reads
+    them with :func:`read_batches`), one frame per batch: a header (:data:`_FRAME`), the
+    file index and end offset of every line (int64 pairs), and the lines joined by ``\\n``
+    (a line never holds one); then an end frame. The writer blocks while the pipe is full:
+    it reads at most one batch ahead of its consumer."""
+    for batch in reader.batches(size):
+        where = array("q", [v for item in batch for v in (item[1], item[2])])
+        body = b"\n".join([item[3] for item in batch])
+        out.write(_FRAME.pack(len(batch), len(body), reader.done_bytes()))
+        out.write(where)
+        out.write(body)
+    out.write(_FRAME.pack(-1, 0, reader.done_bytes()))
+    out.flush()
+
+
+def read_batches(inp: BinaryIO) -> Iterator[tuple[list[bytes], array, int]]:
+    """The batches :func:`write_batches` wrote to ``inp``: ``(lines, where, bytes read so
+    far)``, ``where[2k], where[2k + 1]`` the file index and end offset of line ``k``.
+    Raises EOFError if the stream stops before its end frame (the writer died)."""
+    while True:
+        n, length, done = _FRAME.unpack(_read_exactly(inp, _FRAME.size))
+        if n < 0:
+            return
+        where = array("q")
+        where.frombytes(_read_exactly(inp, 16 * n))
+        yield _read_exactly(inp, length).split(b"\n"), where, done
+
+
+def _read_exactly(inp: BinaryIO, n: int) -> bytes:
+    data = inp.read(n)
+    if len(data) != n:
+        raise EOFError(f"the spool reader stopped mid-stream ({len(data)} of {n} bytes)")
+    return data
+
+
+def reader_main() -> None:
+    """Entry point of a reader process (``python -c "from auditor.trainer.spool import
+    reader_main; reader_main()"``): reads ``{"paths": [...], "starts": [...], "size": N}``
+    (JSON) from stdin and writes the batches of a :class:`SpoolReader` over those files to
+    stdout (:func:`write_batches`)."""
+    args = json.loads(sys.stdin.buffer.read())
+    reader = SpoolReader([Path(p) for p in args["paths"]], args.get("starts"))
+    write_batches(reader, int(args["size"]), sys.stdout.buffer)

@@ -90,7 +90,7 @@ def test_audit_streams_a_large_spool_holding_one_batch(tmp_path, run_id, monkeyp
 
     monkeypatch.setattr(SpoolReader, "_file", counting_file)
     monkeypatch.setattr(Service, "ingest", counting_ingest)
-    (report,), counts = audit_offline([tmp_path / "spool"], batch_size=size)
+    (report,), counts = audit_offline([tmp_path / "spool"], batch_size=size, reader_process=False)
 
     assert counts == {"files": 64, "reports": 50_048, "stored": 50_048, "duplicates": 0, "invalid": 0,
                       "conflicting": 0}
@@ -197,6 +197,28 @@ def test_progress_bar_only_on_a_terminal(tmp_path):
         assert "━" not in err and "reports (" not in err
         assert err.strip().startswith("read 6 report(s) from 2 file(s)")
         assert json.loads(out)[0]["run_id"] == "prog"
+
+
+def test_a_reader_process_gives_the_same_audit(tmp_path, caplog):
+    """Spools read and merged by a second process (what large spools get): the same counts,
+    verdicts and numbers as reading in process, and an invalid line is still named by file
+    and line."""
+    reports = [r for s in range(4) for r in reference_reports("piped", buggy=s == 2, step=s)]
+    _, rank1 = _write_rank_files(tmp_path / "spool", reports)
+    rank1.write_text(rank1.read_text() + "{not json\n")
+    results = []
+    for reader_process in (False, True):
+        caplog.clear()
+        (report,), counts = audit_offline([tmp_path / "spool"], batch_size=3, reader_process=reader_process)
+        (s,) = report["statistics"]
+        (bad,) = s["bad_steps"]
+        results.append((counts, s["steps_consistent"], s["faults"], bad["step"], _r6(bad["cp_disagreement_sigma"]),
+                        [_r6(r["applied_mean"]) for r in bad["ranks"]]))
+        assert f"{rank1}:5: invalid report skipped: not JSON" in caplog.text
+    assert results[0] == results[1]
+    assert results[1] == ({"files": 2, "reports": 9, "stored": 8, "duplicates": 0, "invalid": 1, "conflicting": 0},
+                          3, {"cp_disagreement": 1, "group_mismatch": 1, "wrong_group": 1}, 2, 0.433155,
+                          [-0.076923, 0.235294])
 
 
 def test_read_ahead_hands_over_errors_and_stops_with_its_consumer():
