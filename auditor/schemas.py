@@ -7,9 +7,12 @@ statistic: they are a training fault the audit reports (``non_finite``), not a c
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 from typing import Annotated, Literal
 
+import msgspec
 import pydantic_core
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
 
@@ -25,10 +28,13 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9._:-]+$"
 RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=RUN_ID_PATTERN)]
 STATISTIC_PATTERN = r"^[A-Za-z0-9._:/-]+$"
 StatisticName = Annotated[str, Field(min_length=1, max_length=128, pattern=STATISTIC_PATTERN)]
-NonNegInt = Annotated[int, Field(ge=0, le=2**31 - 1)]
+_MAX_INT, _MAX_STEP, _MAX_SIZE = 2**31 - 1, 2**62, 1 << 20
+NonNegInt = Annotated[int, Field(ge=0, le=_MAX_INT)]
 #: Steps are BIGINT in the database; 2^62 leaves room and is exact in float64 JSON parsers.
-Step = Annotated[int, Field(ge=0, le=2**62)]
-PosInt = Annotated[int, Field(ge=1, le=1 << 20)]
+Step = Annotated[int, Field(ge=0, le=_MAX_STEP)]
+PosInt = Annotated[int, Field(ge=1, le=_MAX_SIZE)]
+#: Bounds of Report.group_ranks and Report.order.
+_MAX_GROUP, _MAX_ORDER = 1 << 20, 32
 
 
 class _Strict(BaseModel):
@@ -36,7 +42,25 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
-class Coords(_Strict):
+class _CoordsAPI:
+    """What the service reads of a report's coordinates, shared by :class:`Coords` and the
+    fast decoder's struct."""
+
+    __slots__ = ()
+
+    def as_tuple(self) -> tuple[int, int, int, int]:
+        return (self.dp, self.cp, self.tp, self.pp)
+
+    def expert_tuple(self) -> tuple[int, int, int, int]:
+        return (self.edp, self.ep, self.etp, self.pp)
+
+    @property
+    def is_origin(self) -> bool:
+        """Every coordinate 0 (what a report without ``coords`` has)."""
+        return not (self.dp or self.cp or self.tp or self.pp or self.edp or self.ep or self.etp)
+
+
+class Coords(_Strict, _CoordsAPI):
     """A rank's coordinate along each parallel dimension (0-based): dense dp, cp, tp, pp
     and, with expert parallelism, expert edp, ep, etp (DESIGN.md §3.1)."""
 
@@ -48,24 +72,12 @@ class Coords(_Strict):
     ep: NonNegInt = 0
     etp: NonNegInt = 0
 
-    def as_tuple(self) -> tuple[int, int, int, int]:
-        return (self.dp, self.cp, self.tp, self.pp)
 
-    def expert_tuple(self) -> tuple[int, int, int, int]:
-        return (self.edp, self.ep, self.etp, self.pp)
+class _SizesAPI:
+    """What the service reads of a report's sizes, shared by :class:`Sizes` and the fast
+    decoder's struct."""
 
-
-class Sizes(_Strict):
-    """Size of each parallel dimension; world_size is the product dp·cp·tp·pp, and also
-    edp·ep·etp·pp when any expert size is given (the expert factorisation, DESIGN.md §3.1)."""
-
-    dp: PosInt = 1
-    cp: PosInt = 1
-    tp: PosInt = 1
-    pp: PosInt = 1
-    edp: PosInt | None = None
-    ep: PosInt | None = None
-    etp: PosInt | None = None
+    __slots__ = ()
 
     def as_tuple(self) -> tuple[int, int, int, int]:
         return (self.dp, self.cp, self.tp, self.pp)
@@ -91,6 +103,24 @@ class Sizes(_Strict):
     @property
     def world_size(self) -> int:
         return self.dp * self.cp * self.tp * self.pp
+
+    @property
+    def is_default(self) -> bool:
+        """All dense sizes 1 and no expert factorisation (what a report without ``sizes`` has)."""
+        return self.dp == self.cp == self.tp == self.pp == 1 and not self.has_expert
+
+
+class Sizes(_Strict, _SizesAPI):
+    """Size of each parallel dimension; world_size is the product dp·cp·tp·pp, and also
+    edp·ep·etp·pp when any expert size is given (the expert factorisation, DESIGN.md §3.1)."""
+
+    dp: PosInt = 1
+    cp: PosInt = 1
+    tp: PosInt = 1
+    pp: PosInt = 1
+    edp: PosInt | None = None
+    ep: PosInt | None = None
+    etp: PosInt | None = None
 
 
 class StatisticSpec(_Strict):
@@ -158,8 +188,34 @@ DEFAULT_SPECS: dict[str, StatisticSpec] = {
 }
 
 
-def _finite(x: float | None) -> bool:
-    return x is not None and math.isfinite(x)
+_INF, _NEG_INF = math.inf, -math.inf
+_isfinite = math.isfinite
+
+
+def _local_rules(loc) -> None:
+    """The rules of a ``local`` block (:class:`LocalStats` or its fast-decoder twin):
+    raises ValueError naming the field."""
+    # ``x < 0`` is False for NaN and +Inf; ``x != -inf`` leaves -Inf out: "finite and < 0"
+    # without a call per value (this runs once per report on the ingest hot path).
+    c = loc.count
+    if c is not None and c < 0 and c != _NEG_INF:
+        raise ValueError(f"count must be >= 0, got {c}")
+    for name in ("sum_sq", "replicated_sum_sq"):
+        v = getattr(loc, name)
+        if v is not None and v < 0 and v != _NEG_INF:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+    lo, hi = loc.min, loc.max
+    if lo is not None and hi is not None and lo > hi and lo != _INF and hi != _NEG_INF:  # both finite
+        raise ValueError(f"min ({lo}) must be <= max ({hi})")
+
+
+def _applied_rules(a) -> None:
+    """The rules of an ``applied`` block (:class:`AppliedStats` or its fast-decoder twin)."""
+    c, ss = a.count, a.sum_sq
+    if c is not None and c < 0 and c != _NEG_INF:
+        raise ValueError(f"count must be >= 0, got {c}")
+    if ss is not None and ss < 0 and ss != _NEG_INF:
+        raise ValueError(f"sum_sq must be >= 0, got {ss}")
 
 
 class LocalStats(_Strict):
@@ -178,14 +234,7 @@ class LocalStats(_Strict):
 
     @model_validator(mode="after")
     def _rules(self) -> "LocalStats":
-        if _finite(self.count) and self.count < 0:  # type: ignore[operator]
-            raise ValueError(f"count must be >= 0, got {self.count}")
-        for name in ("sum_sq", "replicated_sum_sq"):
-            v = getattr(self, name)
-            if _finite(v) and v < 0:
-                raise ValueError(f"{name} must be >= 0, got {v}")
-        if _finite(self.min) and _finite(self.max) and self.min > self.max:  # type: ignore[operator]
-            raise ValueError(f"min ({self.min}) must be <= max ({self.max})")
+        _local_rules(self)
         return self
 
 
@@ -200,16 +249,14 @@ class AppliedStats(_Strict):
 
     @model_validator(mode="after")
     def _rules(self) -> "AppliedStats":
-        if _finite(self.count) and self.count < 0:  # type: ignore[operator]
-            raise ValueError(f"count must be >= 0, got {self.count}")
-        if _finite(self.sum_sq) and self.sum_sq < 0:  # type: ignore[operator]
-            raise ValueError(f"sum_sq must be >= 0, got {self.sum_sq}")
+        _applied_rules(self)
         return self
 
 
 def _check_cauchy_schwarz(where: str, count, total, total_sq, dtype: str) -> None:
     """Reject Σv² < (Σv)²/N beyond rounding: no real data has negative variance."""
-    if not (_finite(count) and _finite(total) and _finite(total_sq)) or count <= 0:
+    if (count is None or total is None or total_sq is None or not count > 0
+            or not (_isfinite(count) and _isfinite(total) and _isfinite(total_sq))):
         return
     floor = total * total / count
     if total_sq >= floor:  # the common case; the slack below is >= 0
@@ -229,6 +276,114 @@ _REQUIRED_LOCAL: dict[str, tuple[str, ...]] = {
     "sum": ("sum",),
     "norm": ("sum_sq",),
 }
+
+#: Megatron order strings parsed once each (a bad one raises its ValueError every time).
+_parse_order = functools.lru_cache(maxsize=256)(layout.parse_order)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _order_coords(rank: int, order: str, dp: int, cp: int, tp: int, pp: int,
+                  edp: int | None, ep: int | None, etp: int | None) -> tuple[tuple[str, int], ...]:
+    """``layout.coords_of`` of a rank (memoised: the ranks of a run repeat every step)."""
+    sizes = {"dp": dp, "cp": cp, "tp": tp, "pp": pp}
+    if edp is not None or ep is not None or etp is not None:
+        sizes.update(edp=edp or 1, ep=ep or 1, etp=etp or 1)
+    return tuple(layout.coords_of(rank, sizes, order).items())
+
+
+def _report_rules(r, core_spec: Spec | None = None) -> None:
+    """The cross-field rules of one report (:class:`Report`, or the fast decoder's struct
+    whose ``spec`` is already a :class:`StatisticSpec`); raises ValueError naming the
+    fields. ``core_spec``: ``r.spec.to_core()`` if the caller has it at hand."""
+    # Runs once per report on the ingest hot path: plain attribute tests first, the
+    # messages only when a rule fails.
+    s, c = r.sizes, r.coords
+    if r.topology == "unknown" or r.order is not None or r.spec is not None or s.has_expert:
+        _extended_rules(r, core_spec)
+    if r.topology == "unknown":
+        pass
+    elif s.dp * s.cp * s.tp * s.pp != r.world_size:
+        raise ValueError(
+            f"world_size ({r.world_size}) must equal the product of sizes "
+            f"dp*cp*tp*pp = {s.world_size}"
+        )
+    if r.rank >= r.world_size:
+        raise ValueError(f"rank ({r.rank}) must be < world_size ({r.world_size})")
+    if c.dp >= s.dp or c.cp >= s.cp or c.tp >= s.tp or c.pp >= s.pp:
+        for dim, ci, si in zip(DIMS, c.as_tuple(), s.as_tuple()):
+            if ci >= si:
+                raise ValueError(f"coords.{dim} ({ci}) must be < sizes.{dim} ({si})")
+    if r.microbatch >= r.num_microbatches:
+        raise ValueError(
+            f"microbatch ({r.microbatch}) must be < num_microbatches ({r.num_microbatches}); "
+            "send num_microbatches with every report of a step that has several microbatches"
+        )
+    loc, kind = r.local, r.kind
+    if not (kind == "moments" and loc.count is not None and loc.sum is not None and loc.sum_sq is not None):
+        missing = [f"local.{f}" for f in _REQUIRED_LOCAL[kind] if getattr(loc, f) is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} required for kind '{kind}'")
+    gr = r.group_ranks
+    if gr is not None:
+        if len(set(gr)) != len(gr):
+            raise ValueError("group_ranks lists a rank twice")
+        if gr and max(gr) >= r.world_size:
+            bad = [x for x in gr if x >= r.world_size]
+            raise ValueError(f"group_ranks holds ranks >= world_size ({r.world_size}): {bad[:5]}")
+    _check_cauchy_schwarz("local", loc.count, loc.sum, loc.sum_sq, r.dtype)
+    a = r.applied
+    if a is not None:
+        if kind == "moments":
+            if a.mean is None and (a.count is None or a.sum is None or a.sum_sq is None):
+                raise ValueError("applied must carry count, sum and sum_sq (what the all-reduce returned) or "
+                                 "mean (and var, what the rank whitened with) for kind 'moments': nothing "
+                                 "else can be checked")
+        elif getattr(a, _REQUIRED_APPLIED[kind]) is None:
+            raise ValueError(f"applied.{_REQUIRED_APPLIED[kind]} required for kind '{kind}' "
+                             "(use applied: null when the rank skipped the collective)")
+        _check_cauchy_schwarz("applied", a.count, a.sum, a.sum_sq, r.dtype)
+
+
+def _extended_rules(r, core_spec: Spec | None) -> None:
+    """The DESIGN.md §3.1 rules: unknown topology, expert sizes, order, spec dims."""
+    s, c, spec = r.sizes, r.coords, r.spec
+    if r.topology == "unknown":
+        if not s.is_default or not c.is_origin or r.order is not None:
+            raise ValueError("topology 'unknown': omit coords, sizes and order (they would be a guess)")
+        if r.group_ranks is None:
+            raise ValueError("group_ranks required when topology is 'unknown': the service judges each rank "
+                             "against the group it reduced over")
+        if r.rank not in r.group_ranks:
+            raise ValueError(f"group_ranks must include the reporting rank ({r.rank})")
+        if spec is not None and spec.placement:
+            raise ValueError("spec.placement needs a known topology")
+        return
+    e = s.expert_tuple()
+    if e is not None:
+        if e[0] * e[1] * e[2] * e[3] != r.world_size:
+            raise ValueError(f"world_size ({r.world_size}) must equal the product of expert sizes "
+                             f"edp*ep*etp*pp = {e[0] * e[1] * e[2] * e[3]}")
+        for dim, ci, si in zip(EXPERT_DIMS, c.expert_tuple(), e):
+            if ci >= si:
+                raise ValueError(f"coords.{dim} ({ci}) must be < sizes.{dim} ({si})")
+    elif c.edp or c.ep or c.etp:
+        raise ValueError("coords carry expert dims but sizes do not: give sizes.edp, sizes.ep, sizes.etp")
+    if r.order is not None:
+        try:
+            tokens = _parse_order(r.order)
+        except ValueError as exc:
+            raise ValueError(f"order: {exc}") from None
+        if e is not None and e[1] > 1 and "ep" not in tokens:
+            raise ValueError(f"order {r.order!r} lacks ep but sizes.ep = {e[1]}")
+        for dim, ci in _order_coords(r.rank, r.order, s.dp, s.cp, s.tp, s.pp, s.edp, s.ep, s.etp):
+            if getattr(c, dim) != ci:
+                raise ValueError(f"coords.{dim} ({getattr(c, dim)}) is not what order {r.order!r} gives rank "
+                                 f"{r.rank} ({ci})")
+    if spec is not None:
+        core = spec.to_core() if core_spec is None else core_spec
+        if core.factorisation == "expert" and e is None:
+            raise ValueError("spec names expert dims (edp, ep, etp) but sizes carry no expert factorisation")
+        core.placed(s.as_dict())  # raises for a coordinate outside its dim
 
 
 class Report(_Strict):
@@ -250,122 +405,33 @@ class Report(_Strict):
     sizes: Sizes = Field(default_factory=Sizes)
     local: LocalStats
     applied: AppliedStats | None = None
-    group_ranks: list[NonNegInt] | None = Field(default=None, max_length=1 << 20)
+    group_ranks: list[NonNegInt] | None = Field(default=None, max_length=_MAX_GROUP)
     dtype: DType = "float32"
     kind: Kind = "moments"
     spec: StatisticSpec | None = None
     #: Megatron's rank order, fastest-varying dim first (DESIGN.md §3.1); optional.
-    order: Annotated[str, Field(max_length=32)] | None = None
+    order: Annotated[str, Field(max_length=_MAX_ORDER)] | None = None
     #: "unknown": the trainer does not know its coordinates; judged from group_ranks alone.
     topology: Literal["known", "unknown"] = "known"
 
     @model_validator(mode="after")
     def _topology(self) -> "Report":
-        # Runs once per report on the ingest hot path: plain attribute tests first, the
-        # messages only when a rule fails.
-        s, c = self.sizes, self.coords
-        if self.topology == "unknown" or s.has_expert or self.order is not None or self.spec is not None:
-            self._extended_rules()
-        if self.topology == "unknown":
-            pass
-        elif s.dp * s.cp * s.tp * s.pp != self.world_size:
-            raise ValueError(
-                f"world_size ({self.world_size}) must equal the product of sizes "
-                f"dp*cp*tp*pp = {self.sizes.world_size}"
-            )
-        if self.rank >= self.world_size:
-            raise ValueError(f"rank ({self.rank}) must be < world_size ({self.world_size})")
-        if c.dp >= s.dp or c.cp >= s.cp or c.tp >= s.tp or c.pp >= s.pp:
-            for dim, ci, si in zip(DIMS, c.as_tuple(), s.as_tuple()):
-                if ci >= si:
-                    raise ValueError(f"coords.{dim} ({ci}) must be < sizes.{dim} ({si})")
-        if self.microbatch >= self.num_microbatches:
-            raise ValueError(
-                f"microbatch ({self.microbatch}) must be < num_microbatches ({self.num_microbatches}); "
-                "send num_microbatches with every report of a step that has several microbatches"
-            )
-        loc = self.local
-        if not (self.kind == "moments" and loc.count is not None and loc.sum is not None and loc.sum_sq is not None):
-            missing = [f"local.{f}" for f in _REQUIRED_LOCAL[self.kind] if getattr(loc, f) is None]
-            if missing:
-                raise ValueError(f"{', '.join(missing)} required for kind '{self.kind}'")
-        if self.group_ranks is not None:
-            if len(set(self.group_ranks)) != len(self.group_ranks):
-                raise ValueError("group_ranks lists a rank twice")
-            bad = [r for r in self.group_ranks if r >= self.world_size]
-            if bad:
-                raise ValueError(f"group_ranks holds ranks >= world_size ({self.world_size}): {bad[:5]}")
-        _check_cauchy_schwarz("local", self.local.count, self.local.sum, self.local.sum_sq, self.dtype)
-        if self.applied is not None:
-            a = self.applied
-            if self.kind == "moments":
-                if a.mean is None and (a.count is None or a.sum is None or a.sum_sq is None):
-                    raise ValueError("applied must carry count, sum and sum_sq (what the all-reduce returned) or "
-                                     "mean (and var, what the rank whitened with) for kind 'moments': nothing "
-                                     "else can be checked")
-            elif getattr(a, _REQUIRED_APPLIED[self.kind]) is None:
-                raise ValueError(f"applied.{_REQUIRED_APPLIED[self.kind]} required for kind '{self.kind}' "
-                                 "(use applied: null when the rank skipped the collective)")
-            _check_cauchy_schwarz(
-                "applied", self.applied.count, self.applied.sum, self.applied.sum_sq, self.dtype
-            )
+        _report_rules(self)
         return self
-
-    def _extended_rules(self) -> None:
-        """The DESIGN.md §3.1 rules: unknown topology, expert sizes, order, spec dims."""
-        s, c = self.sizes, self.coords
-        if self.topology == "unknown":
-            if s != Sizes() or c != Coords() or self.order is not None:
-                raise ValueError("topology 'unknown': omit coords, sizes and order (they would be a guess)")
-            if self.group_ranks is None:
-                raise ValueError("group_ranks required when topology is 'unknown': the service judges each rank "
-                                 "against the group it reduced over")
-            if self.rank not in self.group_ranks:
-                raise ValueError(f"group_ranks must include the reporting rank ({self.rank})")
-            if self.spec is not None and self.spec.placement:
-                raise ValueError("spec.placement needs a known topology")
-            return
-        e = s.expert_tuple()
-        if e is not None:
-            if e[0] * e[1] * e[2] * e[3] != self.world_size:
-                raise ValueError(f"world_size ({self.world_size}) must equal the product of expert sizes "
-                                 f"edp*ep*etp*pp = {e[0] * e[1] * e[2] * e[3]}")
-            for dim, ci, si in zip(EXPERT_DIMS, c.expert_tuple(), e):
-                if ci >= si:
-                    raise ValueError(f"coords.{dim} ({ci}) must be < sizes.{dim} ({si})")
-        elif c.edp or c.ep or c.etp:
-            raise ValueError("coords carry expert dims but sizes do not: give sizes.edp, sizes.ep, sizes.etp")
-        if self.order is not None:
-            try:
-                tokens = layout.parse_order(self.order)
-            except ValueError as exc:
-                raise ValueError(f"order: {exc}") from None
-            if e is not None and e[1] > 1 and "ep" not in tokens:
-                raise ValueError(f"order {self.order!r} lacks ep but sizes.ep = {e[1]}")
-            want = layout.coords_of(self.rank, s.as_dict(), self.order)
-            for dim, ci in want.items():
-                if getattr(c, dim) != ci:
-                    raise ValueError(f"coords.{dim} ({getattr(c, dim)}) is not what order {self.order!r} gives rank "
-                                     f"{self.rank} ({ci})")
-        spec = self.spec
-        if spec is not None:
-            if spec.factorisation == "expert" and e is None:
-                raise ValueError("spec names expert dims (edp, ep, etp) but sizes carry no expert factorisation")
-            spec.placed(s.as_dict())  # raises for a coordinate outside its dim
 
     @property
     def effective_spec(self) -> StatisticSpec:
         return self.spec or DEFAULT_SPECS[self.kind]
 
 
-def expected_reports(r: Report) -> int:
+def expected_reports(r: WireReport) -> int:
     """Reports a step expects, from one of its reports: one per rank and microbatch
     (``world_size × num_microbatches``). The one place that says it: the ingest limits
     (``max_reports_per_step``) and the step's completion both read it."""
     return r.world_size * r.num_microbatches
 
 
-def limit_errors(reports: list[Report], *, max_world_size: int, max_num_microbatches: int,
+def limit_errors(reports: list[WireReport], *, max_world_size: int, max_num_microbatches: int,
                  max_reports_per_step: int) -> list[dict]:
     """The configured limits (``auditor.config.Settings``) a validated batch breaks, as
     field errors (``type`` ``limit_exceeded``, ``loc`` naming the report and field); empty
@@ -396,14 +462,201 @@ class ReportBatch(_Strict):
     reports: list[Report] = Field(min_length=1)
 
 
+# ------------------------------------------------------------------ fast decode (msgspec)
+# The same contract as the pydantic models above, as msgspec structs: a ``POST /v1/reports``
+# body is decoded straight into them (no intermediate dicts, ~5x less CPU per report than
+# pydantic; docs/performance.md "Decode") and checked by the same rule functions. A body they
+# refuse, for whatever reason, is validated again by pydantic, which words the errors: the
+# pydantic models stay the one source of the messages and of the OpenAPI schema, and these
+# structs accept exactly the bodies pydantic accepts, with equal values
+# (tests/test_schemas_decode.py checks both on random bodies). msgspec refuses a few bodies
+# pydantic accepts (``NaN``/``Infinity`` tokens, numbers beyond float range): those take
+# the pydantic path, as every body did before.
+
+def _search_pattern(pattern: str) -> str:
+    """A pydantic pattern (Rust regex: ``$`` is the end of the text) for msgspec (Python
+    ``re.search``: ``$`` also matches before a final newline)."""
+    assert pattern.startswith("^") and pattern.endswith("$")
+    return pattern[:-1] + r"\Z"
+
+
+#: run_id and statistic: their length bounds here, their patterns in FastReport.__post_init__
+#: against the names already matched (a regex search per name costs more than the rest of
+#: the report's decode).
+_FName = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+_RUN_ID_RE = re.compile(_search_pattern(RUN_ID_PATTERN))
+_STATISTIC_RE = re.compile(_search_pattern(STATISTIC_PATTERN))
+_RUN_IDS: set[str] = set()
+_STATISTICS: set[str] = set()
+
+
+def _check_names(run_id: str, statistic: str) -> None:
+    """Raise ValueError unless run_id and statistic match their wire patterns; remember
+    those that do (at most 2^16 of each)."""
+    for name, seen, rx in ((run_id, _RUN_IDS, _RUN_ID_RE), (statistic, _STATISTICS, _STATISTIC_RE)):
+        if name not in seen:
+            if rx.search(name) is None:
+                raise ValueError(f"{name!r} does not match {rx.pattern}")
+            if len(seen) >= 1 << 16:
+                seen.clear()
+            seen.add(name)
+_FNonNeg = Annotated[int, msgspec.Meta(ge=0, le=_MAX_INT)]
+_FStep = Annotated[int, msgspec.Meta(ge=0, le=_MAX_STEP)]
+_FPos = Annotated[int, msgspec.Meta(ge=1, le=_MAX_SIZE)]
+
+
+class _Fast(msgspec.Struct, forbid_unknown_fields=True, gc=False):
+    """Base of the fast decoder's structs: unknown fields refused (``extra="forbid"``), not
+    tracked by the cyclic GC (they make no reference cycles)."""
+
+
+class FastCoords(_Fast, _CoordsAPI, frozen=True, kw_only=True):
+    """:class:`Coords` as decoded by :func:`decode_report_batch`."""
+
+    dp: _FNonNeg = 0
+    cp: _FNonNeg = 0
+    tp: _FNonNeg = 0
+    pp: _FNonNeg = 0
+    edp: _FNonNeg = 0
+    ep: _FNonNeg = 0
+    etp: _FNonNeg = 0
+
+
+class FastSizes(_Fast, _SizesAPI, frozen=True, kw_only=True):
+    """:class:`Sizes` as decoded by :func:`decode_report_batch`."""
+
+    dp: _FPos = 1
+    cp: _FPos = 1
+    tp: _FPos = 1
+    pp: _FPos = 1
+    edp: _FPos | None = None
+    ep: _FPos | None = None
+    etp: _FPos | None = None
+
+
+class FastLocal(_Fast, frozen=True, kw_only=True):
+    """:class:`LocalStats` as decoded by :func:`decode_report_batch` (integers become floats,
+    as in pydantic)."""
+
+    count: float | None = None
+    sum: float | None = None
+    sum_sq: float | None = None
+    min: float | None = None
+    max: float | None = None
+    replicated_sum_sq: float | None = None
+
+    def __post_init__(self) -> None:
+        _local_rules(self)
+
+
+class FastApplied(_Fast, frozen=True, kw_only=True):
+    """:class:`AppliedStats` as decoded by :func:`decode_report_batch`."""
+
+    count: float | None = None
+    sum: float | None = None
+    sum_sq: float | None = None
+    mean: float | None = None
+    var: float | None = None
+
+    def __post_init__(self) -> None:
+        _applied_rules(self)
+
+
+#: Decoded specs by their JSON text: a run's reports repeat one spec (a few distinct ones).
+_SPECS: dict[bytes, tuple[StatisticSpec | None, Spec | None]] = {}
+
+
+def _spec_of(raw: msgspec.Raw) -> tuple[StatisticSpec | None, Spec | None]:
+    """The :class:`StatisticSpec` (validated by pydantic, strict, as in a :class:`Report`)
+    and its engine spec of a report's raw ``spec`` JSON; ``(None, None)`` for ``null``."""
+    key = bytes(raw)
+    hit = _SPECS.get(key)
+    if hit is None:
+        obj = pydantic_core.from_json(key, allow_inf_nan=True)
+        spec = None if obj is None else StatisticSpec.model_validate(obj, strict=True)
+        hit = (spec, None if spec is None else spec.to_core())
+        if len(_SPECS) >= 1024:
+            _SPECS.clear()
+        _SPECS[key] = hit
+    return hit
+
+
+class FastReport(_Fast, kw_only=True):
+    """:class:`Report` as decoded by :func:`decode_report_batch`: the same attributes (and
+    ``coords``/``sizes`` methods) the service reads; ``spec`` is a :class:`StatisticSpec`
+    (or None) once decoded. The rules are :class:`Report`'s (:func:`_report_rules`);
+    a broken one raises ValueError, which msgspec turns into its ValidationError."""
+
+    run_id: _FName
+    statistic: _FName
+    step: _FStep
+    microbatch: _FNonNeg = 0
+    num_microbatches: _FPos = 1
+    rank: _FNonNeg
+    world_size: _FPos
+    coords: FastCoords = FastCoords()
+    sizes: FastSizes = FastSizes()
+    local: FastLocal
+    applied: FastApplied | None = None
+    group_ranks: Annotated[list[_FNonNeg], msgspec.Meta(max_length=_MAX_GROUP)] | None = None
+    dtype: DType = "float32"
+    kind: Kind = "moments"
+    #: Decoded as the raw JSON text (``null`` too); :meth:`__post_init__` replaces it with
+    #: its :class:`StatisticSpec` or None.
+    spec: msgspec.Raw = None  # type: ignore[assignment]
+    order: Annotated[str, msgspec.Meta(max_length=_MAX_ORDER)] | None = None
+    topology: Literal["known", "unknown"] = "known"
+
+    def __post_init__(self) -> None:
+        if self.run_id not in _RUN_IDS or self.statistic not in _STATISTICS:
+            _check_names(self.run_id, self.statistic)
+        core = None
+        if isinstance(self.spec, msgspec.Raw):
+            self.spec, core = _spec_of(self.spec)
+        _report_rules(self, core)
+
+
+#: What :func:`parse_report_batch` returns: pydantic reports or their fast-decoded twins,
+#: read by the service through the same attributes.
+WireReport = Report | FastReport
+
+
+class _FastBatch(_Fast, kw_only=True):
+    reports: Annotated[list[FastReport], msgspec.Meta(min_length=1)]
+
+
+_FAST_BATCH = msgspec.json.Decoder(_FastBatch)
+
+
+def decode_report_batch(body: bytes) -> list[FastReport] | None:
+    """The reports of a valid ``POST /v1/reports`` body, decoded by msgspec; None when the
+    body breaks any rule or msgspec cannot read it (``NaN`` tokens, numbers beyond float
+    range): :func:`parse_report_batch` then validates it with pydantic."""
+    try:
+        return _FAST_BATCH.decode(body).reports
+    except Exception:  # whatever the reason: pydantic decides and words it
+        return None
+
+
 #: Reports validated per pydantic call by :func:`parse_report_batch`.
 _CHUNK = 500
 _REPORT_LIST = TypeAdapter(list[Report])
 
 
-def parse_report_batch(body: bytes, max_errors: int) -> tuple[list[Report] | None, list[dict], int]:
+def parse_report_batch(body: bytes, max_errors: int) -> tuple[list[WireReport] | None, list[dict], int]:
     """Decode and validate a ``POST /v1/reports`` body: ``(reports or None, errors, number of
-    reports)``.
+    reports)``. A valid body is decoded by msgspec (:func:`decode_report_batch`, into
+    :class:`FastReport`); any other, and one msgspec cannot read, is validated by pydantic
+    (:func:`validate_report_batch`, into :class:`Report`), whose errors are the answer."""
+    fast = decode_report_batch(body)
+    if fast is not None:
+        return fast, [], len(fast)
+    return validate_report_batch(body, max_errors)
+
+
+def validate_report_batch(body: bytes, max_errors: int) -> tuple[list[Report] | None, list[dict], int]:
+    """Decode and validate a ``POST /v1/reports`` body with the pydantic models: ``(reports
+    or None, errors, number of reports)``.
 
     Validation errors cost memory (pydantic-core collects every one: a 15 MB body of
     invalid reports made 1.6 million errors and took 2.4 GB), so the reports are validated

@@ -1,0 +1,268 @@
+"""Issue 11 §2: the fast decoder (msgspec) of ``POST /v1/reports`` and the pydantic models
+accept exactly the same bodies, with equal values, so the pydantic path only words the
+errors. Random bodies: valid reports of every kind and topology, then 0–3 mutations each
+(a wrong type, a bound crossed by one, a required field dropped, an unknown field, a
+cross-field rule broken, a trailing newline in a patterned string, ...)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import BaseModel
+
+from auditor import schemas
+from auditor.schemas import FastReport, Report, decode_report_batch, parse_report_batch, validate_report_batch
+
+
+def canon(obj):
+    """A comparable picture of a decoded report: field → value, floats by repr (so 1 ≠ 1.0
+    and 0.0 ≠ -0.0), pydantic and msgspec objects alike."""
+    if isinstance(obj, BaseModel):
+        return canon({k: getattr(obj, k) for k in type(obj).model_fields})
+    if isinstance(obj, msgspec.Struct):
+        return canon({k: getattr(obj, k) for k in obj.__struct_fields__})
+    if isinstance(obj, dict):
+        return {k: canon(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [canon(v) for v in obj]
+    if isinstance(obj, float):
+        return ("float", repr(obj))
+    return (type(obj).__name__, obj)
+
+
+def same_surface(fast: FastReport, slow: Report) -> None:
+    """What the service reads besides the fields: the methods and properties of coords/sizes."""
+    for a in ("as_tuple", "expert_tuple"):
+        assert getattr(fast.coords, a)() == getattr(slow.coords, a)()
+    for a in ("as_tuple", "expert_tuple", "as_dict"):
+        assert getattr(fast.sizes, a)() == getattr(slow.sizes, a)()
+    for a in ("world_size", "has_expert", "is_default"):
+        assert getattr(fast.sizes, a) == getattr(slow.sizes, a)
+    assert fast.coords.is_origin == slow.coords.is_origin
+    assert fast.spec == slow.spec  # a StatisticSpec (or None) on both
+    assert schemas.expected_reports(fast) == schemas.expected_reports(slow)
+
+
+def test_the_structs_have_the_models_fields():
+    pairs = [(schemas.FastReport, schemas.Report), (schemas.FastCoords, schemas.Coords),
+             (schemas.FastSizes, schemas.Sizes), (schemas.FastLocal, schemas.LocalStats),
+             (schemas.FastApplied, schemas.AppliedStats)]
+    for fast, model in pairs:
+        assert set(fast.__struct_fields__) == set(model.model_fields), fast
+
+
+# ---------------------------------------------------------------- random bodies
+DIMS = ["dp", "cp", "tp", "pp", "edp", "ep", "etp"]
+finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
+small = st.floats(-1e6, 1e6, allow_nan=False)
+
+
+@st.composite
+def moments(draw, kind):
+    """A ``local`` block that holds (mostly) for ``kind``: real data's count/sum/sum_sq."""
+    vals = draw(st.lists(small, min_size=0, max_size=6))
+    n = float(len(vals)) if draw(st.booleans()) else len(vals)  # an int is a float too
+    out = {"count": n, "sum": math.fsum(vals), "sum_sq": math.fsum(v * v for v in vals)}
+    if vals and draw(st.booleans()):
+        out.update(min=min(vals), max=max(vals))
+    if kind == "sum":
+        out = {"sum": out["sum"]}
+    elif kind == "norm":
+        out = {"sum_sq": out["sum_sq"]}
+        if draw(st.booleans()):
+            out["replicated_sum_sq"] = draw(st.floats(0, 1e6))
+    return out
+
+
+@st.composite
+def report(draw):
+    """A valid report (almost always: a random order may contradict the coords)."""
+    kind = draw(st.sampled_from(["moments", "sum", "norm", None]))
+    expert = draw(st.integers(0, 3)) == 0
+    unknown = not expert and draw(st.integers(0, 5)) == 0
+    sizes = {d: draw(st.integers(1, 3)) for d in ("dp", "cp", "tp", "pp")}
+    world = sizes["dp"] * sizes["cp"] * sizes["tp"] * sizes["pp"]
+    rank = draw(st.integers(0, world - 1))
+    r: dict = {"run_id": draw(st.from_regex(r"[A-Za-z0-9._:-]{1,8}", fullmatch=True)),
+               "statistic": draw(st.from_regex(r"[A-Za-z0-9._:/-]{1,8}", fullmatch=True)),
+               "step": draw(st.integers(0, 2**62)), "rank": rank, "world_size": world,
+               "local": draw(moments(kind or "moments"))}
+    if kind is not None:
+        r["kind"] = kind
+    if not unknown:
+        order = draw(st.sampled_from([None, "tp-cp-dp-pp", "tp-cp-ep-dp-pp", " TP-cp-dp-pp"]))
+        if order is not None:
+            from auditor import layout
+            r["order"] = order
+            coords = layout.coords_of(rank, sizes, order)
+        else:
+            coords = {d: draw(st.integers(0, sizes[d] - 1)) for d in ("dp", "cp", "tp", "pp")}
+        r["sizes"], r["coords"] = dict(sizes), dict(coords)
+        if expert:  # edp·ep·etp·pp = world with pp shared: edp = world/pp, ep = etp = 1
+            r["sizes"].update(edp=world // sizes["pp"], ep=1, etp=1)
+            r["coords"].update(edp=draw(st.integers(0, world // sizes["pp"] - 1)))
+            r.pop("order", None)
+    else:
+        r["topology"] = "unknown"
+        r["group_ranks"] = sorted({rank, *draw(st.lists(st.integers(0, world - 1), max_size=3))})
+    if not unknown and draw(st.booleans()):
+        r["group_ranks"] = draw(st.lists(st.integers(0, world - 1), unique=True, max_size=4))
+    if draw(st.booleans()):
+        r["microbatch"] = 0
+        r["num_microbatches"] = draw(st.integers(1, 4))
+        r["microbatch"] = draw(st.integers(0, r["num_microbatches"] - 1))
+    k = kind or "moments"
+    applied = draw(st.sampled_from(["none", "null", "block"]))
+    if applied == "null":
+        r["applied"] = None
+    elif applied == "block":
+        loc = r["local"]
+        r["applied"] = {"moments": {"count": loc.get("count"), "sum": loc.get("sum"), "sum_sq": loc.get("sum_sq"),
+                                    "mean": draw(finite), "var": draw(st.floats(0, 10))},
+                        "sum": {"sum": loc.get("sum")}, "norm": {"sum_sq": loc.get("sum_sq")}}[k]
+    if draw(st.booleans()):
+        r["dtype"] = draw(st.sampled_from(["float64", "float32", "tf32", "float16", "bfloat16"]))
+    if draw(st.integers(0, 2)) == 0:
+        spec = {"reduce_over": draw(st.lists(st.sampled_from(["dp", "cp", "tp", "pp"]), unique=True, max_size=2)),
+                "variance": draw(st.sampled_from(["sample", "population"]))}
+        if not unknown and draw(st.booleans()):
+            spec["placement"] = {"pp": draw(st.sampled_from(["first", "last", [0], [-1, 0]]))}
+        if draw(st.booleans()):
+            spec["over_microbatches"] = draw(st.booleans())
+        r["spec"] = spec
+    return r
+
+
+BAD_VALUES = [None, True, "1", "", "x\n", 1.5, -1, 0, 2**31, 2**62 + 1, 2**64, -(2**63) - 1, 1e300, 10**30,
+              [], {}, [0, 0], ["dp", "dp"], "tp-cp-dp", "a" * 33, "ё", "float8", "unknown", "first",
+              {"dp": 0}, {"zz": 1}]
+
+
+def _paths(obj, prefix=()):
+    """Every (path to a value) of a nested dict/list."""
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, prefix + (i,))
+
+
+@st.composite
+def mutated(draw, r):
+    """``r`` with one mutation: a value replaced, a key dropped, an unknown key added, a
+    number nudged across a bound, a patterned string given a trailing newline."""
+    paths = [p for p in _paths(r) if p]
+    how = draw(st.sampled_from(["replace", "drop", "add", "nudge", "newline", "big"]))
+    if how == "add":
+        holders = [()] + [p for p in paths if isinstance(_get(r, p), dict)]
+        _get(r, draw(st.sampled_from(holders)))[draw(st.sampled_from(["extra", "dp", "mean", "count"]))] = 1
+        return r
+    path = draw(st.sampled_from(paths))
+    parent, key = _get(r, path[:-1]), path[-1]
+    if how == "drop" and isinstance(parent, dict):
+        del parent[key]
+    elif how == "nudge" and isinstance(parent[key], (int, float)) and not isinstance(parent[key], bool):
+        parent[key] = parent[key] + draw(st.sampled_from([-1, 1, -1e-9, 2**20]))
+    elif how == "newline" and isinstance(parent[key], str):
+        parent[key] += draw(st.sampled_from(["\n", " ", "\u00e9", "\x00"]))
+    elif how == "big" and isinstance(parent[key], (int, float)):
+        parent[key] = draw(st.sampled_from([10**19, 10**400, -1e308, 5e-324]))
+    else:
+        parent[key] = draw(st.sampled_from(BAD_VALUES))
+    return r
+
+
+def _get(obj, path):
+    for k in path:
+        obj = obj[k]
+    return obj
+
+
+@st.composite
+def bodies(draw) -> bytes:
+    reports = []
+    for _ in range(draw(st.integers(1, 3))):
+        r = draw(report())
+        for _ in range(draw(st.sampled_from([0, 0, 0, 0, 0, 0, 1, 1, 2, 3]))):
+            r = draw(mutated(r))
+        reports.append(r)
+    body: object = {"reports": reports}
+    envelope = draw(st.integers(0, 19))
+    if envelope == 0:
+        body = {"reports": []}
+    elif envelope == 1:
+        body = {"reports": reports, "extra": 1}
+    elif envelope == 2:
+        body = reports
+    return json.dumps(body, allow_nan=False).encode()
+
+
+def test_fast_decode_accepts_what_pydantic_accepts_with_equal_values():
+    """For random valid and invalid bodies: msgspec accepts a body iff pydantic does, and
+    their reports are equal field by field (types included), spec and methods too."""
+    seen: Counter = Counter()
+
+    @settings(max_examples=400, deadline=None, derandomize=True, database=None,
+              suppress_health_check=list(HealthCheck))
+    @given(body=bodies())
+    def check(body: bytes) -> None:
+        fast = decode_report_batch(body)
+        slow, errors, n = validate_report_batch(body, 100)
+        assert (fast is not None) == (slow is not None), (body, errors)
+        if fast is None:
+            seen["rejected"] += 1
+            assert errors and str(parse_report_batch(body, 100)) == str((None, errors, n))  # ctx holds exceptions
+            return
+        seen["accepted"] += 1
+        assert not errors and n == len(fast) == len(slow)
+        assert [canon(r) for r in fast] == [canon(r) for r in slow]
+        for f, s in zip(fast, slow):
+            same_surface(f, s)
+        seen["with spec"] += any(r.spec is not None for r in fast)
+
+    check()
+    assert seen["accepted"] >= 100 and seen["rejected"] >= 100 and seen["with spec"] >= 20, seen
+
+
+@pytest.mark.parametrize("token, value", [("NaN", math.nan), ("Infinity", math.inf), ("-Infinity", -math.inf),
+                                          ("1e400", math.inf)])
+def test_non_finite_values_msgspec_cannot_read_take_the_pydantic_path(token, value):
+    """NaN and Inf are accepted (DESIGN.md §3): msgspec refuses the tokens (and numbers
+    beyond float range), pydantic reads them, and parse_report_batch answers pydantic's."""
+    body = (b'{"reports":[{"run_id":"r","statistic":"s","step":0,"rank":0,"world_size":1,'
+            b'"local":{"count":2,"sum":%s,"sum_sq":1.0}}]}' % token.encode())
+    assert decode_report_batch(body) is None
+    reports, errors, n = parse_report_batch(body, 10)
+    assert errors == [] and n == 1 and isinstance(reports[0], Report)
+    got = reports[0].local.sum
+    assert (math.isnan(got) and math.isnan(value)) or got == value
+
+
+BASE = {"run_id": "r", "statistic": "s", "step": 0, "rank": 0, "world_size": 1,
+        "local": {"count": 2, "sum": 1.0, "sum_sq": 1.0}}
+
+
+@pytest.mark.parametrize("change", [
+    {"run_id": "r\n"}, {"statistic": "s\n"}, {"run_id": "r\u0000"}, {"run_id": "a" * 129}, {"order": "é" * 33},
+    {"order": "tp-cp-dp-pp\n"}, {"step": 2**62}, {"step": 2**62 + 1}, {"rank": 2**31}, {"step": 1.0},
+    {"local": {"count": 10**19, "sum": 1.0, "sum_sq": 1.0}}, {"local": {"count": True, "sum": 1, "sum_sq": 1}},
+    {"spec": None}, {"spec": {"placement": {"pp": "first"}}}, {"spec": {"reduce_over": ["dp", "ep"]}},
+    {"topology": "unknown", "group_ranks": [0]}, {"topology": "unknown", "group_ranks": [0], "order": "tp-cp-dp-pp"},
+])
+def test_edge_bodies_agree(change):
+    """Where msgspec and pydantic could differ: ``$`` before a final newline, exact bounds,
+    integers for floats, bool for numbers, ``spec: null``, spec rules, unknown topology."""
+    body = json.dumps({"reports": [{**BASE, **change}]}).encode()
+    fast = decode_report_batch(body)
+    slow, errors, _ = validate_report_batch(body, 10)
+    assert (fast is None) == (slow is None), errors
+    if fast is not None:
+        assert canon(fast) == canon(slow)
