@@ -291,10 +291,16 @@ def _order_coords(rank: int, order: str, dp: int, cp: int, tp: int, pp: int,
     return tuple(layout.coords_of(rank, sizes, order).items())
 
 
-def _report_rules(r, core_spec: Spec | None = None) -> None:
+def _ranks_facts(ranks: list[int]) -> tuple[bool, int]:
+    """(no rank twice, the largest rank or -1) of a group_ranks list."""
+    return len(set(ranks)) == len(ranks), max(ranks, default=-1)
+
+
+def _report_rules(r, core_spec: Spec | None = None, ranks_facts: tuple[bool, int] | None = None) -> None:
     """The cross-field rules of one report (:class:`Report`, or the fast decoder's struct
     whose ``spec`` is already a :class:`StatisticSpec`); raises ValueError naming the
-    fields. ``core_spec``: ``r.spec.to_core()`` if the caller has it at hand."""
+    fields. ``core_spec``: ``r.spec.to_core()``, ``ranks_facts``: ``_ranks_facts(r.group_ranks)``
+    if the caller has them at hand."""
     # Runs once per report on the ingest hot path: plain attribute tests first, the
     # messages only when a rule fails.
     s, c = r.sizes, r.coords
@@ -325,9 +331,10 @@ def _report_rules(r, core_spec: Spec | None = None) -> None:
             raise ValueError(f"{', '.join(missing)} required for kind '{kind}'")
     gr = r.group_ranks
     if gr is not None:
-        if len(set(gr)) != len(gr):
+        unique, top = _ranks_facts(gr) if ranks_facts is None else ranks_facts
+        if not unique:
             raise ValueError("group_ranks lists a rank twice")
-        if gr and max(gr) >= r.world_size:
+        if top >= r.world_size:
             bad = [x for x in gr if x >= r.world_size]
             raise ValueError(f"group_ranks holds ranks >= world_size ({r.world_size}): {bad[:5]}")
     _check_cauchy_schwarz("local", loc.count, loc.sum, loc.sum_sq, r.dtype)
@@ -581,6 +588,26 @@ def _spec_of(raw: msgspec.Raw) -> tuple[StatisticSpec | None, Spec | None]:
     return hit
 
 
+_RANKS_LIST = msgspec.json.Decoder(Annotated[list[_FNonNeg], msgspec.Meta(max_length=_MAX_GROUP)] | None)
+#: Decoded group_ranks by their JSON text, with their _ranks_facts.
+_RANKS: dict[bytes, tuple[list[int] | None, tuple[bool, int] | None]] = {}
+
+
+def _ranks_of(raw: msgspec.Raw) -> tuple[list[int] | None, tuple[bool, int] | None]:
+    """A report's raw ``group_ranks`` JSON as its list (one list object per distinct text:
+    not to be changed) and :func:`_ranks_facts`; ``(None, None)`` for ``null``. Raises
+    msgspec.ValidationError for anything but null or a list of ranks."""
+    key = bytes(raw)
+    hit = _RANKS.get(key)
+    if hit is None:
+        ranks = _RANKS_LIST.decode(key)
+        hit = (ranks, None if ranks is None else _ranks_facts(ranks))
+        if len(_RANKS) >= 256:
+            _RANKS.clear()
+        _RANKS[key] = hit
+    return hit
+
+
 class FastReport(_Fast, kw_only=True):
     """:class:`Report` as decoded by :func:`decode_report_batch`: the same attributes (and
     ``coords``/``sizes`` methods) the service reads; ``spec`` is a :class:`StatisticSpec`
@@ -598,7 +625,10 @@ class FastReport(_Fast, kw_only=True):
     sizes: FastSizes = FastSizes()
     local: FastLocal
     applied: FastApplied | None = None
-    group_ranks: Annotated[list[_FNonNeg], msgspec.Meta(max_length=_MAX_GROUP)] | None = None
+    #: Decoded as the raw JSON text (``null`` too), replaced by its list (or None) in
+    #: :meth:`__post_init__`: the reports of a step mostly carry the same group, decoded and
+    #: checked once and shared (a 1,024-rank group is 4 kB of JSON per report).
+    group_ranks: msgspec.Raw = None  # type: ignore[assignment]
     dtype: DType = "float32"
     kind: Kind = "moments"
     #: Decoded as the raw JSON text (``null`` too); :meth:`__post_init__` replaces it with
@@ -610,10 +640,12 @@ class FastReport(_Fast, kw_only=True):
     def __post_init__(self) -> None:
         if self.run_id not in _RUN_IDS or self.statistic not in _STATISTICS:
             _check_names(self.run_id, self.statistic)
-        core = None
+        core = facts = None
         if isinstance(self.spec, msgspec.Raw):
             self.spec, core = _spec_of(self.spec)
-        _report_rules(self, core)
+        if isinstance(self.group_ranks, msgspec.Raw):
+            self.group_ranks, facts = _ranks_of(self.group_ranks)
+        _report_rules(self, core, facts)
 
 
 #: What :func:`parse_report_batch` returns: pydantic reports or their fast-decoded twins,
