@@ -266,8 +266,9 @@ def _json(data: Any) -> bytes:
 
 def _parse_reports(body: bytes, settings: Settings) -> list | tuple[int, str, list[dict], int]:
     """Decode and validate a ``POST /v1/reports`` body (in a worker thread): the reports,
-    or ``(status, code, field errors, number of reports)`` for a 413/422. At most
-    ``max_errors_listed`` errors are collected (:func:`auditor.schemas.parse_report_batch`)."""
+    or ``(status, code, field errors, number of reports)`` for a 413/422. A valid body is
+    decoded by msgspec, any other validated by the pydantic models, whose errors are the 422
+    (:func:`auditor.schemas.parse_report_batch`); at most ``max_errors_listed`` are collected."""
     reports, errs, n = parse_report_batch(body, settings.max_errors_listed)
     if reports is None:
         return 422, "validation", errs, n
