@@ -25,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from array import array
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
@@ -36,7 +37,8 @@ from auditor.schemas import parse_report_batch
 from auditor.service import ConflictError, LimitError, NotFound, Service
 from auditor.trainer.delivery import CONFIGURATION_ERRORS, DeliveryError, Outcome, deliver
 from auditor.trainer.spool import (
-    SpoolReader, append_lines, dead_letter_path, read_batches, read_offset, spool_files, write_offset,
+    BODY_HEAD, BODY_TAIL, PipedBatch, SpoolReader, append_lines, dead_letter_path, read_batches, read_offset,
+    spool_files, write_offset,
 )
 
 log = logging.getLogger("auditor.spool")
@@ -232,16 +234,16 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
         if reader_process is None:
             reader_process = (os.cpu_count() or 1) > 1 and total >= READER_PROCESS_BYTES
         with (_piped_batches(files, batch_size) if reader_process else _local_batches(files, batch_size)) as batches:
-            for lines, where, done in batches:
-                counts["reports"] += len(lines)
-                reports = _decode(lines, where, invalid)
+            for batch in batches:
+                counts["reports"] += len(batch)
+                reports = _decode(batch, invalid)
                 if run_id is not None:
                     reports = [r for r in reports if r.run_id == run_id]
                 run_ids.update(dict.fromkeys(map(_run_id, reports)))
                 if reports:
                     ingest(reports)
                 if on_progress:
-                    on_progress(done, total, counts["reports"])
+                    on_progress(batch.done, total, counts["reports"])
         counts["invalid"] = invalid.total
         invalid.summarise()
         now = time.time() + 1.0
@@ -259,26 +261,23 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
 #: smaller one is read before that process would have started).
 READER_PROCESS_BYTES = 32 << 20
 
-#: What both batch sources yield: ``(lines, where, bytes of the spools read so far)``;
-#: ``where[2k], where[2k + 1]``: file index and end offset of line ``k``.
-Batch = tuple[list[bytes], Sequence[int], int]
-
-
 @contextlib.contextmanager
-def _local_batches(files: list[Path], size: int) -> Iterator[Iterator[Batch]]:
-    """:meth:`SpoolReader.batches` in this process, as :data:`Batch` tuples."""
+def _local_batches(files: list[Path], size: int) -> Iterator[Iterator[PipedBatch]]:
+    """:meth:`SpoolReader.batches` read in this process, in the shape :func:`_piped_batches` yields."""
     reader = SpoolReader(files)
 
-    def batches() -> Iterator[Batch]:
+    def batches() -> Iterator[PipedBatch]:
         for batch in reader.batches(size):
-            yield ([item[3] for item in batch], [v for item in batch for v in (item[1], item[2])],
-                   reader.done_bytes())
+            lines = [item[3] for item in batch]
+            where = array("q", [v for item in batch for v in (item[1], item[2])])
+            yield PipedBatch(BODY_HEAD + b",".join(lines) + BODY_TAIL, where, array("q", map(len, lines)),
+                             reader.done_bytes())
 
     yield batches()
 
 
 @contextlib.contextmanager
-def _piped_batches(files: list[Path], size: int) -> Iterator[Iterator[Batch]]:
+def _piped_batches(files: list[Path], size: int) -> Iterator[Iterator[PipedBatch]]:
     """The batches of a :class:`SpoolReader` over ``files`` read and merged by a child
     process (:func:`auditor.trainer.spool.reader_main`, the same code), sent through a pipe
     (:func:`~auditor.trainer.spool.read_batches`): the reading runs on another core
@@ -289,16 +288,16 @@ def _piped_batches(files: list[Path], size: int) -> Iterator[Iterator[Batch]]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(Path(auditor.__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])}
     proc = subprocess.Popen([sys.executable, "-P", "-c", "from auditor.trainer.spool import reader_main; reader_main()"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=1 << 20)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
     try:
         proc.stdin.write(json.dumps({"paths": [str(p) for p in files], "size": size}).encode())
         proc.stdin.close()
 
-        def batches() -> Iterator[Batch]:
+        def batches() -> Iterator[PipedBatch]:
             try:
                 yield from read_batches(proc.stdout)
             except EOFError as e:
-                raise OSError(f"the spool reader process exited with code {proc.wait()}: {e}") from None
+                raise OSError(f"the spool reader process (exit code {proc.poll()}): {e}") from None
 
         yield batches()
     finally:
@@ -308,16 +307,17 @@ def _piped_batches(files: list[Path], size: int) -> Iterator[Iterator[Batch]]:
         proc.stdout.close()
 
 
-def _decode(lines: list[bytes], where: Sequence[int], invalid: "_InvalidLines") -> list:
+def _decode(batch: PipedBatch, invalid: "_InvalidLines") -> list:
     """The valid reports of a batch of spool lines, decoded as the body of one
     ``POST /v1/reports`` would be; if that fails (some line is invalid), line by line, and
-    the invalid lines (file index and end offset in ``where``) are handed to ``invalid``."""
-    reports, _errors, n = parse_report_batch(b'{"reports":[' + b",".join(lines) + b"]}", 1)
-    if reports is not None and n == len(lines):
+    the invalid lines (file index and end offset in ``batch.where``) are handed to ``invalid``."""
+    reports, _errors, n = parse_report_batch(batch.body, 1)
+    if reports is not None and n == len(batch):
         return reports
     good = []
-    for k, line in enumerate(lines):
-        one, errors, n = parse_report_batch(b'{"reports":[' + line + b"]}", 1000)
+    where = batch.where
+    for k, line in enumerate(batch.lines()):
+        one, errors, n = parse_report_batch(BODY_HEAD + line + BODY_TAIL, 1000)
         if one is not None and n == 1:
             good.extend(one)
         else:
