@@ -269,24 +269,33 @@ def serve(
 ) -> None:
     """Run the HTTP service. Migrates an empty database first (under a PostgreSQL advisory lock,
     so replicas may start at once); refuses a database whose schema is at another revision
-    (run `auditor db upgrade`)."""
+    (run `auditor db upgrade`). Exit 2 with one line when the port is taken or the database
+    is unusable; SIGTERM/SIGINT stop it within AUDITOR_SHUTDOWN_TIMEOUT_SECONDS + 5 s."""
     if database_url:
         os.environ["AUDITOR_DATABASE_URL"] = database_url
     if grace_seconds is not None:
         os.environ["AUDITOR_GRACE_SECONDS"] = str(grace_seconds)
     settings = Settings()
     from auditor.db.engine import SchemaError, ensure_schema, make_engine
-
-    engine = make_engine(settings.database_url)
-    try:
-        ensure_schema(engine, settings.database_url)
-    except SchemaError as e:
-        raise UsageError(str(e)) from None
-    finally:
-        engine.dispose()
+    from auditor.server.run import BindError, listen_socket
     from auditor.server.run import serve as run_server
 
-    run_server(host, port, workers=workers, log_level=log_level)
+    try:  # first: a taken port fails at once, before the database or the app start anything
+        sock = listen_socket(host, port)
+    except BindError as e:
+        raise UsageError(e.strerror) from None
+    try:
+        engine = make_engine(settings.database_url)
+        try:
+            ensure_schema(engine, settings.database_url)
+        except SchemaError as e:
+            raise UsageError(str(e)) from None
+        finally:
+            engine.dispose()
+    except BaseException:
+        sock.close()
+        raise
+    run_server(host, port, workers=workers, log_level=log_level, sock=sock)
 
 
 @db_app.command("upgrade")

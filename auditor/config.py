@@ -90,6 +90,20 @@ class Settings(BaseSettings):
     body_timeout_seconds: float = Field(
         30.0, gt=0, description="Longest pause between two chunks of a request body (408 past it)."
     )
+    body_deadline_seconds: float = Field(
+        120.0, gt=0, description="Longest time to receive a whole request body, however it trickles in "
+                                 "(408 past it): a client sending a byte now and then cannot hold a slot."
+    )
+    max_concurrent_probes: int = Field(
+        32, ge=1, description="/readyz and /metrics requests in progress per process: a budget of their own, "
+                              "outside AUDITOR_MAX_CONCURRENT_REQUESTS, so a load balancer's probe and "
+                              "Prometheus's scrape answer while ingest is saturated (503 past it; /healthz "
+                              "has no cap)."
+    )
+    shutdown_timeout_seconds: float = Field(
+        10.0, gt=0, description="On SIGTERM/SIGINT: how long requests in progress and background tasks get to "
+                                "finish; the process is gone at most 5 s after that in any case."
+    )
     keep_alive_seconds: int = Field(5, ge=1, description="Idle keep-alive connections are closed after this.")
     max_header_bytes: int = Field(
         65_536, ge=1024, description="Largest request line + headers (h11_max_incomplete_event_size; 400 past it)."

@@ -343,11 +343,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         try:
             yield
         finally:
-            for t in tasks:
-                t.cancel()
-            for t in tasks:
-                with contextlib.suppress(asyncio.CancelledError):
-                    await t
+            await _stop(tasks, settings.shutdown_timeout_seconds)
             svc.close()
 
     # FastAPIOffline: /docs and /redoc with Swagger UI and ReDoc shipped inside the
@@ -785,13 +781,29 @@ async def _sweep_forever(svc: AppState) -> None:
 
 async def _probe_forever(svc: AppState, every: float = 2.0) -> None:
     """Probe the database every ``every`` s in a thread of its own (not the request
-    threads), for ``/readyz`` and ``/healthz``."""
+    threads), for ``/readyz`` and ``/healthz``. A probe that takes over 10 s counts as a
+    failure and is abandoned (its thread ends when the driver returns).
+
+    Not ``asyncio.wait_for``: up to Python 3.11 it swallows a cancellation that arrives as
+    the awaited thread finishes, and this loop then never ended: the lifespan shutdown
+    waited for it forever (``auditor serve`` on a taken port hung, deaf to SIGTERM)."""
+    limiter = anyio.CapacityLimiter(1)
     while True:
         try:
-            await asyncio.wait_for(asyncio.to_thread(current_revision, svc.engine), timeout=10.0)
+            with anyio.fail_after(10.0):
+                await anyio.to_thread.run_sync(current_revision, svc.engine, abandon_on_cancel=True, limiter=limiter)
             svc.database = (True, "ok", time.monotonic())
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - reported by /readyz
+        except Exception as exc:  # noqa: BLE001 - reported by /readyz (TimeoutError included)
             svc.database = (False, f"{type(exc).__name__}: {str(exc)[:200]}", time.monotonic())
         await asyncio.sleep(every)
+
+
+async def _stop(tasks: list[asyncio.Task], timeout: float) -> None:
+    """Cancel the background tasks and wait at most ``timeout`` s for them (a sweep round
+    in its thread finishes first): the shutdown never waits on a task forever."""
+    for t in tasks:
+        t.cancel()
+    _, pending = await asyncio.wait(tasks, timeout=timeout)
+    for t in pending:
+        log.warning("background task %s did not stop within %.0f s of the shutdown; leaving it",
+                    t.get_coro().__name__, timeout)

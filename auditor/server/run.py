@@ -3,8 +3,10 @@ background thread (``auditor demo``, :class:`BackgroundServer`)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
+import signal
 import socket
 import tempfile
 import threading
@@ -111,9 +113,11 @@ _CONNECTIONS_FULL = (
 
 def uvicorn_options(settings: Settings) -> dict:
     """The uvicorn settings that bound what a caller can hold (docs/deploy.md "Limits and
-    security"): keep-alive, header size, listen backlog, and the protocol above."""
+    security"): keep-alive, header size, listen backlog, how long a shutdown waits for the
+    requests in progress, and the protocol above."""
     return {"http": AuditorH11, "timeout_keep_alive": settings.keep_alive_seconds,
-            "h11_max_incomplete_event_size": settings.max_header_bytes, "backlog": settings.backlog}
+            "h11_max_incomplete_event_size": settings.max_header_bytes, "backlog": settings.backlog,
+            "timeout_graceful_shutdown": settings.shutdown_timeout_seconds}
 
 
 def raise_fd_limit(settings: Settings) -> int:
@@ -139,17 +143,73 @@ def raise_fd_limit(settings: Settings) -> int:
     return soft
 
 
-def serve(host: str, port: int, workers: int = 1, log_level: str = "info") -> None:
+class BindError(OSError):
+    """The service cannot listen on the address it was given (port taken, no such interface)."""
+
+
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (not yet listening), inheritable by uvicorn's
+    worker processes. Bound before the database is touched and before the application
+    starts, so a taken port fails at once with :class:`BindError` (one line naming the
+    address; ``auditor serve`` exits 2) and no background task ever starts."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        hint = "; another process listens there: stop it or pick another --port" if e.errno == errno.EADDRINUSE else ""
+        raise BindError(e.errno, f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _exit_now(sig: int, after: float) -> None:
+    import sys
+
+    sys.stderr.write(f"auditor: not stopped {after:.0f} s after signal {signal.Signals(sig).name}: exiting now\n")
+    sys.stderr.flush()
+    os._exit(128 + sig)
+
+
+class AuditorServer(uvicorn.Server):
+    """uvicorn's server with an exit that never waits forever: the first SIGTERM/SIGINT
+    starts the graceful shutdown (requests in progress get ``shutdown_timeout_seconds``,
+    background tasks are cancelled) and arms a watchdog that ends the process
+    (``os._exit(128 + signal)``) if it is still alive ``exit_after`` s later, whatever it
+    waits for (a thread stuck in a database call, a lifespan that does not return)."""
+
+    def __init__(self, config: uvicorn.Config, exit_after: float):
+        super().__init__(config)
+        self.exit_after = exit_after
+        self._watchdog: threading.Timer | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:  # type: ignore[override]
+        super().handle_exit(sig, frame)
+        if self._watchdog is None:
+            self._watchdog = threading.Timer(self.exit_after, _exit_now, args=(sig, self.exit_after))
+            self._watchdog.daemon = True
+            self._watchdog.start()
+
+
+def serve(host: str, port: int, workers: int = 1, log_level: str = "info",
+          sock: socket.socket | None = None) -> None:
     """Run ``auditor.server.app:create_app`` under uvicorn in the foreground until stopped.
 
-    With several workers each keeps its ingest counters in mmap files of one shared
-    directory and ``/metrics`` merges them (docs/deploy.md, "Metrics with several workers and
-    replicas"): ``$PROMETHEUS_MULTIPROC_DIR`` if set (wiped at start), else a fresh temporary
-    directory removed on exit. The variable must be set before the workers import
-    prometheus_client. Settings come from the environment (:class:`auditor.config.Settings`).
+    ``sock``: a socket of :func:`listen_socket` (bound here if not given; :class:`BindError`
+    when ``host:port`` is taken). With several workers each keeps its ingest counters in
+    mmap files of one shared directory and ``/metrics`` merges them (docs/deploy.md,
+    "Metrics with several workers and replicas"): ``$PROMETHEUS_MULTIPROC_DIR`` if set
+    (wiped at start), else a fresh temporary directory removed on exit. The variable must
+    be set before the workers import prometheus_client. Settings come from the environment
+    (:class:`auditor.config.Settings`). SIGTERM/SIGINT end the process within
+    ``shutdown_timeout_seconds`` + 5 s in every state (:class:`AuditorServer`). Raises
+    ``SystemExit(3)`` when the application fails to start.
     """
     from auditor.server.metrics import MULTIPROC_ENV, prepare_multiprocess_dir
 
+    sock = sock if sock is not None else listen_socket(host, port)
     own_dir = None
     if workers > 1 and not os.environ.get(MULTIPROC_ENV):
         own_dir = os.environ[MULTIPROC_ENV] = tempfile.mkdtemp(prefix="auditor-metrics-")
@@ -157,10 +217,28 @@ def serve(host: str, port: int, workers: int = 1, log_level: str = "info") -> No
         prepare_multiprocess_dir(os.environ[MULTIPROC_ENV])
     settings = Settings()
     raise_fd_limit(settings)
+    config = uvicorn.Config("auditor.server.app:create_app", factory=True, host=host, port=port, workers=workers,
+                            log_level=log_level, **uvicorn_options(settings))
+    import logging
+
+    logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host,
+                                            sock.getsockname()[1])
     try:
-        uvicorn.run("auditor.server.app:create_app", factory=True, host=host, port=port, workers=workers,
-                    log_level=log_level, **uvicorn_options(settings))
+        if workers > 1:
+            import inspect
+
+            from uvicorn.supervisors import Multiprocess
+
+            # uvicorn < 0.30 takes the workers' target; later ones build their servers themselves
+            extra = {"target": uvicorn.Server(config).run} if "target" in inspect.signature(Multiprocess).parameters else {}
+            Multiprocess(config, sockets=[sock], **extra).run()
+            return
+        server = AuditorServer(config, exit_after=settings.shutdown_timeout_seconds + 5.0)
+        server.run(sockets=[sock])
+        if not server.started:
+            raise SystemExit(3)
     finally:
+        sock.close()
         if own_dir:
             shutil.rmtree(own_dir, ignore_errors=True)
 

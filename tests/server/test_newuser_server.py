@@ -1,0 +1,77 @@
+"""A fresh user's findings against `auditor serve` (issue 9, reliability), each kept as a
+test of its kind over real HTTP on real SQLite and PostgreSQL: start-up and shutdown,
+probes under load and slow bodies, impossible moments, statistic names with "/", log noise,
+limits named once, content types, and the pages' wording.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+from conftest import ServerProcess
+from factory import reference_reports
+
+
+def auditor(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "auditor", *args], capture_output=True, text=True, timeout=timeout)
+
+
+# ------------------------------------------------------------------ 1. start-up and shutdown
+def test_serve_on_a_taken_port_exits_2_at_once_naming_the_port(fresh_database_url):
+    """The reproducer: an existing, migrated database and a port another process listens on.
+    Before: the lifespan's probe task swallowed its cancellation (asyncio.wait_for on Python
+    3.11) and the shutdown waited for it forever, deaf to SIGTERM; now the port is bound
+    before anything starts: exit 2, one line naming the port."""
+    assert auditor("db", "upgrade", "--database-url", fresh_database_url).returncode == 0
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        t0 = time.monotonic()
+        out = auditor("serve", "--port", str(port), "--database-url", fresh_database_url, timeout=30)
+        elapsed = time.monotonic() - t0
+    assert out.returncode == 2, (out.returncode, out.stderr)
+    assert elapsed < 10, elapsed
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and f"127.0.0.1:{port}" in lines[0] and "in use" in lines[0], out.stderr
+
+
+def test_sigterm_ends_the_server_in_bounded_time_while_a_request_waits_on_a_lock(tmp_path):
+    """SIGTERM while a request (and the database probe) wait on a SQLite lock held by
+    another process: the graceful shutdown gives requests AUDITOR_SHUTDOWN_TIMEOUT_SECONDS,
+    then the process ends, well before the 60 s lock timeout."""
+    db = tmp_path / "auditor.db"
+    server = ServerProcess(f"sqlite:///{db}", tmp_path / "server.log", AUDITOR_DB_LOCK_TIMEOUT_SECONDS="60",
+                           AUDITOR_SHUTDOWN_TIMEOUT_SECONDS="2").start()
+    lock = sqlite3.connect(db, timeout=1, isolation_level=None)
+    lock.execute("BEGIN EXCLUSIVE")
+    try:
+        waiting = threading.Thread(target=lambda: _swallow(server.post, "/v1/reports",
+                                                           json={"reports": reference_reports("locked", buggy=False)}),
+                                   daemon=True)
+        waiting.start()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(20)
+        assert time.monotonic() - t0 < 2 + 5 + 2, time.monotonic() - t0
+    finally:
+        lock.execute("ROLLBACK")
+        lock.close()
+        server.stop()
+
+
+def _swallow(fn, *args, **kw):
+    try:
+        fn(*args, **kw)
+    except httpx.HTTPError:
+        pass
