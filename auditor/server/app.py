@@ -51,6 +51,7 @@ from fastapi_offline import FastAPIOffline
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 
 from auditor import __version__
@@ -201,27 +202,39 @@ class AuthMiddleware:
             headers={"WWW-Authenticate": 'Bearer realm="auditor"'}), scope)
 
 
-class ConcurrencyMiddleware:
-    """At most ``limit`` requests in progress; past it: 503 + Retry-After at once (logged
-    once per episode). ``/healthz`` is exempt, so liveness answers under any load."""
+#: Paths with a concurrency budget of their own (``max_concurrent_probes``): a load
+#: balancer's readiness probe and Prometheus's scrape must answer while ingest is saturated.
+PROBE_PATHS = frozenset({"/readyz", "/metrics"})
 
-    def __init__(self, app, limit: int):
-        self.app, self.limit, self.active = app, limit, 0
+
+class ConcurrencyMiddleware:
+    """Requests in progress, in two budgets: at most ``limit`` of every path but the probes,
+    at most ``probe_limit`` of :data:`PROBE_PATHS`; past a budget: 503 + Retry-After at once
+    (logged once per episode). ``/healthz`` has no cap, so liveness answers under any load;
+    stalled or slow bodies, which hold a slot of ``limit``, never take a probe's."""
+
+    def __init__(self, app, limit: int, probe_limit: int):
+        self.app = app
+        self.limits = {False: (limit, "AUDITOR_MAX_CONCURRENT_REQUESTS"),
+                       True: (probe_limit, "AUDITOR_MAX_CONCURRENT_PROBES")}
+        self.active = {False: 0, True: 0}
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] == "/healthz":
             return await self.app(scope, receive, send)
-        if self.active >= self.limit:
-            throttled.warning("overloaded", "more than %d requests in progress (AUDITOR_MAX_CONCURRENT_REQUESTS): "
-                                            "answering 503", self.limit)
+        probe = scope["path"] in PROBE_PATHS
+        limit, setting = self.limits[probe]
+        if self.active[probe] >= limit:
+            throttled.warning(setting, "more than %d %srequests in progress (%s): answering 503", limit,
+                              "probe " if probe else "", setting)
             return await _send_problem(send, problem(
-                503, "overloaded", f"more than {self.limit} requests in progress", scope["path"],
-                headers={"Retry-After": RETRY_AFTER}), scope)
-        self.active += 1
+                503, "overloaded", f"more than {limit} {'probe ' if probe else ''}requests in progress "
+                                   f"({setting})", scope["path"], headers={"Retry-After": RETRY_AFTER}), scope)
+        self.active[probe] += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.active -= 1
+            self.active[probe] -= 1
 
 
 # ------------------------------------------------------------------ request bodies
@@ -231,27 +244,37 @@ class BodyTooLarge(Exception):
 
 
 class BodyTimeout(Exception):
-    pass
+    """The body did not arrive in time; ``str()`` says which limit (and its setting)."""
 
 
-async def read_body(request: Request, limit: int, chunk_timeout: float) -> bytes:
+async def read_body(request: Request, limit: int, chunk_timeout: float, deadline: float | None = None) -> bytes:
     """The request body, read while it streams in: :class:`BodyTooLarge` as soon as the
     declared ``Content-Length`` or the bytes received pass ``limit`` (the rest is never
     read; the connection is closed after the 413), :class:`BodyTimeout` when no chunk
-    arrives for ``chunk_timeout`` s."""
+    arrives for ``chunk_timeout`` s or the whole body has not arrived ``deadline`` s after
+    reading began (a client trickling a byte now and then cannot hold its slot forever).
+    Raises ``starlette.requests.ClientDisconnect`` when the client goes away mid-body."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(limit, int(declared))
     chunks: list[bytes] = []
     size = 0
     stream = request.stream().__aiter__()
+    end = None if deadline is None else time.monotonic() + deadline
     while True:
+        wait = chunk_timeout if end is None else min(chunk_timeout, end - time.monotonic())
         try:
-            chunk = await asyncio.wait_for(stream.__anext__(), chunk_timeout)
+            if wait <= 0:
+                raise asyncio.TimeoutError
+            chunk = await asyncio.wait_for(stream.__anext__(), wait)
         except StopAsyncIteration:
             break
         except asyncio.TimeoutError:
-            raise BodyTimeout() from None
+            if end is not None and time.monotonic() >= end - 1e-3:
+                raise BodyTimeout(f"the body did not arrive within {deadline:g} s "
+                                  f"(AUDITOR_BODY_DEADLINE_SECONDS); {size} bytes received") from None
+            raise BodyTimeout(f"no part of the body arrived for {chunk_timeout:g} s "
+                              f"(AUDITOR_BODY_TIMEOUT_SECONDS); {size} bytes received") from None
         size += len(chunk)
         if size > limit:
             raise BodyTooLarge(limit)
@@ -313,6 +336,14 @@ def _internal(request: Request, exc: BaseException) -> Response:
                    request.url.path)
 
 
+def _disconnected(request: Request) -> Response:
+    """A client went away before its request body was complete: one INFO line, no
+    traceback, nothing stored (the response goes nowhere)."""
+    log.info("client %s disconnected before sending the whole body of %s %s; nothing stored",
+             request.client.host if request.client else "?", request.method, request.url.path)
+    return Response(status_code=400, headers={"Connection": "close"})
+
+
 def _is_unavailable(exc: BaseException) -> bool:
     """Database conditions that pass: unreachable, locked, pool exhausted, deadlock, lock
     timeout, connection dropped mid-request."""
@@ -352,7 +383,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   description="Audits the statistics distributed trainers all-reduce across ranks. Every error "
                               "is RFC 9457 problem details (application/problem+json).")
     app.add_middleware(AuthMiddleware, settings=settings)
-    app.add_middleware(ConcurrencyMiddleware, limit=settings.max_concurrent_requests)
+    app.add_middleware(ConcurrencyMiddleware, limit=settings.max_concurrent_requests,
+                       probe_limit=settings.max_concurrent_probes)
 
     def svc_of(request: Request) -> AppState:
         return request.app.state.svc
@@ -397,13 +429,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                                "retry later", request.url.path, headers={"Retry-After": RETRY_AFTER})
         return _internal(request, exc)
 
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect):
+        return _disconnected(request)
+
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         return _internal(request, exc)
 
     async def body_of(request: Request) -> bytes | Response:
         try:
-            return await read_body(request, settings.max_body_bytes, settings.body_timeout_seconds)
+            return await read_body(request, settings.max_body_bytes, settings.body_timeout_seconds,
+                                   settings.body_deadline_seconds)
         except BodyTooLarge as e:
             svc_of(request).metrics.rejected.labels("body_too_large").inc()
             got = f"{e.size} bytes" if e.size is not None else "more"
@@ -412,9 +449,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                            request.url.path, headers={"Connection": "close"},
                            errors=[{"field": "body", "loc": [], "type": "too_long",
                                     "msg": f"at most {settings.max_body_bytes} bytes"}])
-        except BodyTimeout:
-            return problem(408, "request_timeout", f"no part of the body arrived for {settings.body_timeout_seconds} s",
-                           request.url.path, headers={"Connection": "close"})
+        except BodyTimeout as e:
+            svc_of(request).metrics.rejected.labels("body_timeout").inc()
+            return problem(408, "request_timeout", str(e), request.url.path, headers={"Connection": "close"})
+        except ClientDisconnect:
+            return _disconnected(request)
 
     # ---------------------------------------------------------------- writes
     @app.post("/v1/reports", response_model=IngestResult)

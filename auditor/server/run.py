@@ -193,6 +193,19 @@ class AuditorServer(uvicorn.Server):
             self._watchdog.start()
 
 
+def log_config(log_level: str) -> dict:
+    """uvicorn's logging configuration plus the service's own ``auditor.*`` loggers on the
+    same handler and level (without it their INFO lines, e.g. a client leaving mid-body or
+    a sweep round, went nowhere)."""
+    import copy
+
+    from uvicorn.config import LOGGING_CONFIG
+
+    cfg = copy.deepcopy(LOGGING_CONFIG)
+    cfg["loggers"]["auditor"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
+    return cfg
+
+
 def serve(host: str, port: int, workers: int = 1, log_level: str = "info",
           sock: socket.socket | None = None) -> None:
     """Run ``auditor.server.app:create_app`` under uvicorn in the foreground until stopped.
@@ -218,7 +231,7 @@ def serve(host: str, port: int, workers: int = 1, log_level: str = "info",
     settings = Settings()
     raise_fd_limit(settings)
     config = uvicorn.Config("auditor.server.app:create_app", factory=True, host=host, port=port, workers=workers,
-                            log_level=log_level, **uvicorn_options(settings))
+                            log_level=log_level, log_config=log_config(log_level), **uvicorn_options(settings))
     import logging
 
     logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host,

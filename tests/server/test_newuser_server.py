@@ -75,3 +75,104 @@ def _swallow(fn, *args, **kw):
         fn(*args, **kw)
     except httpx.HTTPError:
         pass
+
+
+# ------------------------------------------------------------------ a capped server for the hostile cases
+#: RLIMIT_DATA of the server under test (hostile input must fail the server, not the machine).
+MEMORY_LIMIT = 1536 * 2**20
+REQUEST_CAP = 20
+
+
+@pytest.fixture(scope="module")
+def capped(database_url, tmp_path_factory):
+    """One memory-capped service per backend at log level info: 20 requests in progress,
+    body chunk timeout 2 s, whole-body deadline 4 s, world size limit 4,096."""
+    s = ServerProcess(
+        database_url, tmp_path_factory.mktemp("newuser") / "server.log", args=("--log-level", "info"),
+        memory_limit=MEMORY_LIMIT, AUDITOR_MAX_CONCURRENT_REQUESTS=str(REQUEST_CAP),
+        AUDITOR_BODY_TIMEOUT_SECONDS="2", AUDITOR_BODY_DEADLINE_SECONDS="4", AUDITOR_MAX_WORLD_SIZE="4096",
+    ).start()
+    yield s
+    s.stop()
+
+
+def stalled_post(port: int, body_start: bytes = b"{", length: int = 100_000) -> socket.socket:
+    """The reproducer's slow client: headers and the first byte of a body, then nothing."""
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST /v1/reports HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % length + body_start)
+    return s
+
+
+def status_of(s: socket.socket, timeout: float) -> int | None:
+    """Status code of the response on ``s`` (None if the server closed it without one)."""
+    s.settimeout(timeout)
+    data = b""
+    try:
+        while b"\r\n" not in data:
+            chunk = s.recv(4096)
+            if not chunk:
+                break
+            data += chunk
+    except OSError:
+        return None
+    return int(data.split()[1]) if data.startswith(b"HTTP/1.1") else None
+
+
+# ------------------------------------------------------------------ 2. probes under load, slow bodies
+def test_probes_answer_while_stalled_bodies_fill_the_request_cap_and_those_get_408(capped):
+    """More stalled bodies than the request cap (the reproducer: 210 > 200): /readyz,
+    /healthz and /metrics keep answering 200 (a budget of their own); the stalled ones get
+    408 after the body timeout (or 503 at once when the cap was full), never hold on."""
+    socks = [stalled_post(capped.port) for _ in range(REQUEST_CAP + 10)]
+    try:
+        time.sleep(0.5)
+        for path in ("/readyz", "/healthz", "/metrics"):
+            r = httpx.get(capped.url + path, timeout=5)
+            assert r.status_code == 200, (path, r.status_code, r.text[:200])
+        statuses = [status_of(s, 10) for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+    assert statuses.count(408) >= REQUEST_CAP - 2 and set(statuses) <= {408, 503}, statuses
+
+
+def test_a_body_trickling_in_is_cut_by_the_body_deadline(capped):
+    """A byte every 0.5 s never trips the 2 s chunk timeout; the 4 s whole-body deadline
+    answers 408 naming AUDITOR_BODY_DEADLINE_SECONDS."""
+    s = stalled_post(capped.port)
+    t0 = time.monotonic()
+    try:
+        s.settimeout(0.5)
+        data = b""
+        while time.monotonic() - t0 < 15 and not data:
+            try:
+                s.sendall(b" ")
+                data = s.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                break
+        s.settimeout(5)
+        while data and (chunk := s.recv(4096)):  # the rest of the response, up to the close
+            data += chunk
+    finally:
+        s.close()
+    assert data.startswith(b"HTTP/1.1 408"), data[:200]
+    assert b"AUDITOR_BODY_DEADLINE_SECONDS" in data
+    assert 3.5 < time.monotonic() - t0 < 8
+
+
+# ------------------------------------------------------------------ 5. log noise
+def test_a_client_leaving_mid_body_logs_one_line_and_no_traceback(capped, run_id):
+    """Before: "Exception in ASGI application" and a ~130-line ClientDisconnect traceback per
+    such client. Now one INFO line, and nothing stored."""
+    before = capped.log_path.read_text()
+    body = f'{{"reports": [{{"run_id": "{run_id}", "statistic": "advantages", '.encode()
+    for _ in range(3):
+        stalled_post(capped.port, body, length=10_000).close()
+    time.sleep(1.5)
+    new = capped.log_path.read_text()[len(before):]
+    assert "Traceback" not in new and "Exception in ASGI" not in new, new[-3000:]
+    assert new.count("disconnected before sending the whole body of POST /v1/reports") == 3, new[-3000:]
+    assert capped.get(f"/v1/runs/{run_id}").status_code == 404
