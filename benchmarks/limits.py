@@ -57,7 +57,7 @@ def main() -> None:
     try:
         wait_healthy(url, 60)
         rows.append(("started", "", f"{peak_rss_mib(proc.pid):.0f}"))
-        http = httpx.Client(timeout=120)
+        http = httpx.Client(timeout=120, headers={"content-type": "application/json"})
 
         world = 250
         reports = [{"run_id": "big", "statistic": "n", "kind": "sum", "step": s, "rank": r, "world_size": world,
@@ -89,7 +89,7 @@ def main() -> None:
         statuses = []
 
         def flood():
-            with httpx.Client(timeout=120) as c:
+            with httpx.Client(timeout=120, headers={"content-type": "application/json"}) as c:
                 while not stop.is_set():
                     statuses.append(c.post(f"{url}/v1/reports", content=bad).status_code)
 

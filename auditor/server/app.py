@@ -336,6 +336,18 @@ def _internal(request: Request, exc: BaseException) -> Response:
                    request.url.path)
 
 
+def json_media_type_error(content_type: str | None) -> str | None:
+    """None when ``content_type`` is JSON (``application/json`` or any ``…/…+json``, with
+    parameters such as ``charset``), else the message of the 415. Every endpoint that
+    reads a body requires it: a browser can send ``text/plain``, form types or no type
+    across sites without a CORS preflight, never ``application/json``."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/") and media.endswith("+json")):
+        return None
+    got = f"got {content_type!r}" if content_type else "got none"
+    return f"Content-Type must be application/json (or an application/*+json type), {got}"
+
+
 def _disconnected(request: Request) -> Response:
     """A client went away before its request body was complete: one INFO line, no
     traceback, nothing stored (the response goes nowhere)."""
@@ -438,6 +450,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return _internal(request, exc)
 
     async def body_of(request: Request) -> bytes | Response:
+        media = json_media_type_error(request.headers.get("content-type"))
+        if media is not None:
+            svc_of(request).metrics.rejected.labels("media_type").inc()
+            return problem(415, "unsupported_media_type", media, request.url.path, headers={"Connection": "close"},
+                           errors=[{"field": "content-type", "loc": ["header", "content-type"],
+                                    "type": "media_type", "msg": media}])
         try:
             return await read_body(request, settings.max_body_bytes, settings.body_timeout_seconds,
                                    settings.body_deadline_seconds)
@@ -695,8 +713,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 # ------------------------------------------------------------------ OpenAPI
 #: Error statuses each operation declares (besides 401/403 when a token is configured).
 _ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
-    ("post", "/v1/reports"): (408, 409, 413, 422, 503),
-    ("put", "/v1/runs/{run_id}"): (408, 409, 413, 422, 503),
+    ("post", "/v1/reports"): (408, 409, 413, 415, 422, 503),
+    ("put", "/v1/runs/{run_id}"): (408, 409, 413, 415, 422, 503),
     ("delete", "/v1/runs/{run_id}"): (404, 422, 503),
     ("get", "/v1/runs"): (422, 503),
     ("get", "/v1/runs/{run_id}"): (404, 422, 503),
@@ -709,7 +727,8 @@ _ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
 _BODIES = {("post", "/v1/reports"): ReportBatch, ("put", "/v1/runs/{run_id}"): RunRegistration}
 _STATUS_TEXT = {401: "Missing or wrong bearer token", 403: "Read-only token used for a write",
                 404: "Not found", 408: "Body not received in time", 409: "Conflicts with what is stored",
-                413: "Body or batch too large", 422: "Validation failed (errors[] names each field)",
+                413: "Body or batch too large", 415: "Content-Type is not application/json",
+                422: "Validation failed (errors[] names each field)",
                 503: "Database unavailable/busy or too many requests in progress; see Retry-After"}
 
 

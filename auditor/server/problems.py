@@ -40,6 +40,7 @@ TITLES: dict[str, str] = {
     "spec_conflict": "Report contradicts the statistic's kind or spec",
     "placement_conflict": "Report from a rank outside the statistic's placement",
     "too_large": "Request too large",
+    "unsupported_media_type": "Request body is not JSON (Content-Type)",
     "validation": "Request validation failed",
     "limit_exceeded": "A configured limit would be exceeded",
     "unavailable": "Database unavailable or busy, retry later",

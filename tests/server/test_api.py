@@ -113,7 +113,7 @@ def test_bad_input_is_a_422_naming_the_field_and_stores_nothing(live_server, run
 
 
 def test_malformed_and_empty_bodies(live_server):
-    assert live_server.post("/v1/reports", content=b"{not json").status_code == 422
+    assert live_server.post("/v1/reports", content=b"{not json", headers={"content-type": "application/json"}).status_code == 422
     r = live_server.post("/v1/reports", json={"reports": []})
     assert r.status_code == 422 and r.json()["errors"][0]["field"] == "reports"
 

@@ -119,7 +119,7 @@ def test_plus_and_minus_infinity_in_one_report_is_non_finite_not_a_500(server, r
     a["local"].update(min=float("-inf"), max=float("inf"))
     b["applied"].update(mean=float("inf"), var=float("-inf"))
     body = json.dumps({"reports": [a, b]}).encode()  # Infinity tokens, as the client sends them
-    r = server.post("/v1/reports", content=body)
+    r = server.post("/v1/reports", content=body, headers={"content-type": "application/json"})
     assert r.status_code == 200 and r.json()["steps_audited"] == 1, r.text
     s = series_of(server, run_id)
     assert s["steps_inconsistent"] == 1 and "non_finite" in s["faults"]
@@ -143,13 +143,15 @@ def test_every_non_finite_combination_is_stored_and_audited(server, run_id):
             b[where][name] = v if step % 3 else -v
             batch += [a, b]
             step += 1
-    r = server.post("/v1/reports", content=json.dumps({"reports": batch}).encode())
+    r = server.post("/v1/reports", content=json.dumps({"reports": batch}).encode(),
+                    headers={"content-type": "application/json"})
     assert r.status_code in (200, 422), r.text  # 422 only where the schema's rules say so
     if r.status_code == 422:  # resend without the reports the schema refused
         bad = {e["loc"][1] for e in r.json()["errors"]}
         steps_bad = {batch[i]["step"] for i in bad}
         batch = [x for x in batch if x["step"] not in steps_bad]
-        r = server.post("/v1/reports", content=json.dumps({"reports": batch}).encode())
+        r = server.post("/v1/reports", content=json.dumps({"reports": batch}).encode(),
+                        headers={"content-type": "application/json"})
         assert r.status_code == 200, r.text
     n_steps = len({x["step"] for x in batch})
     assert n_steps > 40
@@ -313,7 +315,7 @@ def test_the_largest_accepted_body_is_stored_in_bounded_memory(server, run_id):
                             "group_ranks": list(range(world))})
     body = json.dumps({"reports": reports}, separators=(",", ":")).encode()
     assert 10 * 2**20 < len(body) < 16 * 2**20, len(body)
-    r = server.post("/v1/reports", content=body)
+    r = server.post("/v1/reports", content=body, headers={"content-type": "application/json"})
     assert r.json() == {"accepted": 10_000, "duplicates": 0, "steps_audited": 40}, r.text
     assert series_of(server, run_id)["steps_consistent"] == 40
     assert server.peak_rss() < RSS_BOUND, server.peak_rss()
@@ -328,7 +330,7 @@ def test_invalid_bodies_are_parsed_off_the_event_loop(server):
     stop = threading.Event()
 
     def flood():
-        with httpx.Client(timeout=60) as c:
+        with httpx.Client(timeout=60, headers={"content-type": "application/json"}) as c:
             while not stop.is_set():
                 r = c.post(f"{server.url}/v1/reports", content=bad)
                 assert r.status_code == 422

@@ -176,3 +176,29 @@ def test_a_client_leaving_mid_body_logs_one_line_and_no_traceback(capped, run_id
     assert "Traceback" not in new and "Exception in ASGI" not in new, new[-3000:]
     assert new.count("disconnected before sending the whole body of POST /v1/reports") == 3, new[-3000:]
     assert capped.get(f"/v1/runs/{run_id}").status_code == 404
+
+
+# ------------------------------------------------------------------ 7. content types
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data",
+                                          None])
+def test_bodies_need_a_json_content_type(capped, run_id, content_type):
+    """The reproducer: POST /v1/reports with text/plain was stored (200). Every body-carrying
+    endpoint takes only JSON (what a cross-site form or a simple fetch cannot send): 415
+    naming the content type, nothing stored; application/json and +json types pass."""
+    import json
+
+    reports = reference_reports(run_id, buggy=False)
+    bodies = {"/v1/reports": ("POST", json.dumps({"reports": reports})),
+              f"/v1/runs/{run_id}": ("PUT", json.dumps({"world_size": 2, "sizes": {"cp": 2}}))}
+    headers = {"content-type": content_type} if content_type else {}
+    for path, (method, body) in bodies.items():
+        r = httpx.request(method, capped.url + path, content=body.encode(), headers=headers, timeout=30)
+        assert r.status_code == 415, (path, r.status_code, r.text)
+        p = r.json()
+        assert r.headers["content-type"] == "application/problem+json"
+        assert p["type"] == "urn:auditor:problem:unsupported_media_type" and p["errors"][0]["field"] == "content-type"
+        assert (repr(content_type) if content_type else "got none") in p["detail"], p
+    assert capped.get(f"/v1/runs/{run_id}").status_code == 404
+    r = httpx.post(capped.url + "/v1/reports", content=bodies["/v1/reports"][1].encode(), timeout=30,
+                   headers={"content-type": "application/vnd.auditor+json; charset=utf-8"})
+    assert r.status_code == 200 and r.json()["accepted"] == 2, r.text
