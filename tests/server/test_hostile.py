@@ -296,7 +296,8 @@ def test_a_body_over_the_cap_is_a_413_before_it_is_read(server):
         for _ in range(600):  # 39 MB offered, the cap is 16 MiB
             yield b"%x\r\n%s\r\n" % (len(piece), piece)
 
-    head = b"POST /v1/reports HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    head = (b"POST /v1/reports HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n")
     answer, _ = _raw_request(server, head, chunks())
     assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
     assert server.peak_rss() < RSS_BOUND
