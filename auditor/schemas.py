@@ -281,7 +281,7 @@ _REQUIRED_LOCAL: dict[str, tuple[str, ...]] = {
 _parse_order = functools.lru_cache(maxsize=256)(layout.parse_order)
 
 
-@functools.lru_cache(maxsize=1 << 16)
+@functools.lru_cache(maxsize=1 << 14)
 def _order_coords(rank: int, order: str, dp: int, cp: int, tp: int, pp: int,
                   edp: int | None, ep: int | None, etp: int | None) -> tuple[tuple[str, int], ...]:
     """``layout.coords_of`` of a rank (memoised: the ranks of a run repeat every step)."""
@@ -569,43 +569,63 @@ class FastApplied(_Fast, frozen=True, kw_only=True):
         _applied_rules(self)
 
 
-#: Decoded specs by their JSON text: a run's reports repeat one spec (a few distinct ones).
-_SPECS: dict[bytes, tuple[StatisticSpec | None, Spec | None]] = {}
+class _TextCache:
+    """Decoded values by their JSON text, bounded in entries and in text bytes (a body may
+    hold megabytes of one field): emptied when either bound would be passed; a text longer
+    than a quarter of the bytes is decoded every time. Dict operations only, safe across
+    the worker threads that decode bodies (their races can only blur the byte count)."""
+
+    def __init__(self, entries: int, text_bytes: int):
+        self.entries, self.text_bytes = entries, text_bytes
+        self.values: dict[bytes, tuple] = {}
+        self.held = 0
+
+    def get(self, key: bytes, make) -> tuple:
+        hit = self.values.get(key)
+        if hit is None:
+            hit = make(key)
+            if len(key) <= self.text_bytes // 4:
+                if len(self.values) >= self.entries or self.held + len(key) > self.text_bytes:
+                    self.values.clear()
+                    self.held = 0
+                self.values[key] = hit
+                self.held += len(key)
+        return hit
+
+
+def _make_spec(text: bytes) -> tuple[StatisticSpec | None, Spec | None]:
+    obj = pydantic_core.from_json(text, allow_inf_nan=True)
+    spec = None if obj is None else StatisticSpec.model_validate(obj, strict=True)
+    return spec, None if spec is None else spec.to_core()
+
+
+#: A run's reports repeat one spec (a few distinct ones).
+_SPECS = _TextCache(256, 4 << 20)
 
 
 def _spec_of(raw: msgspec.Raw) -> tuple[StatisticSpec | None, Spec | None]:
     """The :class:`StatisticSpec` (validated by pydantic, strict, as in a :class:`Report`)
     and its engine spec of a report's raw ``spec`` JSON; ``(None, None)`` for ``null``."""
-    key = bytes(raw)
-    hit = _SPECS.get(key)
-    if hit is None:
-        obj = pydantic_core.from_json(key, allow_inf_nan=True)
-        spec = None if obj is None else StatisticSpec.model_validate(obj, strict=True)
-        hit = (spec, None if spec is None else spec.to_core())
-        if len(_SPECS) >= 1024:
-            _SPECS.clear()
-        _SPECS[key] = hit
-    return hit
+    return _SPECS.get(bytes(raw), _make_spec)
 
 
 _RANKS_LIST = msgspec.json.Decoder(Annotated[list[_FNonNeg], msgspec.Meta(max_length=_MAX_GROUP)] | None)
-#: Decoded group_ranks by their JSON text, with their _ranks_facts.
-_RANKS: dict[bytes, tuple[list[int] | None, tuple[bool, int] | None]] = {}
+
+
+def _make_ranks(text: bytes) -> tuple[list[int] | None, tuple[bool, int] | None]:
+    ranks = _RANKS_LIST.decode(text)
+    return ranks, None if ranks is None else _ranks_facts(ranks)
+
+
+#: The reports of a step mostly carry one group (4 kB of JSON at 1,024 ranks).
+_RANKS = _TextCache(256, 32 << 20)
 
 
 def _ranks_of(raw: msgspec.Raw) -> tuple[list[int] | None, tuple[bool, int] | None]:
     """A report's raw ``group_ranks`` JSON as its list (one list object per distinct text:
     not to be changed) and :func:`_ranks_facts`; ``(None, None)`` for ``null``. Raises
     msgspec.ValidationError for anything but null or a list of ranks."""
-    key = bytes(raw)
-    hit = _RANKS.get(key)
-    if hit is None:
-        ranks = _RANKS_LIST.decode(key)
-        hit = (ranks, None if ranks is None else _ranks_facts(ranks))
-        if len(_RANKS) >= 256:
-            _RANKS.clear()
-        _RANKS[key] = hit
-    return hit
+    return _RANKS.get(bytes(raw), _make_ranks)
 
 
 class FastReport(_Fast, kw_only=True):

@@ -266,3 +266,27 @@ def test_edge_bodies_agree(change):
     assert (fast is None) == (slow is None), errors
     if fast is not None:
         assert canon(fast) == canon(slow)
+
+
+def test_decoded_field_caches_are_bounded():
+    """The per-text caches (spec, group_ranks) hold at most their entries and text bytes;
+    a text over a quarter of the bytes is never held."""
+    made = []
+    cache = schemas._TextCache(entries=3, text_bytes=40)
+
+    def make(text):
+        made.append(text)
+        return (len(text),)
+
+    for t in (b"[0]", b"[0]", b"[1]", b"[2]", b"[0]"):
+        assert cache.get(t, make) == (len(t),)
+    assert made == [b"[0]", b"[1]", b"[2]"] and len(cache.values) == 3
+    cache.get(b"[3]", make)  # a fourth entry: emptied first
+    assert list(cache.values) == [b"[3]"] and cache.held == 3
+    big = b"[" + b"0," * 6 + b"0]"  # 15 bytes > 40 / 4
+    cache.get(big, make), cache.get(big, make)
+    assert made.count(big) == 2 and big not in cache.values
+    small = schemas._TextCache(entries=10, text_bytes=22)
+    for t in (b"[100]", b"[200]", b"[300]", b"[400]", b"[500]"):  # 5 bytes each: 4 fit (20), the 5th not
+        small.get(t, make)
+    assert list(small.values) == [b"[500]"] and small.held == 5
