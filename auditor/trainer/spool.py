@@ -15,6 +15,7 @@ partial last line; readers stop at the last newline, and a torn line is skipped.
 
 from __future__ import annotations
 
+import gc
 import heapq
 import json
 import logging
@@ -471,6 +472,8 @@ def reader_main() -> None:
     reader_main; reader_main()"``): reads ``{"paths": [...], "starts": [...], "size": N}``
     (JSON) from stdin and writes the batches of a :class:`SpoolReader` over those files to
     stdout (:func:`write_batches`)."""
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)  # a batch's tuples live until it is sent: few collections
     args = json.loads(sys.stdin.buffer.read())
     reader = SpoolReader([Path(p) for p in args["paths"]], args.get("starts"))
     sys.stdout.flush()
