@@ -8,7 +8,9 @@ exponential backoff and full jitter (:func:`backoff`), honouring ``Retry-After``
 naming report indices reject just those reports and resend the rest; 413, and a 400/422
 of several reports that names none of them, splits the batch. A batch answered 500-class
 (not 502/503/504) :data:`POISON_AFTER` times in a row is bisected, so one report that
-breaks the service never blocks the others. Replays are safe because the service treats
+breaks the service never blocks the others — but a report is dead-lettered only when the
+service is demonstrably healthy for other input; a service that fails everything is an
+outage, waited out with the batch kept whole. Replays are safe because the service treats
 an identical re-send as a no-op.
 """
 
@@ -35,7 +37,7 @@ TRANSIENT = frozenset({401, 403, 404, 405, 408, 425, 429})
 #: the data survives a misconfiguration until it is fixed).
 CONFIGURATION_ERRORS = frozenset({401, 403, 404, 405})
 #: 5xx statuses that mean the service (or a proxy's upstream) is away, not that this batch
-#: broke it: retried for ever, never bisected.
+#: broke it: retried for ever, never bisected (as is any 5xx that carries ``Retry-After``).
 PASSING = frozenset({502, 503, 504})
 #: Consecutive 500-class answers to one batch after which it is bisected (and a single
 #: report that still gets them is rejected as poison).
@@ -85,8 +87,10 @@ def post_lines(http: httpx.Client, url: str, lines: list[bytes]) -> Outcome:
             duplicates = 0
         return Outcome("sent", duplicates=duplicates)
     if status in TRANSIENT or status >= 500:
-        return Outcome("retry", retry_after(response), message=f"HTTP {status}: {response.text[:200]}",
-                       server_error=status >= 500 and status not in PASSING, status=status)
+        delay = retry_after(response)
+        return Outcome("retry", delay, message=f"HTTP {status}: {response.text[:200]}",
+                       server_error=status >= 500 and status not in PASSING and not response.headers.get("Retry-After"),
+                       status=status)
     if status == 413 and len(lines) > 1:
         return Outcome("split", message="HTTP 413")
     if status in (409, 422):
@@ -137,15 +141,27 @@ def retry_after(response: httpx.Response) -> float:
 
 
 class DeliveryError(ConnectionError):
-    """``max_attempts`` consecutive transient failures: ``outcome`` is the last one."""
+    """Delivery gave up: ``max_attempts`` consecutive transient failures, or (``unreachable``)
+    no HTTP answer at all within ``unreachable_after`` seconds. ``outcome`` is the last failure."""
 
-    def __init__(self, outcome: Outcome, failures: int):
-        super().__init__(f"{outcome.message} ({failures} attempts)")
-        self.outcome, self.failures = outcome, failures
+    def __init__(self, outcome: Outcome, failures: int, unreachable: bool = False):
+        what = "no HTTP answer" if unreachable else outcome.message
+        super().__init__(f"{what} ({failures} attempts)" if not unreachable
+                         else f"unreachable: {outcome.message} ({failures} attempts, {what})")
+        self.outcome, self.failures, self.unreachable = outcome, failures, unreachable
 
 
 def _never() -> bool:
     return False
+
+
+def probe(http: httpx.Client, url: str) -> bool:
+    """Whether the service answers ``GET {url}/readyz`` with a status below 500 (it is up and
+    its database answers): the check that a report failing alone is poison, not an outage."""
+    try:
+        return http.get(f"{url}/readyz").status_code < 500
+    except httpx.HTTPError:
+        return False
 
 
 def deliver(
@@ -160,6 +176,7 @@ def deliver(
     wait: Callable[[float], object] = time.sleep,
     max_backoff: float = MAX_BACKOFF,
     max_attempts: int | None = None,
+    unreachable_after: float | None = None,
 ) -> bool:
     """POST ``lines`` (encoded reports) to ``{url}/v1/reports`` until each has a final outcome.
 
@@ -171,53 +188,153 @@ def deliver(
     (at least ``Retry-After``). ``on_answer()`` whenever the service answered (any
     non-transient outcome, 413 splits included). ``stopped()`` is checked before each POST.
 
-    A chunk answered 500-class (not 502/503/504) :data:`POISON_AFTER` times in a row is
-    bisected; a single report that still gets them is final as ``rejected`` with the
-    message prefixed ``poison:`` — the reports that are fine get through, and delivery goes
-    on after the one that is not.
+    Poison or outage: a chunk answered 500-class (not 502/503/504, and without
+    ``Retry-After``) :data:`POISON_AFTER` times in a row is isolated by :class:`_Isolation`
+    (bisection). A report is final as ``rejected`` (message prefixed ``poison:``) only when
+    the service is demonstrably healthy for other input: the POST just before its own
+    failure succeeded, and the service still answers right after it (:func:`probe`). When
+    sub-batches keep failing with no success in between, it is an outage: the chunk is kept
+    whole and retried with backoff — reports are never dead-lettered because the service is
+    sick.
 
     Returns True when every line has a final outcome, False if ``stopped()`` turned true
     first. Raises :class:`DeliveryError` after ``max_attempts`` consecutive transient
-    failures (``None``: retry forever).
+    failures (``None``: retry forever), or — ``unreachable_after`` seconds — when no POST
+    got any HTTP answer for that long since the call began (a host that accepts
+    connections and never answers).
     """
     pending = [lines]
     failures = 0
     server_errors = 0
+    started = time.monotonic()
+    answered = False
     while pending:
         if stopped():
             return False
         chunk = pending.pop()
         out = post_lines(http, url, chunk)
         if out.kind == "retry":
+            answered = answered or out.status is not None
             failures += 1
             server_errors = server_errors + 1 if out.server_error else 0
             if server_errors >= POISON_AFTER:
-                failures = server_errors = 0
-                if len(chunk) > 1:
-                    half = len(chunk) // 2
-                    pending += [chunk[half:], chunk[:half]]
-                else:
-                    on_final("rejected", chunk, pending, Outcome("rejected", message=f"poison: {out.message}",
-                                                                 status=out.status))
-                continue
+                server_errors = 0
+                iso = _Isolation(http, url, chunk, pending, on_final, stopped)
+                held, last = iso.run()
+                if iso.answered and on_answer is not None:
+                    on_answer()
+                if not held:
+                    failures = 0
+                    continue
+                chunk, out = held, last  # an outage: keep the rest whole, back off below
             if on_retry is not None:
                 on_retry(out, failures)
             if max_attempts is not None and failures >= max_attempts:
                 raise DeliveryError(out, failures)
+            if (unreachable_after is not None and not answered
+                    and time.monotonic() - started >= unreachable_after):
+                raise DeliveryError(out, failures, unreachable=True)
             pending.append(chunk)
             wait(max(out.delay, backoff(failures, max_backoff)))
             continue
+        answered = True
         failures = server_errors = 0
         if on_answer is not None:
             on_answer()
-        if out.kind == "split":
-            half = len(chunk) // 2
-            pending += [chunk[half:], chunk[:half]]
-        elif out.kind == "partial":
-            rest = [line for i, line in enumerate(chunk) if i not in out.rejected]
-            if rest:
-                pending.append(rest)
-            on_final("partial", chunk, pending, out)
-        else:
-            on_final(out.kind, chunk, pending, out)
+        _settle_answer(out, chunk, pending, on_final)
     return True
+
+
+def _settle_answer(out: Outcome, chunk: list[bytes], pending: list, on_final) -> None:
+    """An answer that is not a transient failure: a split queues the halves, a partial
+    rejection queues the rest, and ``on_final`` learns the outcome."""
+    if out.kind == "split":
+        half = len(chunk) // 2
+        pending += [chunk[half:], chunk[:half]]
+    elif out.kind == "partial":
+        rest = [line for i, line in enumerate(chunk) if i not in out.rejected]
+        if rest:
+            pending.append(rest)
+        on_final("partial", chunk, pending, out)
+    else:
+        on_final(out.kind, chunk, pending, out)
+
+
+#: Failed POSTs in a row, with no success in between, after which an isolation stops and
+#: calls it an outage (bounds the extra requests a sick service gets per retry cycle).
+OUTAGE_AFTER = 4
+
+
+class _Isolation:
+    """Bisection of a chunk that kept getting 500-class answers (see :func:`deliver`).
+
+    The chunk is cut in halves, each POSTed once, in order. A success proves the service
+    healthy for that input, so the failure of the *next* request is blamed on its content:
+    a blamed sub-batch is cut again, and a blamed single report is convicted (rejected as
+    poison) when the service still answers :func:`probe` right after. A failure not right
+    after a success proves nothing: the sub-batch waits until something else succeeds
+    (other sub-batches are tried first; when none is left, the first waiting one is cut,
+    to find input that passes). :data:`OUTAGE_AFTER` failures in a row without a success,
+    a 502/503/504, a ``Retry-After`` or a network error end it as an outage: :meth:`run`
+    returns what is still undecided, in order, to be retried whole after a backoff.
+    """
+
+    def __init__(self, http, url, chunk, pending, on_final, stopped):
+        self.http, self.url, self.pending, self.on_final, self.stopped = http, url, pending, on_final, stopped
+        half = len(chunk) // 2
+        self.work: list[list[bytes]] = [chunk[:half], chunk[half:]] if len(chunk) > 1 else [chunk]
+        self.answered = False
+
+    def _left(self) -> list[list[bytes]]:
+        return self.pending + self.work[::-1]  # what on_final sees as still to send
+
+    def _held(self) -> list[bytes]:
+        return [line for c in self.work for line in c]
+
+    def run(self) -> tuple[list[bytes], Outcome | None]:
+        work = self.work
+        waiting: set[int] = set()  # ids of sub-batches that failed since the last success
+        last_ok = False  # the previous POST of this isolation succeeded
+        misses = 0
+        last: Outcome | None = None
+        while work:
+            if self.stopped():
+                return self._held(), last
+            fresh = [c for c in work if id(c) not in waiting]
+            if not fresh:
+                cut = next((c for c in work if len(c) > 1), None)
+                if cut is None:
+                    return self._held(), last
+                i, half = work.index(cut), len(cut) // 2
+                work[i:i + 1] = [cut[:half], cut[half:]]
+                continue
+            c = fresh[0]
+            out = post_lines(self.http, self.url, c)
+            if out.kind == "retry":
+                last = out
+                self.answered = self.answered or out.status is not None
+                if not out.server_error or out.delay > 0:
+                    return self._held(), out  # the service is away (or asks for time)
+                misses += 1
+                blamed, last_ok = last_ok, False
+                if blamed and len(c) > 1:
+                    i, half = work.index(c), len(c) // 2
+                    work[i:i + 1] = [c[:half], c[half:]]
+                elif blamed and probe(self.http, self.url):
+                    work.remove(c)
+                    self.on_final("rejected", c, self._left(),
+                                  Outcome("rejected", message=f"poison: {out.message}", status=out.status))
+                else:
+                    waiting.add(id(c))
+                if misses >= OUTAGE_AFTER:
+                    return self._held(), out
+                continue
+            self.answered = True
+            last_ok, misses = True, 0
+            waiting.clear()
+            i = work.index(c)
+            del work[i]
+            rest: list = []
+            _settle_answer(out, c, rest, lambda kind, ch, _p, o: self.on_final(kind, ch, self._left() + rest, o))
+            work[i:i] = rest[::-1]
+        return [], last

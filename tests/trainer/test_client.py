@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -21,25 +22,25 @@ from auditor.schemas import Report
 from auditor.trainer.hooks import distributed_masked_whiten
 
 
+BOOM = {"type": "urn:auditor:problem:internal", "status": 500, "detail": "boom"}
+
+
 class RecordingServer:
     """Records (headers, raw body, parsed body) of every POST; answers from ``script``
-    (a list of (status, headers, json body) used in order, then 200)."""
+    (a list of (status, headers, json body) used in order, then 200). ``GET /readyz``
+    answers 200. ``sick_until``: a ``time.monotonic()`` before which every request (GETs
+    too) is answered 500, as by a service that is down behind its own error handler."""
 
     def __init__(self):
         self.requests: list[tuple[dict, bytes, dict]] = []
         self.script: list[tuple[int, dict, dict]] = []
         self.statuses: list[int] = []  # status answered to each request
         self.fail_when = lambda body: False  # a body for which to answer 500 (a poison report)
+        self.sick_until = 0.0
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
-            def do_POST(self):  # noqa: N802 - http.server API
-                raw = self.rfile.read(int(self.headers["Content-Length"]))
-                outer.requests.append((dict(self.headers), raw, json.loads(raw)))
-                status, headers, body = outer.script.pop(0) if outer.script else (200, {}, {"accepted": 0})
-                if outer.fail_when(outer.requests[-1][2]):
-                    status, body = 500, {"type": "urn:auditor:problem:internal", "status": 500, "detail": "boom"}
-                outer.statuses.append(status)
+            def _answer(self, status, headers, body):
                 payload = json.dumps(body).encode()
                 self.send_response(status)
                 for k, v in {"Content-Type": "application/json", **headers}.items():
@@ -47,6 +48,19 @@ class RecordingServer:
                 self.send_header("Content-Length", str(len(payload)))
                 self.end_headers()
                 self.wfile.write(payload)
+
+            def do_GET(self):  # noqa: N802 - http.server API
+                sick = time.monotonic() < outer.sick_until
+                self._answer(500 if sick else 200, {}, BOOM if sick else {"status": "ok"})
+
+            def do_POST(self):  # noqa: N802 - http.server API
+                raw = self.rfile.read(int(self.headers["Content-Length"]))
+                outer.requests.append((dict(self.headers), raw, json.loads(raw)))
+                status, headers, body = outer.script.pop(0) if outer.script else (200, {}, {"accepted": 0})
+                if outer.fail_when(outer.requests[-1][2]) or time.monotonic() < outer.sick_until:
+                    status, body = 500, BOOM
+                outer.statuses.append(status)
+                self._answer(status, headers, body)
 
             def log_message(self, *args):
                 pass
@@ -287,4 +301,37 @@ def test_502_503_504_are_waited_out_never_bisected(server):
     assert client.flush(timeout=30)
     assert [len(body["reports"]) for _, _, body in server.requests] == [4, 4, 4, 4, 4]
     assert client.stats["sent"] == 4 and client.stats["rejected"] == 0
+    client.close()
+
+
+def test_two_poison_reports_in_different_halves_are_both_isolated(server, spool_dir):
+    """Both halves of the first bisection fail (each holds a poison report): that alone
+    proves nothing, so the first half is cut further until a sub-batch passes; then each
+    poison report is convicted and the six others are delivered."""
+    server.fail_when = lambda body: any(r["step"] in (2, 6) for r in body["reports"])
+    client = AuditorClient(server.url, batch_size=8)
+    for r in _reports(8):
+        client.report(r)
+    assert client.flush(timeout=30)
+    assert client.stats["sent"] == 6 and client.stats["rejected"] == 2
+    (dead,) = spool_dir.glob("*.deadletter")
+    assert sorted(json.loads(line)["step"] for line in dead.read_bytes().splitlines()) == [2, 6]
+    client.close()
+
+
+def test_a_service_failing_everything_is_an_outage_nothing_is_dead_lettered(server, spool_dir):
+    """A service answering 500 to every request (POSTs and its readiness probe) for 3 s is
+    an outage, not 200 poison reports: bisection finds no sub-batch that succeeds, so the
+    batches are kept whole and retried with backoff; once it recovers, all 200 reports are
+    delivered and nothing is dead-lettered (the new user's repro: 35 of 200 dead-lettered)."""
+    server.sick_until = time.monotonic() + 3.0
+    client = AuditorClient(server.url, batch_size=50, max_backoff=0.5)
+    for r in _reports(200):
+        client.report(r)
+    assert client.flush(timeout=60)
+    assert client.stats["sent"] == 200 and client.stats["rejected"] == 0
+    assert sorted(r["step"] for status, (_, _, body) in zip(server.statuses, server.requests)
+                  if status == 200 for r in body["reports"]) == list(range(200))
+    assert not list(spool_dir.glob("*.deadletter"))
+    assert server.statuses.count(500) >= 3  # it did see the outage
     client.close()
