@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 
 from auditor.trainer.delivery import MAX_BACKOFF, Outcome, deliver, encode
-from auditor.trainer.settings import read_settings
+from auditor.trainer.settings import read_settings, valid_number, warn_once
 from auditor.trainer.spool import Spool, append_lines, dead_letter_path, default_spool_dir, default_spool_name
 
 log = logging.getLogger("auditor.client")
@@ -66,6 +66,9 @@ class AuditorClient:
     ----------
     url:
         Base URL of the service (``http://host:8000``), or ``file:///dir`` for file-only mode.
+        Anything else (``notaurl``) is said once and gives file-only mode in the spool
+        directory. Numbers that cannot work (``max_queue=0``, a negative timeout, not a
+        number) are said once and replaced by their defaults: the client never raises.
     batch_size:
         Most reports per request.
     flush_interval:
@@ -125,10 +128,26 @@ class AuditorClient:
         max_backoff: float = MAX_BACKOFF,
         rank: int | str | None = None,
     ) -> None:
+        batch_size = valid_number("batch_size", batch_size, 1000, 1, integer=True)
+        flush_interval = valid_number("flush_interval", flush_interval, 0.2, 0.001)
+        max_queue = valid_number("max_queue", max_queue, 10_000, 1, integer=True)
+        timeout = valid_number("timeout", timeout, 5.0, 0.001)
+        spool_after = valid_number("spool_after", spool_after, 1.0, 0.0)
+        fsync_interval = valid_number("fsync_interval", fsync_interval, 1.0, 0.001)
+        flush_timeout = valid_number("flush_timeout", flush_timeout, 5.0, 0.0)
+        max_backoff = valid_number("max_backoff", max_backoff, MAX_BACKOFF, 0.0)
+        url = str(url or "").strip()
         self.file_only = url.startswith("file:")
         if self.file_only:
             spool_dir = url[len("file://"):] if url.startswith("file://") else url[len("file:"):]
             spool = True
+        elif not _is_service_url(url):
+            where = Path(spool_dir or default_spool_dir())
+            warn_once(f"url={url}", "auditor client: %r is not the http(s) URL of an auditor service (AUDITOR_URL="
+                      "http://host:8000) nor file:///dir; writing reports to the spool in %s only — upload them "
+                      "with `auditor import %s --url http://HOST:8000`", url, where, where)
+            self.file_only, spool_dir, spool = True, where, True
+            url = f"file://{where}"
         self.url = url.rstrip("/")
         self.batch_size = batch_size
         self.flush_interval = flush_interval
@@ -157,6 +176,7 @@ class AuditorClient:
         self._inflight: list | None = None  # memory batch the sender is delivering (dicts or lines)
         self._down_since: float | None = None  # monotonic time of the first failure of a streak
         self._drops_logged = 0
+        self._full_drops = 0  # of dropped: because the queue was full
         self._dead_logged = False
         self._wake = threading.Event()
         self._spill_wake = threading.Event()
@@ -174,11 +194,19 @@ class AuditorClient:
     # ------------------------------------------------------------------ caller side
 
     def report(self, report: dict) -> None:
-        """Enqueue one report (a wire-contract dict). Never blocks on I/O, never raises."""
+        """Enqueue one report (a wire-contract dict). Never blocks on I/O, never raises.
+        Anything but a dict is counted ``dropped`` (and said once)."""
         try:
+            if not isinstance(report, dict):
+                with self._lock:
+                    self.stats["dropped"] += 1
+                warn_once(f"report-type-{id(self)}", "auditor client: report() takes a dict (a wire report), got "
+                          "%s; dropped (counted in stats['dropped'])", type(report).__name__)
+                return
             with self._lock:
                 if self._closed or len(self._queue) >= self.max_queue:
                     self.stats["dropped"] += 1
+                    self._full_drops += not self._closed
                     return
                 self._queue.append(report)
                 self._accepted += 1
@@ -306,7 +334,7 @@ class AuditorClient:
         self._settle(len(lines), "dropped")
 
     def _log_drops(self) -> None:
-        dropped = self.stats["dropped"]
+        dropped = self._full_drops
         if dropped > self._drops_logged:
             log.warning("auditor client: %d reports dropped so far (queue full: max_queue=%d)",
                         dropped, self.max_queue)
@@ -415,13 +443,24 @@ class AuditorClient:
             self._settled_cond.notify_all()
 
 
+def _is_service_url(url: str) -> bool:
+    """Whether ``url`` is an ``http(s)://host...`` URL httpx can send to."""
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, TypeError):
+        return False
+    return parsed.scheme in ("http", "https") and bool(parsed.host)
+
+
 def client_from_env(**kwargs: Any) -> AuditorClient | None:
     """An :class:`AuditorClient` configured from the environment
     (:mod:`auditor.trainer.settings`), or ``None`` when ``AUDITOR_URL`` is unset or empty.
 
     ``AUDITOR_URL`` (``http(s)://...`` or ``file:///dir``), ``AUDITOR_TOKEN``,
-    ``AUDITOR_SPOOL_DIR``, ``AUDITOR_FLUSH_TIMEOUT`` (s), ``AUDITOR_MAX_QUEUE``; a malformed
-    number is logged and ignored. ``kwargs`` override them.
+    ``AUDITOR_SPOOL_DIR``, ``AUDITOR_FLUSH_TIMEOUT`` (s), ``AUDITOR_MAX_QUEUE``; an invalid
+    number is logged once and ignored (the default applies), a URL that is neither
+    ``http(s)://`` nor ``file://`` makes a spool-only client (logged once). ``kwargs``
+    override them.
     """
     settings = read_settings()
     if settings.url is None:

@@ -1,8 +1,11 @@
 """Every ``AUDITOR_*`` variable a training rank reads, in one place, parsed leniently.
 
-A typo in a trainer's environment must never stop training: a malformed number is logged
-and ignored (the default applies). Read at the moment of use (:func:`read_settings`), never
-at import, so a launcher may set the variables after ``import auditor``.
+A typo in a trainer's environment must never stop training, nor slow it: an invalid value
+(not a number, zero or negative where a positive number is needed, an unknown dim) is
+logged once per process, naming the variable, the value and what applies instead
+(:func:`warn_once`), and the default applies. Read at the moment of use
+(:func:`read_settings`), never at import, so a launcher may set the variables after
+``import auditor``; what is derived from them per step (the topology) is cached.
 
 ==========================  ====================================================================
 variable                    meaning
@@ -21,14 +24,17 @@ variable                    meaning
 ``AUDITOR_TOPOLOGY``        explicit sizes, e.g. ``dp=4,cp=2,tp=2`` (:mod:`auditor.trainer.topology`)
 ``AUDITOR_RANK_ORDER``      rank order of that topology, fastest dim first (``tp-cp-ep-dp-pp``)
 ``AUDITOR_MESH_DIMS``       DeviceMesh dim names to contract dims, e.g. ``dp_shard=dp,sp=cp``
-``RANK``                    torchrun's global rank, used in spool file names
+``RANK``                    torchrun's global rank, used in spool file names (unset: the
+                            initialised process group's rank, else ``rank-unknown``)
 ==========================  ====================================================================
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -39,6 +45,22 @@ log = logging.getLogger("auditor.client")
 RUN_ID_PLACEHOLDERS = frozenset({"", "none", "null"})
 #: Megatron-core's default rank order (``initialize_model_parallel(order=...)``).
 DEFAULT_RANK_ORDER = "tp-cp-ep-dp-pp"
+
+
+_warned: set[str] = set()
+_warned_lock = threading.Lock()
+
+
+def warn_once(key: str, message: str, *args) -> bool:
+    """Log ``message % args`` as a warning the first time ``key`` is seen in this process
+    (a bad setting is read on every step: it must be said once, not per step). Returns
+    whether it was logged."""
+    with _warned_lock:
+        if key in _warned:
+            return False
+        _warned.add(key)
+    log.warning(message, *args)
+    return True
 
 
 def usable_run_id(run_id: str | None) -> str | None:
@@ -63,7 +85,7 @@ class TrainerSettings:
     spool_dir: Path
     run_id: str | None
     statistic: str
-    rank: str
+    rank: str | None
     raw_flush_timeout: str | None = None
     raw_max_queue: str | None = None
     elastic_run_id: str | None = None
@@ -73,31 +95,59 @@ class TrainerSettings:
 
     @property
     def flush_timeout(self) -> float | None:
-        """``AUDITOR_FLUSH_TIMEOUT`` in seconds."""
-        return _number("AUDITOR_FLUSH_TIMEOUT", self.raw_flush_timeout, float)
+        """``AUDITOR_FLUSH_TIMEOUT`` in seconds (≥ 0); None when unset or invalid."""
+        return _number("AUDITOR_FLUSH_TIMEOUT", self.raw_flush_timeout, float, minimum=0.0)
 
     @property
     def max_queue(self) -> int | None:
-        """``AUDITOR_MAX_QUEUE`` (``1e4`` is accepted)."""
-        return _number("AUDITOR_MAX_QUEUE", self.raw_max_queue, lambda v: int(float(v)))
+        """``AUDITOR_MAX_QUEUE`` (an integer ≥ 1; ``1e4`` is accepted); None when unset or invalid."""
+        return _number("AUDITOR_MAX_QUEUE", self.raw_max_queue, lambda v: int(float(v)), minimum=1)
 
 
-def _number(var: str, raw: str | None, cast):
-    if not raw:
+def _number(var: str, raw: str | None, cast, minimum: float):
+    """``cast(raw)`` if it is a finite number ≥ ``minimum``; else None (the default applies),
+    said once per process."""
+    if raw is None or not raw.strip():
         return None
     try:
-        return cast(raw)
-    except ValueError:
-        log.warning("auditor client: ignoring %s=%r (not a number)", var, raw)
-        return None
+        value = cast(raw.strip())
+        ok = math.isfinite(value) and value >= minimum
+    except (ValueError, OverflowError):
+        ok = False
+    if ok:
+        return value
+    warn_once(f"{var}={raw}", "auditor: ignoring %s=%r (must be a number >= %g); using the default", var, raw,
+              minimum)
+    return None
+
+
+def valid_number(name: str, value, default, minimum: float, integer: bool = False):
+    """``value`` if it is a finite number ≥ ``minimum`` (an integer if ``integer``), else
+    ``default`` with one warning naming ``name``: a client argument that cannot work
+    (``max_queue=0`` would drop every report) falls back instead of raising in the trainer."""
+    try:
+        ok = (not isinstance(value, bool) and math.isfinite(value) and value >= minimum
+              and (not integer or float(value).is_integer()))
+    except TypeError:
+        ok = False
+    if ok:
+        return int(value) if integer else value
+    warn_once(f"{name}={value!r}", "auditor client: ignoring %s=%r (must be %s >= %g); using %r", name, value,
+              "an integer" if integer else "a number", minimum, default)
+    return default
 
 
 def read_settings(env: Mapping[str, str] | None = None) -> TrainerSettings:
     """The settings in ``env`` (default ``os.environ``) now."""
     env = os.environ if env is None else env
     mesh = {}
-    for part in filter(None, (p.strip() for p in (env.get("AUDITOR_MESH_DIMS") or "").split(","))):
-        name, _, dim = part.partition("=")
+    raw_mesh = env.get("AUDITOR_MESH_DIMS") or ""
+    for part in filter(None, (p.strip() for p in raw_mesh.split(","))):
+        name, eq, dim = part.partition("=")
+        if not (eq and name.strip() and dim.strip()):
+            warn_once(f"AUDITOR_MESH_DIMS={raw_mesh}", "auditor: ignoring %r of AUDITOR_MESH_DIMS=%r (expected "
+                      "mesh_dim_name=dim, e.g. dp_shard=dp)", part, raw_mesh)
+            continue
         mesh[name.strip()] = dim.strip()
     return TrainerSettings(
         url=(env.get("AUDITOR_URL") or "").strip() or None,
@@ -105,7 +155,7 @@ def read_settings(env: Mapping[str, str] | None = None) -> TrainerSettings:
         spool_dir=Path(env.get("AUDITOR_SPOOL_DIR") or Path.home() / ".cache" / "auditor" / "spool"),
         run_id=usable_run_id(env.get("AUDITOR_RUN_ID")),
         statistic=env.get("AUDITOR_STATISTIC") or "advantages",
-        rank=env.get("RANK", "x"),
+        rank=(env.get("RANK") or "").strip() or None,
         raw_flush_timeout=env.get("AUDITOR_FLUSH_TIMEOUT"),
         raw_max_queue=env.get("AUDITOR_MAX_QUEUE"),
         elastic_run_id=usable_run_id(env.get("TORCHELASTIC_RUN_ID")),

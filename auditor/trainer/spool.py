@@ -49,9 +49,25 @@ def default_spool_dir() -> Path:
 
 def default_spool_name(rank: int | str | None = None) -> str:
     """``rank<RANK>-<host>-<pid>-<ms>.jsonl``: one file per rank and process, so concurrent
-    ranks (and restarts) never write into one file. ``rank`` defaults to ``$RANK`` (torchrun)."""
-    rank = rank if rank is not None else read_settings().rank
-    return f"rank{rank}-{socket.gethostname()}-{os.getpid()}-{int(time.time() * 1000)}{SUFFIX}"
+    ranks (and restarts) never write into one file. ``rank`` defaults to ``$RANK`` (torchrun),
+    else the rank in the initialised default process group (``mp.spawn`` sets no ``RANK``);
+    when neither is known the name starts ``rank-unknown-``."""
+    if rank is None:
+        rank = read_settings().rank
+    if rank is None:
+        rank = _process_group_rank()
+    prefix = "rank-unknown" if rank is None else f"rank{rank}"
+    return f"{prefix}-{socket.gethostname()}-{os.getpid()}-{int(time.time() * 1000)}{SUFFIX}"
+
+
+def _process_group_rank() -> int | None:
+    """The rank of an initialised ``torch.distributed`` default group, without importing
+    torch (``auditor import`` runs where there is none)."""
+    dist = sys.modules.get("torch.distributed")
+    try:
+        return dist.get_rank() if dist is not None and dist.is_available() and dist.is_initialized() else None
+    except Exception:  # noqa: BLE001 - a name is not worth an error
+        return None
 
 
 def offset_path(path: str | os.PathLike) -> Path:

@@ -11,6 +11,10 @@ Sources, first that applies:
    (torchtitan, FSDP2): mesh dims mapped to the contract's dims;
 4. none: warn once, loudly, and send ``"topology": "unknown"`` so the service judges each
    rank against the group it reduced over (``group_ranks``) instead of guessing.
+
+An explicit topology that cannot be used (``AUDITOR_TOPOLOGY=dp=3,cp=5`` in a world of 2)
+is said once, with the reason, and the reports say ``unknown`` (no other source is guessed
+in its place); it is checked once per process, not per step.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch.distributed as dist
 from auditor import layout
 from auditor.trainer import mesh as _mesh
 from auditor.trainer.megatron import megatron_topology
-from auditor.trainer.settings import read_settings
+from auditor.trainer.settings import read_settings, warn_once
 
 log = logging.getLogger("auditor.topology")
 
@@ -65,6 +69,7 @@ def clear() -> None:
     with _lock:
         _explicit = None
         _warned_unknown = False
+        _checked.clear()
     _mesh.clear_device_mesh()
 
 
@@ -90,23 +95,35 @@ def parse_topology(text: str) -> dict[str, int]:
 # ------------------------------------------------------------------------------ readers
 def wire_topology(rank: int | None = None, world: int | None = None) -> dict[str, Any]:
     """The topology fields of this rank's report: ``{"coords", "sizes"[, "order"]}`` or
-    ``{"topology": "unknown"}``. Never raises (a broken source falls through to the next,
-    with a log line)."""
+    ``{"topology": "unknown"}``. Never raises, and costs a dict lookup per call once the
+    topology is known: an explicit one is parsed and checked once per process (the result,
+    a failure included, is cached); a broken or unusable source is said once — why, and
+    that the reports say ``unknown`` — never per step."""
     initialised = dist.is_available() and dist.is_initialized()
     rank = (dist.get_rank() if initialised else 0) if rank is None else rank
     world = (dist.get_world_size() if initialised else 1) if world is None else world
-    for source in (_from_explicit, megatron_topology, _mesh.mesh_topology):
+    explicit = _from_explicit(rank, world)
+    if explicit is not None:
+        return explicit
+    for source in (megatron_topology, _mesh.mesh_topology):
         try:
             found = source(rank, world)
-        except Exception:  # noqa: BLE001 - a source that fails must not stop training
-            log.exception("auditor: could not read the topology from %s", source.__name__)
+        except Exception as exc:  # noqa: BLE001 - a source that fails must not stop training
+            if warn_once(f"topology-{source.__name__}-{type(exc).__name__}-{exc}",
+                         "auditor: could not read the topology from %s (%s: %s); trying the next source",
+                         source.__name__, type(exc).__name__, exc):
+                log.debug("traceback", exc_info=True)
             found = None
         if found is not None:
             return found
     if world == 1:  # one rank: nothing to guess
         return {"coords": {"dp": 0, "cp": 0, "tp": 0, "pp": 0}, "sizes": {"dp": 1, "cp": 1, "tp": 1, "pp": 1}}
     _warn_unknown()
-    return {"topology": "unknown"}
+    return UNKNOWN
+
+
+#: The topology fields of a report when no source knows this rank's coordinates.
+UNKNOWN: dict[str, Any] = {"topology": "unknown"}
 
 
 def _warn_unknown() -> None:
@@ -123,13 +140,43 @@ def _warn_unknown() -> None:
         "or call set_device_mesh(mesh).")
 
 
+#: (source text, rank, world) -> topology fields: explicit topologies checked once per process.
+_checked: dict[tuple, dict[str, Any]] = {}
+
+
 def _from_explicit(rank: int, world: int) -> dict | None:
+    """The explicit topology (:func:`set_topology`, else ``AUDITOR_TOPOLOGY`` +
+    ``AUDITOR_RANK_ORDER``) at ``rank`` of ``world``, or None when none is given. One that
+    cannot be used (unparsable, or its sizes do not fit the world) is said once and gives
+    :data:`UNKNOWN` — the user asked for it, so no other source is guessed instead."""
     spec = _explicit
-    if spec is None:
+    if spec is not None:
+        key: tuple = ("set_topology", repr(spec), rank, world)
+    else:
         conf = read_settings()
         if not conf.topology:
             return None
-        spec = {"sizes": parse_topology(conf.topology), "order": conf.rank_order}
+        key = (conf.topology, conf.rank_order, rank, world)
+    found = _checked.get(key)
+    if found is None:
+        what = "set_topology(...)" if spec is not None else f"AUDITOR_TOPOLOGY={key[0]}"
+        try:
+            if spec is None:
+                layout.parse_order(key[1])
+                spec = {"sizes": parse_topology(key[0]), "order": key[1]}
+            found = _explicit_at(spec, rank, world)
+        except ValueError as exc:
+            warn_once(f"topology-{key[:2]}-{world}", "auditor: %s cannot be used: %s; reporting topology unknown "
+                      "(the service can only check each rank against the group it reduced over)", what, exc)
+            found = UNKNOWN
+        with _lock:
+            _checked[key] = found
+    return found
+
+
+def _explicit_at(spec: dict, rank: int, world: int) -> dict:
+    """Coordinates and sizes of ``rank`` under an explicit ``spec`` (``sizes``, ``order``).
+    Raises ValueError (with the reason) when the sizes do not fit a world of ``world``."""
     given = dict(spec["sizes"])
     sizes = {d: given.get(d, 1) for d in ("dp", "cp", "tp", "pp")}
     if "ep" in given or "etp" in given:
@@ -139,11 +186,11 @@ def _from_explicit(rank: int, world: int) -> dict | None:
         if sizes["dp"] == 1 and world % (dense or 1) == 0:
             sizes["dp"] = world // dense  # dp left out: the rest of the world
         else:
-            raise ValueError(f"topology {sizes} has dp·cp·tp·pp = {dense}, the world has {world} ranks")
+            shown = ",".join(f"{d}={n}" for d, n in given.items())
+            raise ValueError(f"{shown} has {dense} ranks (dp·cp·tp·pp), the world has {world}")
     if "ep" in sizes:
         inner = sizes["ep"] * sizes["etp"] * sizes["pp"]
         if world % inner:
-            raise ValueError(f"world {world} is not divisible by ep·etp·pp = {inner}")
+            raise ValueError(f"the world of {world} ranks is not divisible by ep·etp·pp = {inner}")
         sizes["edp"] = world // inner
     return {"coords": layout.coords_of(rank, sizes, spec["order"]), "sizes": sizes, "order": spec["order"]}
-
