@@ -274,9 +274,11 @@ class _Isolation:
     poison) when the service still answers :func:`probe` right after. A failure not right
     after a success proves nothing: the sub-batch waits until something else succeeds
     (other sub-batches are tried first; when none is left, the first waiting one is cut,
-    to find input that passes). :data:`OUTAGE_AFTER` failures in a row without a success,
-    a 502/503/504, a ``Retry-After`` or a network error end it as an outage: :meth:`run`
-    returns what is still undecided, in order, to be retried whole after a backoff.
+    to find input that passes; when only single reports are left, each failed alone, they
+    are poison if the service answers the probe — a batch of nothing but poison).
+    :data:`OUTAGE_AFTER` failures in a row without a success, a 502/503/504, a
+    ``Retry-After`` or a network error end it as an outage: :meth:`run` returns what is
+    still undecided, in order, to be retried whole after a backoff.
     """
 
     def __init__(self, http, url, chunk, pending, on_final, stopped):
@@ -303,10 +305,17 @@ class _Isolation:
             fresh = [c for c in work if id(c) not in waiting]
             if not fresh:
                 cut = next((c for c in work if len(c) > 1), None)
-                if cut is None:
+                if cut is not None:
+                    i, half = _index(work, cut), len(cut) // 2
+                    work[i:i + 1] = [cut[:half], cut[half:]]
+                    continue
+                # single reports only, each failed alone since the last success: if the service
+                # answers the probe, each is tried once more as if after a success (a batch of
+                # nothing but poison), else it is an outage
+                if last is None or not probe(self.http, self.url):
                     return self._held(), last
-                i, half = work.index(cut), len(cut) // 2
-                work[i:i + 1] = [cut[:half], cut[half:]]
+                waiting.clear()
+                last_ok, misses = True, 0
                 continue
             c = fresh[0]
             out = post_lines(self.http, self.url, c)
@@ -318,10 +327,10 @@ class _Isolation:
                 misses += 1
                 blamed, last_ok = last_ok, False
                 if blamed and len(c) > 1:
-                    i, half = work.index(c), len(c) // 2
+                    i, half = _index(work, c), len(c) // 2
                     work[i:i + 1] = [c[:half], c[half:]]
                 elif blamed and probe(self.http, self.url):
-                    work.remove(c)
+                    del work[_index(work, c)]
                     self.on_final("rejected", c, self._left(),
                                   Outcome("rejected", message=f"poison: {out.message}", status=out.status))
                 else:
@@ -332,9 +341,14 @@ class _Isolation:
             self.answered = True
             last_ok, misses = True, 0
             waiting.clear()
-            i = work.index(c)
+            i = _index(work, c)
             del work[i]
             rest: list = []
             _settle_answer(out, c, rest, lambda kind, ch, _p, o: self.on_final(kind, ch, self._left() + rest, o))
             work[i:i] = rest[::-1]
         return [], last
+
+
+def _index(work: list[list[bytes]], chunk: list[bytes]) -> int:
+    """Position of ``chunk`` itself (not an equal one: a spool may repeat a line) in ``work``."""
+    return next(i for i, c in enumerate(work) if c is chunk)

@@ -335,3 +335,25 @@ def test_a_service_failing_everything_is_an_outage_nothing_is_dead_lettered(serv
     assert not list(spool_dir.glob("*.deadletter"))
     assert server.statuses.count(500) >= 3  # it did see the outage
     client.close()
+
+
+def test_batches_of_one_report_poison_or_outage(server, spool_dir):
+    """Batches of one report (a trainer of few ranks sends them so): a report the service
+    keeps failing on while it answers its readiness probe is poison, dead-lettered, the
+    others delivered; the same batches while the service fails everything for 2 s are an
+    outage, and nothing is dead-lettered."""
+    server.fail_when = lambda body: any(r["step"] == 2 for r in body["reports"])
+    client = AuditorClient(server.url, batch_size=1, flush_interval=0.01)
+    for r in _reports(4):
+        client.report(r)
+    assert client.flush(timeout=30)
+    assert client.stats["sent"] == 3 and client.stats["rejected"] == 1
+    server.fail_when = lambda body: False
+    server.sick_until = time.monotonic() + 2.0
+    for r in _reports(4, start=10):
+        client.report(r)
+    assert client.flush(timeout=60)
+    assert client.stats["sent"] == 7 and client.stats["rejected"] == 1
+    (dead,) = spool_dir.glob("*.deadletter")
+    assert [json.loads(line)["step"] for line in dead.read_bytes().splitlines()] == [2]
+    client.close()
