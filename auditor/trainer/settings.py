@@ -137,9 +137,31 @@ def valid_number(name: str, value, default, minimum: float, integer: bool = Fals
     return default
 
 
+#: The variables :func:`read_settings` reads (``HOME``: the default spool directory).
+_VARIABLES = ("AUDITOR_URL", "AUDITOR_TOKEN", "AUDITOR_SPOOL_DIR", "AUDITOR_RUN_ID", "AUDITOR_STATISTIC", "RANK",
+              "AUDITOR_FLUSH_TIMEOUT", "AUDITOR_MAX_QUEUE", "TORCHELASTIC_RUN_ID", "AUDITOR_TOPOLOGY",
+              "AUDITOR_RANK_ORDER", "AUDITOR_MESH_DIMS", "HOME")
+_last: tuple[tuple, "TrainerSettings"] | None = None
+
+
 def read_settings(env: Mapping[str, str] | None = None) -> TrainerSettings:
-    """The settings in ``env`` (default ``os.environ``) now."""
-    env = os.environ if env is None else env
+    """The settings in ``env`` (default ``os.environ``) now. Called on every step by the
+    hooks: with ``os.environ`` the parsed settings are reused while the variables' values
+    are unchanged (a dozen lookups, not a parse)."""
+    global _last
+    if env is None:
+        get = os.environ.get
+        key = tuple([get(v) for v in _VARIABLES])
+        last = _last
+        if last is not None and last[0] == key:
+            return last[1]
+        settings = _parse(os.environ)
+        _last = (key, settings)
+        return settings
+    return _parse(env)
+
+
+def _parse(env: Mapping[str, str]) -> TrainerSettings:
     mesh = {}
     raw_mesh = env.get("AUDITOR_MESH_DIMS") or ""
     for part in filter(None, (p.strip() for p in raw_mesh.split(","))):
