@@ -42,6 +42,10 @@ ServiceUrl = typer.Option(
     None, "--url", envvar="AUDITOR_URL",
     help="Base URL of a running auditor service; without it the database is read directly.",
 )
+Timeout = typer.Option(
+    10.0, "--timeout", min=0.01,
+    help="Seconds to connect and for the service's first answer (a host that accepts connections and never "
+         "answers fails after this); once it answered, slow answers are waited for longer.")
 ReadToken = typer.Option(
     None, "--token", envvar=["AUDITOR_READ_TOKEN", "AUDITOR_TOKEN"],
     help="Bearer token for a service that requires one (env AUDITOR_READ_TOKEN, else AUDITOR_TOKEN).",
@@ -75,16 +79,16 @@ def _errors_as_exit_2(fn):
     import sqlalchemy as sa
     from alembic.util.exc import CommandError
 
+    from auditor.reader import ReaderError
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         except UsageError as e:
             msg = str(e)
-        except httpx.HTTPStatusError as e:
-            msg = f"{e.request.url} answered HTTP {e.response.status_code}: {e.response.text[:300]}"
-        except (httpx.HTTPError, httpx.InvalidURL) as e:
-            msg = f"cannot reach the auditor service: {e}"
+        except (ReaderError, httpx.HTTPError, httpx.InvalidURL) as e:
+            msg = http_error_message(e)
         except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ModuleNotFoundError) as e:
             msg = f"bad database URL: {e}"
         except sa.exc.OperationalError as e:
@@ -104,6 +108,56 @@ def _errors_as_exit_2(fn):
     return wrapper
 
 
+#: What to check after an HTTP error status, by status.
+_HTTP_HINTS = {401: "check --token (or AUDITOR_READ_TOKEN / AUDITOR_TOKEN)",
+               403: "check --token (or AUDITOR_READ_TOKEN / AUDITOR_TOKEN)",
+               404: "is --url the service's base URL, e.g. http://host:8000?"}
+
+
+def http_error_message(exc: BaseException, timeout: float | None = None) -> str:
+    """One line for an HTTP error of a command that reads from a service: the URL, the
+    status (or what failed on the network) and what to check. ``exc``: a
+    :class:`auditor.reader.ReaderError`, an ``httpx.HTTPStatusError`` or another
+    ``httpx.HTTPError``/``InvalidURL``."""
+    import httpx
+
+    from auditor.reader import ReaderError
+
+    if isinstance(exc, (ReaderError, httpx.HTTPStatusError)):
+        if isinstance(exc, ReaderError):
+            where, status, problem = exc.url, exc.status, exc.problem
+        else:
+            where, status = str(exc.request.url), exc.response.status_code
+            try:
+                problem = exc.response.json()
+            except ValueError:
+                problem = exc.response.text
+        if isinstance(problem, dict):
+            problem = problem.get("detail") or problem.get("title") or problem
+        detail = " ".join(str(problem).split())[:200]
+        hint = _HTTP_HINTS.get(status, "the service failed: see its log" if status >= 500 else "")
+        return f"{where} answered HTTP {status}: {detail}" + (f" — {hint}" if hint else "")
+    where = getattr(getattr(exc, "request", None), "url", None) if not isinstance(exc, httpx.InvalidURL) else None
+    if isinstance(exc, httpx.TimeoutException):
+        within = f" within {timeout:g} s" if timeout else ""
+        return f"no answer from {where}{within} ({type(exc).__name__}; --timeout sets the wait)"
+    return f"cannot reach the auditor service{f' at {where}' if where else ''}: {type(exc).__name__}: {exc}"
+
+
+def _reach(url: str, timeout: float) -> None:
+    """Fail fast, in one line, when ``url`` is not an answering auditor service: ``GET
+    /healthz`` (open even with tokens) must answer within ``timeout`` seconds, and not 404."""
+    import httpx
+
+    try:
+        r = httpx.get(f"{url}/healthz", timeout=timeout)
+    except httpx.HTTPError as e:
+        raise UsageError(http_error_message(e, timeout)) from None
+    if r.status_code == 404:
+        raise UsageError(f"{url} is not an auditor service's base URL (GET {url}/healthz answered 404); pass "
+                         "e.g. --url http://host:8000")
+
+
 def _service_url(url: str | None) -> str | None:
     """``--url``/``AUDITOR_URL`` as a service base URL; a ``file://`` spool is not a service."""
     url = (url or "").strip()
@@ -121,7 +175,8 @@ def _service_url(url: str | None) -> str | None:
     if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
         raise UsageError(f"--url/AUDITOR_URL must be the http(s) URL of an auditor service, e.g. "
                          f"http://127.0.0.1:8000, got {url!r}")
-    return url.rstrip("/")
+    url = url.rstrip("/")
+    return url[:-3] if url.endswith("/v1") else url  # the API's prefix given with the base URL
 
 
 def _require_existing_sqlite(url: str) -> None:
@@ -141,12 +196,16 @@ class ReportSource:
     (``--url``) or the service's flows on a local database (:class:`auditor.service.Service`).
     Both give the same JSON; an unknown run raises :class:`UsageError`."""
 
-    def __init__(self, url: str | None, database_url: str | None, token: str | None = None):
+    def __init__(self, url: str | None, database_url: str | None, token: str | None = None, timeout: float = 10.0):
         self.url = _service_url(url)
         self.token = token
         self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._service = None
-        if self.url is None:
+        #: once the service answered /healthz: long reads (a large run's report takes a while)
+        self.read_timeout = max(timeout, 60.0)
+        if self.url is not None:
+            _reach(self.url, timeout)
+        else:
             from auditor.db.engine import current_revision, make_engine
             from auditor.service import Service
 
@@ -168,7 +227,7 @@ class ReportSource:
     def report(self, run_id: str, bad_steps: int) -> dict:
         """``GET /v1/runs/{run_id}/report``."""
         return self._run_call(run_id, "GET", "/report", lambda s: s.report(run_id, bad_steps_limit=bad_steps),
-                              params={"bad_steps": bad_steps}, timeout=60)
+                              params={"bad_steps": bad_steps}, timeout=self.read_timeout)
 
     def _run_call(self, run_id: str, method: str, path: str, local, **http) -> dict:
         """``method /v1/runs/{run_id}{path}`` over HTTP, or ``local(service)``; an unknown run
@@ -178,6 +237,11 @@ class ReportSource:
 
             r = httpx.request(method, f"{self.url}/v1/runs/{run_id}{path}", headers=self.headers, **http)
             if r.status_code == 404:
+                listing = httpx.get(f"{self.url}/v1/runs", params={"limit": 1}, headers=self.headers,
+                                    timeout=self.read_timeout)
+                if listing.status_code == 404:  # no API under this URL: not a missing run
+                    raise UsageError(f"{self.url} is not an auditor service's base URL ({r.request.url} and "
+                                     f"{listing.request.url} answered 404); pass e.g. --url http://host:8000")
                 raise UsageError(f"run {run_id!r} not found at {self.url}")
             return r.raise_for_status().json()
         from auditor.service import NotFound
@@ -195,7 +259,7 @@ class ReportSource:
         if self._service is None:
             from auditor.reader import Reader
 
-            with Reader(self.url, self.token) as reader:
+            with Reader(self.url, self.token, timeout=self.read_timeout) as reader:
                 yield from reader.steps_json(run_id, statistic, page_size=10_000)
             return
         from auditor.service import PageReads
@@ -206,7 +270,7 @@ class ReportSource:
         if self._service is None:
             from auditor.reader import Reader
 
-            with Reader(self.url, self.token) as reader:
+            with Reader(self.url, self.token, timeout=self.read_timeout) as reader:
                 return reader.step_json(run_id, statistic, step)
         return self._service.step(run_id, statistic, step)
 
@@ -215,7 +279,7 @@ class ReportSource:
         if self._service is None:
             from auditor.reader import Reader
 
-            with Reader(self.url, self.token) as reader:
+            with Reader(self.url, self.token, timeout=self.read_timeout) as reader:
                 return list(reader.runs_json(page_size=1000))
         return self._service.list_runs()
 
@@ -332,9 +396,9 @@ def db_current(database_url: Optional[str] = DatabaseUrl) -> None:
 
 
 def _fetch_report(run_id: str, url: str | None, database_url: str | None, bad_steps: int,
-                  token: str | None = None) -> dict:
+                  token: str | None = None, timeout: float = 10.0) -> dict:
     """The report of RUN_ID from a service (``--url``) or the local database."""
-    with ReportSource(url, database_url, token) as source:
+    with ReportSource(url, database_url, token, timeout) as source:
         return source.report(run_id, bad_steps)
 
 
@@ -350,12 +414,13 @@ def report(
              "opens offline), e.g. `auditor report RUN --format html > run.html`."),
     bad_steps: int = typer.Option(20, min=0, help="Bad steps shown per statistic."),
     token: Optional[str] = ReadToken,
+    timeout: float = Timeout,
 ) -> None:
     """Print the consistency report of RUN_ID (exit 2: run, service or database not found)."""
     if format is ReportFormat.html:
-        typer.echo(_report_html(run_id, url, database_url, bad_steps, token), nl=False)
+        typer.echo(_report_html(run_id, url, database_url, bad_steps, token, timeout), nl=False)
         return
-    data = _fetch_report(run_id, url, database_url, bad_steps, token)
+    data = _fetch_report(run_id, url, database_url, bad_steps, token, timeout)
     if format is ReportFormat.json:
         typer.echo(json.dumps(data, indent=2))
         return
@@ -365,12 +430,12 @@ def report(
 
 
 def _report_html(run_id: str, url: str | None, database_url: str | None, bad_steps: int,
-                 token: str | None = None) -> str:
+                 token: str | None = None, timeout: float = 10.0) -> str:
     """The run page of RUN_ID as one self-contained HTML document, read from a service
     (``--url``) or straight from the database — the same page ``GET /runs/{run_id}`` serves."""
     from auditor import web
 
-    with ReportSource(url, database_url, token) as source:
+    with ReportSource(url, database_url, token, timeout) as source:
         page = web.gather_run_page(source, run_id, bad_steps=bad_steps)
     return web.render_run_page(**page, inline_assets=True)
 
@@ -385,13 +450,14 @@ def check(
     min_steps: int = typer.Option(0, min=0, help="Also fail when fewer steps than this were audited "
                                                   "(a CI job whose trainer reported nothing)."),
     token: Optional[str] = ReadToken,
+    timeout: float = Timeout,
 ) -> None:
     """For the CI job of a training framework: exit 1 if any audited step of RUN_ID is
     inconsistent (or fewer than --min-steps were audited), 0 otherwise, 2 if the run, the
     service or the database cannot be found — or if no RUN_ID is given and it cannot tell
     which run is meant (several runs and no $AUDITOR_RUN_ID)."""
-    run_id = _which_run(run_id, url, database_url, token)
-    data = _fetch_report(run_id, url, database_url, bad_steps=0, token=token)
+    run_id = _which_run(run_id, url, database_url, token, timeout)
+    data = _fetch_report(run_id, url, database_url, bad_steps=0, token=token, timeout=timeout)
     bad = [s for s in data["statistics"] if s["steps_inconsistent"] or s.get("steps_audit_error")]
     audited = sum(s["steps_audited"] for s in data["statistics"])
     if bad:
@@ -407,7 +473,8 @@ def check(
     typer.echo(f"{run_id}: consistent ({audited} step(s) audited)")
 
 
-def _which_run(run_id: str | None, url: str | None, database_url: str | None, token: str | None = None) -> str:
+def _which_run(run_id: str | None, url: str | None, database_url: str | None, token: str | None = None,
+               timeout: float = 10.0) -> str:
     """RUN_ID, else ``$AUDITOR_RUN_ID``, else the only run stored. Raises
     :class:`UsageError` (exit 2) naming the candidates when that is ambiguous, and for
     ``none``/empty, which no trainer hook uses as a run id."""
@@ -419,7 +486,7 @@ def _which_run(run_id: str | None, url: str | None, database_url: str | None, to
             raise UsageError(f"{given!r} is not a run id (torchrun's placeholder when no --rdzv-id is set); the "
                              "trainer logged its run id on rank 0 ('auditor: run id ...'): pass that")
         return given
-    with ReportSource(url, database_url, token) as source:
+    with ReportSource(url, database_url, token, timeout) as source:
         runs = source.runs()
     if len(runs) == 1:
         return runs[0]["run_id"]
@@ -441,10 +508,11 @@ def runs_delete(
     database_url: Optional[str] = DatabaseUrl,
     token: Optional[str] = typer.Option(None, "--token", envvar="AUDITOR_TOKEN", help="Bearer token (writes)."),
     chunk_rows: int = typer.Option(5000, min=1, help="Reports deleted per transaction (database mode)."),
+    timeout: float = Timeout,
 ) -> None:
     """Delete RUN_ID with its reports, verdicts and faults, in bounded transactions (other
     runs keep being ingested). Exit 2 if the run does not exist."""
-    with ReportSource(url, database_url, token) as source:
+    with ReportSource(url, database_url, token, timeout) as source:
         counts = source.delete(run_id, chunk_rows)
     typer.echo(f"deleted run {run_id}: {counts['reports']} report(s), {counts['steps']} step(s), "
                f"{counts['statistics']} statistic(s)")
@@ -453,11 +521,11 @@ def runs_delete(
 @runs_app.callback()
 @_errors_as_exit_2
 def runs(ctx: typer.Context, url: Optional[str] = ServiceUrl, database_url: Optional[str] = DatabaseUrl,
-         token: Optional[str] = ReadToken) -> None:
+         token: Optional[str] = ReadToken, timeout: float = Timeout) -> None:
     """List runs with their topology and audit counts."""
     if ctx.invoked_subcommand is not None:
         return
-    with ReportSource(url, database_url, token) as source:
+    with ReportSource(url, database_url, token, timeout) as source:
         data = source.runs()
     from rich.table import Table
 
@@ -574,27 +642,53 @@ def import_spools(
     token: Optional[str] = typer.Option(None, "--token", envvar="AUDITOR_TOKEN", help="Bearer token."),
     batch_size: int = typer.Option(1000, min=1, help="Reports per request (cut between steps)."),
     restart: bool = typer.Option(False, help="Ignore the .offset sidecars and upload from the start."),
+    include_deadletter: bool = typer.Option(
+        False, "--include-deadletter",
+        help="Also retry the reports of the `.deadletter` files next to the spools; those delivered leave them."),
+    timeout: float = Timeout,
     quiet: bool = Quiet,
 ) -> None:
     """Upload trainer spools to a service: the files (one per rank) are merged so that each
-    request carries whole steps. Resumable (each file's `.offset` sidecar records what was
-    delivered) and idempotent (the service ignores identical re-sends). Reports the
-    service refuses go to `<spool>.deadletter`. Exit 0: all delivered; 1: some refused
-    (dead-lettered); 2: service unreachable, or a wrong URL or token (401/403/404/405)."""
+    request carries whole steps. Resumable (each file's `.offset` sidecar records, per
+    service URL, what was delivered there) and idempotent (the service ignores identical
+    re-sends). Reports the service refuses go to `<spool>.deadletter`; dead-letter files
+    found are named (retry them with --include-deadletter). Exit 0: all delivered; 1: some
+    refused (dead-lettered); 2: service unreachable (no answer within 3 × --timeout), or a
+    wrong URL or token (401/403/404/405)."""
     url = _service_url(url)
     from auditor.offline import upload
+    from auditor.trainer.spool import dead_letter_files, spool_files
 
-    files = _spool_files(spools)
+    dead = dead_letter_files(spools)
+    files = spool_files(spools) if include_deadletter and dead else _spool_files(spools)
+    missing = [str(p) for p in files if not p.is_file()]
+    if missing:
+        raise UsageError(f"no such spool file: {', '.join(missing)}")
     with _spool_progress("import", quiet) as on_progress:
         try:
-            counts = upload(files, url, token=token, batch_size=batch_size, restart=restart, on_progress=on_progress)
+            counts = upload(files, url, token=token, batch_size=batch_size, restart=restart, timeout=timeout,
+                            dead_letters=[p for p, _ in dead] if include_deadletter else (),
+                            on_progress=on_progress)
         except ConnectionError as e:  # unreachable, or a wrong URL/token: 2 (1 means refused reports)
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
     new = counts["sent"] - counts["duplicates"]
+    where = ", ".join(f"{p} (+{n})" for p, n in counts["dead_lettered"].items())
     typer.echo(f"imported {new} new report(s) from {counts['files']} file(s)"
                + (f" ({counts['duplicates']} already stored, not counted)" if counts["duplicates"] else "")
-               + f"; {counts['rejected']} rejected, {counts['retries']} retried request(s)")
+               + f"; {counts['rejected']} rejected" + (f" (appended to {where})" if where else "")
+               + f", {counts['retries']} retried request(s)")
+    if counts["skipped"]:
+        typer.echo(f"{counts['skipped']} file(s) were already delivered to {url} (their .offset sidecars say so; "
+                   "--restart sends them again)")
+    if dead and include_deadletter:
+        left = [(p, n) for p, n in dead_letter_files(spools)]
+        typer.echo(f"retried {sum(n for _, n in dead)} dead-lettered report(s) from {len(dead)} file(s): "
+                   + (f"{sum(n for _, n in left)} still refused, kept in {', '.join(str(p) for p, _ in left)}"
+                      if left else "all delivered, the dead-letter files are removed"))
+    elif dead:
+        typer.echo(f"not retried: {sum(n for _, n in dead)} dead-lettered report(s) in "
+                   + ", ".join(f"{p} ({n})" for p, n in dead) + " — retry them with --include-deadletter")
     if counts["rejected"]:
         raise typer.Exit(1)
 

@@ -29,7 +29,7 @@ import time
 from array import array
 from collections import defaultdict
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import httpx
 
@@ -54,45 +54,79 @@ class ServiceConfigError(ConnectionError):
 
 
 def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = None, batch_size: int = 1000,
-           timeout: float = 30.0, max_attempts: int = 8, restart: bool = False,
-           on_progress: Progress | None = None) -> dict[str, int]:
+           timeout: float = 10.0, read_timeout: float = 120.0, unreachable_after: float | None = None,
+           max_attempts: int = 8, restart: bool = False, dead_letters: Sequence[str | os.PathLike] = (),
+           on_progress: Progress | None = None) -> dict[str, Any]:
     """Upload spool files to the service at ``url`` (``auditor import``). Resumable and idempotent.
 
-    The files are read from their offset sidecars (``restart`` ignores them), merged so that
-    the reports of a step are sent together (:class:`~auditor.trainer.spool.SpoolReader`),
-    and sent in requests of at most ``batch_size`` reports cut between steps. After every
-    batch the service answered, each file's sidecar is advanced past its lines in that batch,
-    so an interrupted import continues where it stopped, and a batch sent twice is a no-op
-    for the service. Reports the service refuses for good (409/422/413, or one report that
-    keeps making it fail with a 500: :func:`auditor.trainer.delivery.deliver` bisects such
-    batches) are counted ``rejected`` and appended to the dead-letter file next to the spool
-    they came from (``<spool>.deadletter``); the import goes on after them. The next batch is
-    read while one is on the wire (:func:`read_ahead`).
+    The files are read from their offset sidecars for this destination (``restart`` ignores
+    them; a spool imported into another service is sent whole), merged so that the reports
+    of a step are sent together (:class:`~auditor.trainer.spool.SpoolReader`), and sent in
+    requests of at most ``batch_size`` reports cut between steps. After every batch the
+    service answered, each file's sidecar is advanced past its lines in that batch for
+    ``url``, so an interrupted import continues where it stopped, and a batch sent twice is a
+    no-op for the service. Reports the service refuses for good (409/422/413, or one report
+    that makes a healthy service fail: :func:`auditor.trainer.delivery.deliver`) are counted
+    ``rejected`` and appended to the dead-letter file next to the spool they came from
+    (``<spool>.deadletter``); the import goes on after them. A service failing everything
+    is an outage, never a reason to dead-letter. The next batch is read while one is on the
+    wire (:func:`read_ahead`).
+
+    ``dead_letters``: dead-letter files to retry as well (read whole, no sidecar); when the
+    import completes, each keeps only the reports refused again (removed when none is).
+
+    Timeouts, seconds: ``timeout`` to connect and for the first answer; once the service
+    answered, ``read_timeout`` for an answer (a large batch may take the service a while).
+    ``unreachable_after`` (default ``3 * timeout``): when no request got any HTTP answer for
+    that long, give up (a host that accepts connections and never answers).
 
     ``on_progress(done_bytes, total_bytes, reports_sent)`` is called after every batch.
     Returns counters ``files``, ``sent`` (delivered), ``duplicates`` (of those, already
-    stored: an identical re-send), ``rejected``, ``retries``. Raises ``ConnectionError``
-    after ``max_attempts`` consecutive transient failures (the sidecars then mark where to
-    resume), and :class:`ServiceConfigError` at once on 401/403/404/405 (a wrong URL or token).
+    stored: an identical re-send), ``rejected``, ``retries``, ``skipped`` (spool files
+    already delivered to ``url`` up to their end), and ``dead_lettered`` (dead-letter file →
+    reports appended to it). Raises :class:`Unreachable` when no HTTP answer came,
+    ``ConnectionError`` after ``max_attempts`` consecutive transient failures (the sidecars
+    then mark where to resume), and :class:`ServiceConfigError` at once on 401/403/404/405
+    (a wrong URL or token).
     """
     headers = {"Content-Type": "application/json"}
     if token:
         headers["Authorization"] = f"Bearer {token}"
-    counts = dict.fromkeys(("files", "sent", "duplicates", "rejected", "retries"), 0)
+    counts: dict[str, Any] = dict.fromkeys(("files", "sent", "duplicates", "rejected", "retries", "skipped"), 0)
+    counts["dead_lettered"] = defaultdict(int)
     url = url.rstrip("/")
-    files = spool_files(paths)
-    counts["files"] = len(files)
-    starts = [0 if restart else min(read_offset(p), p.stat().st_size) for p in files]
+    spools = spool_files(paths)
+    counts["files"] = len(spools)
+    retried = [Path(p) for p in dead_letters]
+    files = spools + retried
+    starts = [0 if restart else min(read_offset(p, url), p.stat().st_size) for p in spools] + [0] * len(retried)
+    counts["skipped"] = sum(1 for p, st in zip(spools, starts) if st and st >= p.stat().st_size)
     reader = SpoolReader(files, starts)
-    written = list(starts)  # offset recorded in each file's sidecar
+    written = list(starts)  # offset recorded in each spool's sidecar
     total = sum(reader.sizes)
     source: dict[int, int] = {}  # id(line) -> file index, for the lines of the batch in flight
+    # refused again, from a retried dead-letter file (or a spool whose one is being retried):
+    # collected beside it, moved over it when the import completes
+    again = {p: p.with_name(p.name + ".again") for p in retried}
+    for tmp in again.values():
+        tmp.unlink(missing_ok=True)
+
+    give_up = 3 * timeout if unreachable_after is None else unreachable_after
+    answered = False  # the service answered once: from then on, only max_attempts bounds the retries
 
     def on_retry(out: Outcome, _failures: int) -> None:
         if out.status in CONFIGURATION_ERRORS:
             raise ServiceConfigError(f"{url}/v1/reports answered {out.message[:300]}: check --url and "
                                      "--token; nothing was imported from this batch")
         counts["retries"] += 1
+        if out.status is not None:
+            on_answer()
+
+    def on_answer() -> None:
+        nonlocal answered
+        if not answered:
+            answered = True
+            http.timeout = httpx.Timeout(timeout, read=max(timeout, read_timeout))
 
     def on_final(kind: str, chunk: list[bytes], _pending: list, out: Outcome) -> None:
         if kind == "sent":
@@ -105,32 +139,54 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
         for ln in refused:
             by_file[source[id(ln)]].append(ln)
         for i, lines in by_file.items():
-            dead = dead_letter_path(files[i])
-            append_lines(dead, lines)
+            dead = files[i] if i >= len(spools) else dead_letter_path(files[i])
+            append_lines(again.get(dead, dead), lines)
+            counts["dead_lettered"][str(dead)] += len(lines)
             log.warning("%s: %d reports rejected, appended to %s: %s", files[i], len(lines), dead,
                         out.message[:300])
 
     if on_progress:
         on_progress(reader.done_bytes(), total, 0)
-    with httpx.Client(timeout=timeout, headers=headers) as http:
-        for batch in read_ahead(reader.batches(batch_size)):
-            lines = [item[3] for item in batch]
-            source = {id(item[3]): item[1] for item in batch}
-            try:
-                deliver(http, url, lines, on_final=on_final, on_retry=on_retry, max_attempts=max_attempts)
-            except DeliveryError as e:
-                raise ConnectionError(f"{url}: {e}; the .offset sidecars next to the spools mark what was "
-                                      "delivered, re-run to resume") from None
-            ends = {item[1]: item[2] for item in batch}  # each file's lines come in file order
-            for i, end in ends.items():
-                write_offset(files[i], end)
-                written[i] = end
-            if on_progress:
-                on_progress(reader.done_bytes(), total, counts["sent"] + counts["rejected"])
-    for i, end in enumerate(reader.ends):  # trailing blank lines, and files with nothing to send
+    try:
+        with httpx.Client(timeout=timeout, headers=headers) as http:
+            for batch in read_ahead(reader.batches(batch_size)):
+                lines = [item[3] for item in batch]
+                source = {id(item[3]): item[1] for item in batch}
+                try:
+                    deliver(http, url, lines, on_final=on_final, on_retry=on_retry, on_answer=on_answer,
+                            max_attempts=max_attempts, unreachable_after=None if answered else give_up)
+                except DeliveryError as e:
+                    if e.unreachable:
+                        raise Unreachable(f"{url} is unreachable: {e.outcome.message} — no HTTP answer within "
+                                          f"{give_up:g} s (--timeout {timeout:g} s per attempt); nothing more was "
+                                          "imported, re-run to resume") from None
+                    raise ConnectionError(f"{url}: {e}; the .offset sidecars next to the spools mark what was "
+                                          "delivered, re-run to resume") from None
+                ends = {item[1]: item[2] for item in batch}  # each file's lines come in file order
+                for i, end in ends.items():
+                    if i < len(spools):
+                        write_offset(files[i], url, end)
+                        written[i] = end
+                if on_progress:
+                    on_progress(reader.done_bytes(), total, counts["sent"] + counts["rejected"])
+    except BaseException:
+        for tmp in again.values():  # interrupted: the dead-letter files stay as they were
+            tmp.unlink(missing_ok=True)
+        raise
+    for i, end in enumerate(reader.ends[:len(spools)]):  # trailing blank lines, files with nothing to send
         if end > written[i]:
-            write_offset(files[i], end)
+            write_offset(files[i], url, end)
+    for dead, tmp in again.items():
+        if tmp.exists():
+            os.replace(tmp, dead)
+        else:
+            dead.unlink(missing_ok=True)
+    counts["dead_lettered"] = dict(counts["dead_lettered"])
     return counts
+
+
+class Unreachable(ConnectionError):
+    """No request of an import got any HTTP answer within its time bound."""
 
 
 def read_ahead(batches: Iterator[list], depth: int = 1) -> Iterator[list]:

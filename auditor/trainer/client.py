@@ -161,7 +161,8 @@ class AuditorClient:
         self.stats: dict[str, int] = dict.fromkeys(
             ("enqueued", "sent", "rejected", "spooled", "replayed", "dropped", "retries"), 0)
         self.spool: Spool | None = (
-            Spool(Path(spool_dir or default_spool_dir()) / default_spool_name(rank)) if spool else None)
+            Spool(Path(spool_dir or default_spool_dir()) / default_spool_name(rank),
+                  None if self.file_only else self.url) if spool else None)
         self._http: httpx.Client | None = None
         if not self.file_only:
             headers = {"Content-Type": "application/json"}

@@ -2,11 +2,15 @@
 
 A spool is an append-only file of wire-contract reports (DESIGN.md §3), one JSON object per
 line, exactly the bytes the client would have POSTed (``NaN``/``Infinity`` tokens allowed).
-Next to it, ``<spool>.offset`` holds the byte offset up to which the lines were delivered to
-a service (written atomically by rename). Replaying from the offset — by the client when the
-service comes back, or by ``auditor import`` — is safe to repeat: the service treats an
-identical re-send of a report as a no-op, so a crash between a POST and the sidecar update
-only causes duplicates the service ignores.
+Next to it, ``<spool>.offset`` holds, per destination service (its normalised base URL,
+:func:`destination`), the byte offset up to which the lines were delivered to it — a JSON
+object ``{"http://host:8000": 1234}``, written atomically by rename — so importing a spool
+into a second service sends all of it there too. Replaying from the offset — by the client
+when the service comes back, or by ``auditor import`` — is safe to repeat: the service
+treats an identical re-send of a report as a no-op, so a crash between a POST and the
+sidecar update only causes duplicates the service ignores. A sidecar of the older format
+(one number, for no named destination) counts as nothing delivered anywhere: a re-import
+re-sends duplicates, never skips reports.
 
 Durability: appends are single ``write(2)`` calls of whole lines; :meth:`Spool.sync` fsyncs
 (the client calls it on a timer, default every second, and on close). A crash can leave a
@@ -28,6 +32,7 @@ import struct
 import sys
 import threading
 import time
+import urllib.parse
 import zlib
 from array import array
 from collections.abc import Iterable, Iterator
@@ -74,19 +79,48 @@ def offset_path(path: str | os.PathLike) -> Path:
     return Path(str(path) + OFFSET_SUFFIX)
 
 
-def read_offset(path: str | os.PathLike) -> int:
-    """Delivered byte offset of spool ``path`` (0 without a sidecar or if it is unreadable)."""
+def destination(url: str) -> str:
+    """The key of a service in offset sidecars: ``url`` with the scheme and host lower-cased,
+    the default port and trailing slashes dropped (``HTTP://Host:80/`` → ``http://host``)."""
+    parts = urllib.parse.urlsplit(url.strip())
+    scheme = parts.scheme.lower()
     try:
-        return max(0, int(offset_path(path).read_text().strip() or 0))
+        port = parts.port
+    except ValueError:
+        port = None
+    host = (parts.hostname or "").lower()
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = host if port is None or (scheme, port) in (("http", 80), ("https", 443)) else f"{host}:{port}"
+    return f"{scheme}://{netloc}{parts.path.rstrip('/')}"
+
+
+def read_offsets(path: str | os.PathLike) -> dict[str, int]:
+    """Every destination's delivered offset of spool ``path`` (empty without a sidecar, if it
+    is unreadable, or in the older one-number format, which names no destination)."""
+    try:
+        data = json.loads(offset_path(path).read_text() or "{}")
     except (OSError, ValueError):
-        return 0
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): max(0, int(v)) for k, v in data.items() if isinstance(v, int)}
 
 
-def write_offset(path: str | os.PathLike, offset: int) -> None:
-    """Record that ``path`` is delivered up to byte ``offset`` (atomic: temp file + rename)."""
+def read_offset(path: str | os.PathLike, url: str) -> int:
+    """Byte offset of spool ``path`` delivered to the service at ``url`` (0 if none)."""
+    return read_offsets(path).get(destination(url), 0)
+
+
+def write_offset(path: str | os.PathLike, url: str, offset: int, *, others: bool = True) -> None:
+    """Record that ``path`` is delivered up to byte ``offset`` to the service at ``url``
+    (atomic: temp file + rename); the other destinations' offsets are kept (``others=False``
+    drops them: the file was truncated)."""
+    offsets = read_offsets(path) if others else {}
+    offsets[destination(url)] = offset
     side = offset_path(path)
     tmp = side.with_name(side.name + ".tmp")
-    tmp.write_text(f"{offset}\n")
+    tmp.write_text(json.dumps(offsets) + "\n")
     os.replace(tmp, side)
 
 
@@ -99,6 +133,23 @@ def dead_letter_path(spool: str | os.PathLike) -> Path:
     """The dead-letter file of a spool: ``<spool>.deadletter`` (not ``*.jsonl``, so
     ``auditor import DIR`` does not pick it up again; import it explicitly after a fix)."""
     return Path(str(spool) + DEAD_LETTER_SUFFIX)
+
+
+def dead_letter_files(paths: Iterable[str | os.PathLike]) -> list[tuple[Path, int]]:
+    """The dead-letter files that go with ``paths`` (as given to ``auditor import``): next to
+    each spool file, and every ``*.jsonl.deadletter`` of a directory (also when its spool is
+    gone), with how many reports (lines) each holds. Sorted, each once."""
+    found: dict[Path, None] = {}
+    for p in map(Path, paths):
+        if p.is_dir():
+            found.update(dict.fromkeys(sorted(p.glob(f"*{SUFFIX}{DEAD_LETTER_SUFFIX}"))))
+        elif dead_letter_path(p).is_file():
+            found[dead_letter_path(p)] = None
+    out = []
+    for d in found:
+        with open(d, "rb") as f:
+            out.append((d, sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))))
+    return out
 
 
 def append_lines(path: str | os.PathLike, lines: list[bytes]) -> None:
@@ -177,14 +228,18 @@ class Spool:
     ----------
     path:
         The JSONL file; created (with its directory) on the first append.
+    url:
+        The service the client replays to: the key of its offset in the sidecar (None:
+        file-only mode, nothing is replayed).
     """
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, url: str | None = None):
         self.path = Path(path)
+        self.url = url
         self._lock = threading.Lock()
         self._fd: int | None = None
         self._size = self.path.stat().st_size if self.path.exists() else 0
-        self._offset = min(read_offset(self.path), self._size)
+        self._offset = min(read_offset(self.path, url), self._size) if url else 0
         self._dirty = False
         self.lines_written = 0
 
@@ -225,13 +280,16 @@ class Spool:
     def commit(self, end: int) -> None:
         """Mark everything before byte ``end`` delivered. When that is the whole file, the file
         is truncated to empty (the spool never grows beyond what is undelivered)."""
+        truncated = False
         with self._lock:
             if end >= self._size and self._fd is not None:
                 os.ftruncate(self._fd, 0)
                 self._size = 0
                 end = 0
+                truncated = True
             self._offset = end
-        write_offset(self.path, end)
+        if self.url:
+            write_offset(self.path, self.url, end, others=not truncated)
 
     def close(self, remove_if_delivered: bool = True) -> bool:
         """Sync and close. Returns True if nothing undelivered remains (files then removed)."""

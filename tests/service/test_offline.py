@@ -16,6 +16,7 @@ import pytest
 from factory import applied, local_moments, reference_reports, total
 
 from auditor.offline import audit_offline, read_ahead
+from auditor.trainer.spool import read_offset
 from auditor.service import Service
 from auditor.trainer.spool import SpoolReader
 
@@ -131,7 +132,7 @@ def test_audit_of_rank_files_equals_import_into_the_live_service(live_server, tm
     assert "imported 11 new report(s) from 2 file(s); 1 rejected" in out.stdout
     assert (tmp_path / "spool" / "rank1.jsonl.deadletter").read_text() == "{not json\n"
     assert not (tmp_path / "spool" / "rank0.jsonl.deadletter").exists()
-    assert [int((p.parent / (p.name + ".offset")).read_text()) for p in (rank0, rank1)] == \
+    assert [read_offset(p, live_server.url) for p in (rank0, rank1)] == \
         [rank0.stat().st_size, rank1.stat().st_size]
 
     deadline = time.monotonic() + 30

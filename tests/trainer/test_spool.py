@@ -10,7 +10,7 @@ import pytest
 
 from auditor.trainer.client import client_from_env
 from auditor.offline import upload
-from auditor.trainer.spool import Spool, SpoolReader, line_key, read_lines, read_offset
+from auditor.trainer.spool import Spool, SpoolReader, line_key, read_lines, read_offset, write_offset
 from factory import reference_reports
 
 
@@ -48,15 +48,16 @@ def test_import_is_resumable_and_idempotent(live_server, tmp_path, run_id):
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "imported 10 new report(s) from 1 file(s); 0 rejected" in out.stdout
-    assert read_offset(path) == path.stat().st_size
+    assert read_offset(path, live_server.url) == path.stat().st_size
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert "imported 0 new report(s)" in out.stdout
     out = subprocess.run([*cmd, "--restart"], capture_output=True, text=True, timeout=120)
     assert "imported 0 new report(s) from 1 file(s) (10 already stored, not counted); 0 rejected" in out.stdout
     half = len("".join(json.dumps(r) + "\n" for r in reports[:4]))
-    (tmp_path / "rank0.jsonl.offset").write_text(str(half))
+    write_offset(path, live_server.url, half)
     counts = upload([path], live_server.url, batch_size=4)
-    assert counts == {"files": 1, "sent": 6, "duplicates": 6, "rejected": 0, "retries": 0}
+    assert counts == {"files": 1, "sent": 6, "duplicates": 6, "rejected": 0, "retries": 0, "skipped": 0,
+                      "dead_lettered": {}}
     (stat,) = live_server.get(f"/v1/runs/{run_id}/report").json()["statistics"]
     assert stat["steps_audited"] == stat["steps_consistent"] == 5
 
