@@ -33,9 +33,10 @@ def work(rank: int, world: int, port: int, steps: int) -> None:
         times.append(time.perf_counter() - t)
     client.close()
     times.sort()
-    print(json.dumps({"rank": rank, "stats": client.stats, "url": client.url, "file_only": client.file_only,
-                      "max_queue": client.max_queue, "flush_timeout": client.flush_timeout,
-                      "step_median_ms": 1e3 * times[len(times) // 2]}), flush=True)
+    line = json.dumps({"rank": rank, "stats": client.stats, "url": client.url, "file_only": client.file_only,
+                       "max_queue": client.max_queue, "flush_timeout": client.flush_timeout,
+                       "step_median_ms": 1e3 * times[len(times) // 2]})
+    os.write(1, (line + "\n").encode())  # one write: the two ranks' lines never interleave
     dist.destroy_process_group()
 
 
