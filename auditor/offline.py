@@ -8,8 +8,9 @@ then what one ``POST /v1/reports`` carries: uploads go through the trainer side'
 delivery loop (:func:`auditor.trainer.delivery.deliver`), offline audits decode it as the
 service decodes a request body (:func:`auditor.schemas.parse_report_batch`) and store it with
 :meth:`auditor.service.Service.ingest` on a local database, which audits every step the batch
-completes from the rows in hand. Memory is one batch (plus one line per file), whatever the
-size of the spool.
+completes from the rows in hand. Memory is bounded by the batch size — one batch plus one
+line per file; two with the reader process of ``audit``, three with the read-ahead thread
+of ``import`` — whatever the size of the spools.
 """
 
 from __future__ import annotations
