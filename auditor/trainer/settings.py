@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +70,21 @@ def usable_run_id(run_id: str | None) -> str | None:
         return None
     run_id = run_id.strip()
     return None if run_id.lower() in RUN_ID_PLACEHOLDERS else run_id
+
+
+#: The wire contract's run id (DESIGN.md §3; auditor.schemas.RUN_ID_PATTERN, 1..128 chars).
+_WIRE_RUN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def _run_id_setting(var: str, raw: str | None) -> str | None:
+    """:func:`usable_run_id` of ``raw``, or None (said once) when the service would refuse it
+    (every report dead-lettered as a 422): the run id is then agreed per job instead."""
+    run_id = usable_run_id(raw)
+    if run_id is None or _WIRE_RUN_ID.fullmatch(run_id):
+        return run_id
+    warn_once(f"{var}={raw}", "auditor: ignoring %s=%r (a run id is 1 to 128 of A-Z a-z 0-9 . _ : -); the ranks "
+              "agree on a run id instead", var, raw)
+    return None
 
 
 @dataclass(frozen=True)
@@ -175,12 +191,12 @@ def _parse(env: Mapping[str, str]) -> TrainerSettings:
         url=(env.get("AUDITOR_URL") or "").strip() or None,
         token=env.get("AUDITOR_TOKEN") or None,
         spool_dir=Path(env.get("AUDITOR_SPOOL_DIR") or Path.home() / ".cache" / "auditor" / "spool"),
-        run_id=usable_run_id(env.get("AUDITOR_RUN_ID")),
+        run_id=_run_id_setting("AUDITOR_RUN_ID", env.get("AUDITOR_RUN_ID")),
         statistic=env.get("AUDITOR_STATISTIC") or "advantages",
         rank=(env.get("RANK") or "").strip() or None,
         raw_flush_timeout=env.get("AUDITOR_FLUSH_TIMEOUT"),
         raw_max_queue=env.get("AUDITOR_MAX_QUEUE"),
-        elastic_run_id=usable_run_id(env.get("TORCHELASTIC_RUN_ID")),
+        elastic_run_id=_run_id_setting("TORCHELASTIC_RUN_ID", env.get("TORCHELASTIC_RUN_ID")),
         topology=(env.get("AUDITOR_TOPOLOGY") or "").strip() or None,
         rank_order=(env.get("AUDITOR_RANK_ORDER") or "").strip() or DEFAULT_RANK_ORDER,
         mesh_dims=mesh,

@@ -96,3 +96,15 @@ def test_spool_of_an_unknown_rank_is_named_so_and_found(tmp_path, monkeypatch):
     client.close()
     (found,) = spool_files([tmp_path])
     assert found.name.startswith("rank-unknown-") and f"-{os.getpid()}-" in found.name
+
+
+def test_a_run_id_the_service_would_refuse_is_said_once_and_not_used(caplog):
+    """AUDITOR_RUN_ID='my run #1' would have every report refused (422) and dead-lettered:
+    it is said once and the ranks agree on a run id instead; a valid one is kept."""
+    from auditor.trainer.settings import read_settings
+
+    for _ in range(3):
+        assert read_settings({"AUDITOR_RUN_ID": "my run #1"}).run_id is None
+    assert sum("ignoring AUDITOR_RUN_ID='my run #1'" in r.getMessage() for r in caplog.records) == 1
+    assert read_settings({"AUDITOR_RUN_ID": "qwen3-4b:grpo.0001"}).run_id == "qwen3-4b:grpo.0001"
+    assert read_settings({"TORCHELASTIC_RUN_ID": "x" * 129}).elastic_run_id is None
