@@ -14,7 +14,8 @@ from typing import Annotated, Literal
 
 import msgspec
 import pydantic_core
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
 
 from auditor import layout
 from auditor.core.stats import UNIT_ROUNDOFF
@@ -205,8 +206,68 @@ def _local_rules(loc) -> None:
         if v is not None and v < 0 and v != _NEG_INF:
             raise ValueError(f"{name} must be >= 0, got {v}")
     lo, hi = loc.min, loc.max
-    if lo is not None and hi is not None and lo > hi and lo != _INF and hi != _NEG_INF:  # both finite
-        raise ValueError(f"min ({lo}) must be <= max ({hi})")
+    if lo is not None or hi is not None:
+        msg = _range_error("min", lo, loc.count, loc.sum, loc.sum_sq) or \
+            _range_error("max", hi, loc.count, loc.sum, loc.sum_sq, lo)
+        if msg:
+            raise ValueError(msg)
+
+
+#: Slack of the range rules (:func:`_range_error`): the loosest rounding of any dtype a report
+#: may name (bfloat16's unit roundoff 2^-8), so no correct float32/16 accumulation trips them.
+_RANGE_REL = max(UNIT_ROUNDOFF.values())
+#: Slack of the mean rule: float32's unit roundoff (local sums are float64 or float32
+#: accumulations); past ``_MEAN_COUNT`` terms γ_n no longer bounds anything and the rule is off.
+_MEAN_REL, _MEAN_ABS = UNIT_ROUNDOFF["float32"], 2.0**-126
+_MEAN_COUNT = 0.25 / UNIT_ROUNDOFF["float32"]
+#: Below this magnitude a value's square may underflow (float16: sqrt of its smallest normal,
+#: 2^-14), so the sum of squares says nothing about it.
+_RANGE_ABS = 2.0**-7
+
+
+def _range_error(side: str, v, count, total, total_sq, lo=None) -> str | None:
+    """The message of the first rule ``local.<side>`` (``"min"`` or ``"max"``, value ``v``)
+    breaks against the other moments of its block, else None. Shared by :class:`LocalStats`
+    (a field validator per side, so the 422 names ``reports[i].local.min`` or ``.max``) and
+    the fast decoder (:func:`_local_rules`): both refuse the same bodies.
+
+    Rules, on finite values only (NaN/±Inf go on to the audit as ``non_finite``):
+
+    * ``max >= min`` (``lo`` is ``min`` when checking ``max``).
+    * ``|v| <= sqrt(sum_sq)·(1 + 2^-8) + 2^-7``: every masked-in element's square is a term
+      of ``sum_sq = Σ m·v²``. Rounding is monotone, so a float sum of non-negative terms,
+      in any order and precision, is ``>= fl(v²) >= v²(1 − u)`` for each term whose square
+      is a normal number; ``2^-8`` covers ``u`` of every dtype (bfloat16 the loosest) and
+      ``2^-7`` the values whose square underflows (float16). Assumes mask weights ``>= 1``
+      on the elements min/max come from (0/1 masks, DESIGN.md §4); a weight below 1 on the
+      extreme element can break it.
+    * the mean ``sum/count`` lies in ``[min, max]`` up to
+      ``(count + 1)·2^-24·(|mean| + 2·|min or max|)`` (+ float32's smallest normal per
+      term): a weighted mean with non-negative weights lies within its values. The slack
+      bounds the rounding of a float32 recursive sum of ``count`` terms (Higham's
+      ``γ_n·Σ|m·v|``, and ``Σ|m·v|/count <= |mean| + 2·|min|`` on the min side, likewise
+      for max); checked for ``0 < count < 2^22`` (beyond, γ_n bounds nothing).
+
+    What these rules exclude is what made an audit meaningless: ``min/max = ∓1e308`` with
+    ``sum_sq ≈ 170`` gave a consistent step an applied-error σ of 7.8e299."""
+    if v is None or not _isfinite(v):
+        return None
+    if side == "max" and lo is not None and _isfinite(lo) and lo > v:
+        return f"min ({lo}) must be <= max ({v})"
+    if total_sq is not None and _isfinite(total_sq) and total_sq >= 0:
+        root = math.sqrt(total_sq)
+        if abs(v) > root * (1.0 + _RANGE_REL) + _RANGE_ABS:
+            return (f"|{side}| ({abs(v):.6g}) exceeds sqrt(sum_sq) = {root:.6g}: no masked-in element can be larger "
+                    f"in magnitude than the root of the sum of squares (min and max are those of the elements "
+                    f"counted in count/sum/sum_sq)")
+    if (count is not None and total is not None and _isfinite(count) and _isfinite(total)
+            and 0 < count < _MEAN_COUNT):
+        mean = total / count
+        slack = (count + 1.0) * _MEAN_REL * (abs(mean) + 2.0 * abs(v)) + (count + 1.0) * _MEAN_ABS
+        if (side == "min" and mean < v - slack) or (side == "max" and mean > v + slack):
+            return (f"the mean sum/count ({mean:.6g}) lies {'below min' if side == 'min' else 'above max'} "
+                    f"({v:.6g}): a mean of the masked-in elements lies between their min and max")
+    return None
 
 
 def _applied_rules(a) -> None:
@@ -231,6 +292,15 @@ class LocalStats(_Strict):
     min: float | None = None
     max: float | None = None
     replicated_sum_sq: float | None = None
+
+    @field_validator("min", "max")
+    @classmethod
+    def _range(cls, v: float | None, info: ValidationInfo) -> float | None:
+        d = info.data
+        msg = _range_error(info.field_name, v, d.get("count"), d.get("sum"), d.get("sum_sq"), d.get("min"))
+        if msg:
+            raise ValueError(msg)
+        return v
 
     @model_validator(mode="after")
     def _rules(self) -> "LocalStats":

@@ -202,3 +202,52 @@ def test_bodies_need_a_json_content_type(capped, run_id, content_type):
     r = httpx.post(capped.url + "/v1/reports", content=bodies["/v1/reports"][1].encode(), timeout=30,
                    headers={"content-type": "application/vnd.auditor+json; charset=utf-8"})
     assert r.status_code == 200 and r.json()["accepted"] == 2, r.text
+
+
+# ------------------------------------------------------------------ 3. impossible moments
+@pytest.mark.parametrize("change, field, words", [
+    ({"min": -1e308, "max": 1e308}, "reports[0].local.min", "exceeds sqrt(sum_sq)"),  # the reproducer
+    ({"max": 1e3}, "reports[0].local.max", "exceeds sqrt(sum_sq)"),
+    ({"min": -1.0, "max": -2.0}, "reports[0].local.max", "must be <= max"),
+    ({"sum": 1e4, "sum_sq": 1e7}, "reports[0].local.max", "lies above max"),
+    ({"sum": -1e4, "sum_sq": 1e7}, "reports[0].local.min", "lies below min"),
+])
+def test_local_moments_inconsistent_with_each_other_are_a_422_naming_the_field(capped, run_id, change, field, words):
+    """min/max = ∓1e308 with sum_sq ≈ 170 was stored and judged consistent with an applied
+    error of 7.8e299 σ. A range no masked-in element can have, or a mean outside the range,
+    is now refused naming the wire field; nothing is stored. NaN/Inf still pass (non_finite)."""
+    reports = reference_reports(run_id, buggy=False)
+    reports[0]["local"].update(change)
+    r = capped.post("/v1/reports", json={"reports": reports})
+    assert r.status_code == 422, r.text
+    errors = r.json()["errors"]
+    assert any(e["field"] == field and words in e["msg"] for e in errors), errors
+    assert capped.get(f"/v1/runs/{run_id}").status_code == 404
+    reports[0]["local"].update(min=float("-inf"), max=float("inf"))
+    r = httpx.post(capped.url + "/v1/reports", content=__import__("json").dumps({"reports": reports}).encode(),
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 200, r.text
+
+
+def test_correct_float32_and_bfloat16_moments_never_trip_the_range_rules():
+    """Moments of real data accumulated in float32 (and values rounded to bfloat16), with
+    wide, shifted, tiny and one-element sets, 0/1 masks: every one is accepted by both
+    decoders (the rules' slack is the rounding they can show)."""
+    import numpy as np
+    import torch
+
+    from auditor.schemas import FastLocal, LocalStats
+
+    rng = np.random.default_rng(7)
+    for trial in range(400):
+        n = int(rng.choice([1, 2, 3, 17, 1000, 100_000]))
+        scale = float(10.0 ** rng.uniform(-30, 30))
+        v = (rng.standard_normal(n) * scale + rng.choice([0.0, 1e3 * scale])).astype(np.float32)
+        if trial % 4 == 0:
+            v = torch.from_numpy(v).to(torch.bfloat16).to(torch.float32).numpy()
+        if not np.isfinite(v).all() or not np.isfinite(np.square(v, dtype=np.float32)).all():
+            continue
+        loc = {"count": float(n), "sum": float(np.sum(v, dtype=np.float32)),
+               "sum_sq": float(np.sum(np.square(v), dtype=np.float32)), "min": float(v.min()), "max": float(v.max())}
+        LocalStats.model_validate(loc, strict=True)
+        FastLocal(**loc)
