@@ -26,6 +26,12 @@ from auditor.core.types import FaultKind, compress_ranks
 STALE_LOOKBACK = 8
 
 
+def ranks_text(ranks) -> str:
+    """The text "rank 3" or "ranks 0-1,4" (:func:`compress_ranks`): the noun agrees with the count."""
+    ranks = set(ranks)
+    return f"rank{'' if len(ranks) == 1 else 's'} {compress_ranks(ranks)}"
+
+
 def candidates(st: Step, reduce_over: tuple[str, ...], over_mb: bool):
     """Every alternative reduction, most plausible first: (sort key, axes, dedupe, variant).
 
@@ -110,7 +116,7 @@ def reduction_op(st: Step, exp: Part, hit, variant: str, reduce_over, f: Finding
         fix = "all-reduce with ReduceOp.SUM, not AVG"
         want = f"the sum over {dims_text(reduce_over)}"
     f.flag(FaultKind.REDUCTION_OP, (dims, variant), hit,
-           lambda ranks: (f"ranks {compress_ranks(ranks)} {VERB[st.kind]} {OP_VARIANTS[variant]} over "
+           lambda ranks: (f"{ranks_text(ranks)} {VERB[st.kind]} {OP_VARIANTS[variant]} over "
                           f"{dims_text(dims)} where {want} was expected: {fix}"),
            {"op": variant, "found": list(dims), "expected": list(reduce_over),
             "example_rank": int(st.rank[first]), "applied_like": found, "same_group_sum": correct})
@@ -125,7 +131,7 @@ def variance_convention(st: Step, exp: Part, todo: np.ndarray, f: Findings) -> n
     if hit.any():
         f.flag(FaultKind.VARIANCE_CONVENTION, (other,), hit,
                lambda ranks, o=other: (
-                   f"ranks {compress_ranks(ranks)} used the {o} variance where the {spec.variance} one was "
+                   f"{ranks_text(ranks)} used the {o} variance where the {spec.variance} one was "
                    "expected: " + ("Bessel's correction N/(N−1) is missing (var ·= N/(N−1) for N ≥ 2)"
                                    if o == "population" else
                                    "Bessel's correction N/(N−1) was applied where it should not be")),
@@ -163,7 +169,7 @@ def replica_overcount(st: Step, exp: Part, p: Part, hit, first: int, axes, varia
         k = float(p.vals["rep_factor"][p.inv[first]])
         f.flag(FaultKind.REPLICA_OVERCOUNT, (axes, p.dedupe, variant), hit,
                lambda ranks, k=k, x=factor, d=dims: (
-                   f"ranks {compress_ranks(ranks)} {verb} a squared norm that counts the replicated parameters "
+                   f"{ranks_text(ranks)} {verb} a squared norm that counts the replicated parameters "
                    f"(replicated_sum_sq, e.g. TP-duplicated layer norms) {k:.3g}× — once per rank of the reduction "
                    f"over {dims_text(d)} — where once was expected: {_ratio_text(kind, what, x, 'correct')}. "
                    "Add the replicated gradients' squares on one rank only (or after the all-reduce)"),
@@ -171,7 +177,7 @@ def replica_overcount(st: Step, exp: Part, p: Part, hit, first: int, axes, varia
     else:
         f.flag(FaultKind.REPLICA_OVERCOUNT, (axes, p.dedupe, variant), hit,
                lambda ranks, x=factor, d=dims: (
-                   f"ranks {compress_ranks(ranks)} summed replicas along {dims_text(spec.replicas)} (ranks that hold "
+                   f"{ranks_text(ranks)} summed replicas along {dims_text(spec.replicas)} (ranks that hold "
                    f"the same data): reduced over {dims_text(d)} counting each replica, so "
                    f"{_ratio_text(kind, what, x, 'true')}. Reduce over {dims_text(reduce_over)} only, or count "
                    "replicated data once"),
@@ -204,7 +210,7 @@ def wrong_group(st: Step, exp: Part, p: Part, hit, first: int, dims, mb: bool, r
     alone = not any(sizes[d] > 1 for d in dims)
 
     def message(ranks, d=dims, mb=mb):
-        who = f"ranks {compress_ranks(ranks)}"
+        who = ranks_text(ranks)
         if kind == "sum" and local_only and mb == over_mb:
             head = (f"{who} divided by their local count only (no all-reduce over another rank) where the "
                     f"sum over {dims_text(reduce_over)} was expected: all-reduce the token count over "
@@ -217,11 +223,11 @@ def wrong_group(st: Step, exp: Part, p: Part, hit, first: int, dims, mb: bool, r
         parts = [head]
         if missing_dims:
             parts.append(f"their peers along {dims_text(missing_dims)} were left out (e.g. rank {st.rank[first]} "
-                         f"missed ranks {compress_ranks(left_out)})" if left_out else
+                         f"missed {ranks_text(left_out)})" if left_out else
                          f"their peers along {dims_text(missing_dims)} were left out")
         if extra_dims:
             parts.append(f"peers along {dims_text(extra_dims)} were wrongly included"
-                         + (f" (e.g. ranks {compress_ranks(extra)})" if extra else ""))
+                         + (f" (e.g. {ranks_text(extra)})" if extra else ""))
         if kind == "sum" and mb != over_mb:
             parts.append(f"the {what} covers " + ("every microbatch of the step where one microbatch's was expected"
                                                   if mb else "one microbatch where the total over all "
@@ -271,6 +277,6 @@ def stale_statistic(st: Step, exp: Part, todo: np.ndarray, reduce_over, history,
         todo[i] = False
         f.flag(FaultKind.STALE_STATISTIC, (step,), i,
                 lambda ranks, s=step: (
-                    f"ranks {compress_ranks(ranks)} {VERB[st.kind]} the {WHAT[st.kind]} of step {s}: a cached or "
+                    f"{ranks_text(ranks)} {VERB[st.kind]} the {WHAT[st.kind]} of step {s}: a cached or "
                     "un-refreshed buffer (recompute and all-reduce it every step)"),
                 {"stale_step": step})

@@ -47,28 +47,50 @@ def environment() -> jinja2.Environment:
     env.filters["ts"] = _timestamp
     env.filters["sigma"] = _sigma
     env.globals["fault_colour"] = plots.fault_colour
+    env.globals["topology_text"] = topology_text
     return env
 
 
+def topology_text(run: Mapping[str, Any]) -> str:
+    """A run's topology in words: ``dp=2 cp=2 tp=1 pp=1`` (expert sizes too when given),
+    or ``unknown topology (world 8)`` for a run whose ranks declared none (its sizes are
+    placeholders of 1, not a 1×1×1×1 layout)."""
+    if run.get("topology") == "unknown":
+        return f"unknown topology (world {run.get('world_size')})"
+    return " ".join(f"{k}={v}" for k, v in (run.get("sizes") or {}).items())
+
+
+#: Magnitudes :func:`fixed` writes in scientific notation: from 1e9 up (a fixed-point 1e300
+#: is a 300-digit string that overflows a table cell), and non-zero ones below 1e-6 (which
+#: would read 0.000000).
+SCIENTIFIC_ABOVE, SCIENTIFIC_BELOW = 1e9, 1e-6
+
+
 def fixed(x: Any, digits: int = 6, sign: bool = False) -> str:
-    """A number in fixed point with ``digits`` decimals (``+`` shown when ``sign``), '—' for
-    null, NaN/Inf spelled out. One formatter for the pages and the terminal report."""
+    """A number in fixed point with ``digits`` decimals (``+`` shown when ``sign``), in
+    scientific notation (``max(digits, 3)`` decimals of the mantissa) when
+    ``|x| >= 1e9`` or ``0 < |x| < 1e-6``; '—' for null, NaN/Inf spelled out. One formatter
+    for the pages and the terminal report."""
     if x is None:
         return "—"
     x = float(x)
     if not math.isfinite(x):
         return str(x)
-    return f"{x:+.{digits}f}" if sign else f"{x:.{digits}f}"
+    plus = "+" if sign else ""
+    if abs(x) >= SCIENTIFIC_ABOVE or 0 < abs(x) < SCIENTIFIC_BELOW:
+        return f"{x:{plus}.{max(digits, 3)}e}"
+    return f"{x:{plus}.{digits}f}"
 
 
 def _sigma(x: Any) -> str:
-    """A σ figure: 3 decimals, or 3 significant digits below 0.001 (so 4e-7 does not read 0)."""
+    """A σ figure: 3 decimals, or 3 significant digits below 0.001 (so 4e-7 does not read 0)
+    and from 1e9 up (so no 300-digit number)."""
     if x is None:
         return "—"
     x = float(x)
     if not math.isfinite(x):
         return str(x)
-    return f"{x:.3g}" if 0 < abs(x) < 1e-3 else f"{x:.3f}"
+    return f"{x:.3g}" if 0 < abs(x) < 1e-3 or abs(x) >= SCIENTIFIC_ABOVE else f"{x:.3f}"
 
 
 def _timestamp(x: Any) -> str:
@@ -118,7 +140,7 @@ def page_model(report: Mapping[str, Any], steps: Mapping[str, Sequence[dict]],
             "steps_plotted": len(history), "details": [shown[s] for s in order], "selected": first,
             "bad_not_shown": max(0, int(stat.get("bad_steps_total") or 0) - len(order)),
         })
-    return {"statistics": statistics, "figures": figures}
+    return {"statistics": statistics, "figures": plots.finite_only(figures)}
 
 
 def render_run_page(report: Mapping[str, Any], steps: Mapping[str, Sequence[dict]], *,

@@ -39,6 +39,33 @@ _LAYOUT = {"margin": {"l": 60, "r": 20, "t": 40, "b": 50}, "height": 320,
            "font": {"family": "DejaVu Sans, Arial, sans-serif", "size": 12}}
 
 
+def finite_only(obj: Any) -> Any:
+    """``obj`` (figures: nested dicts/lists) with every NaN/±Inf float replaced by None, which
+    plotly leaves out of traces and axis ranges: a non-finite value never becomes a point
+    or an "Infinity"/"NaN" tick (nor invalid JSON in the page)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: finite_only(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [finite_only(v) for v in obj]
+    return obj
+
+
+#: Up to this many steps on an axis, every step is a tick (plotly's automatic ticks would
+#: put some at half steps: −0.5, 0.5); beyond it, automatic ticks are whole numbers anyway.
+STEP_TICKS_LISTED = 20
+
+
+def step_axis(steps: Sequence[int]) -> dict:
+    """A step axis: whole-number ticks only (a step is an integer)."""
+    axis: dict[str, Any] = {"title": {"text": "step"}, "zeroline": False, "tickformat": "d"}
+    distinct = sorted(set(steps))
+    if distinct and distinct[-1] - distinct[0] <= STEP_TICKS_LISTED:
+        axis.update(tickmode="array", tickvals=list(range(distinct[0], distinct[-1] + 1)))
+    return axis
+
+
 def fault_colour(kind: str | None) -> str:
     """Colour of a fault kind (``None``: no fault)."""
     return OK_COLOUR if kind is None else FAULT_COLOURS.get(kind, "#999999")
@@ -87,7 +114,7 @@ def sigma_figure(steps: Sequence[dict[str, Any]], statistic: str) -> dict:
         })
     return {"data": data, "layout": {
         **_LAYOUT, "title": {"text": f"{statistic}: σ per step", "font": {"size": 14}},
-        "xaxis": {"title": {"text": "step"}, "zeroline": False},
+        "xaxis": step_axis(xs),
         "yaxis": {"title": {"text": "σ of the correct statistic"}, "type": "log", "exponentformat": "power"},
     }}
 
@@ -122,7 +149,7 @@ def fault_timeline_figure(steps: Sequence[dict[str, Any]], statistic: str) -> di
     return {"data": data, "layout": {
         **_LAYOUT, "height": 120 + 28 * max(1, len(rows)), "showlegend": False,
         "title": {"text": f"{statistic}: faults per step", "font": {"size": 14}},
-        "xaxis": {"title": {"text": "step"}, "zeroline": False},
+        "xaxis": step_axis([s["step"] for s in steps]),
         "yaxis": {"type": "category", "categoryorder": "array", "categoryarray": rows, "automargin": True},
     }}
 
