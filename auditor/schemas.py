@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 import msgspec
 import pydantic_core
-from pydantic import (BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator,
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator,
                       model_validator)
 
 from auditor import layout
@@ -25,10 +25,23 @@ Kind = Literal["moments", "sum", "norm"]
 DType = Literal["float64", "float32", "tf32", "float16", "bfloat16"]
 assert set(DType.__args__) == set(UNIT_ROUNDOFF)  # type: ignore[attr-defined]
 
+def addressable(name: str) -> str:
+    """``name`` if every ``/``-separated part of it holds a character other than ``.``, else
+    ValueError: a run id or statistic is a URL path segment (a statistic may span several,
+    ``policy/grad_norm``), and an empty, ``.`` or ``..`` part is dropped or resolved away
+    by clients and proxies, so such a name could be stored but never read back."""
+    for part in name.split("/"):
+        if not part.strip("."):
+            raise ValueError(f"{name!r}: every '/'-separated part must hold a character other than '.' "
+                             "(no empty, '.' or '..' part: it cannot be addressed in a URL)")
+    return name
+
+
 RUN_ID_PATTERN = r"^[A-Za-z0-9._:-]+$"
-RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=RUN_ID_PATTERN)]
+RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=RUN_ID_PATTERN), AfterValidator(addressable)]
 STATISTIC_PATTERN = r"^[A-Za-z0-9._:/-]+$"
-StatisticName = Annotated[str, Field(min_length=1, max_length=128, pattern=STATISTIC_PATTERN)]
+StatisticName = Annotated[str, Field(min_length=1, max_length=128, pattern=STATISTIC_PATTERN),
+                          AfterValidator(addressable)]
 _MAX_INT, _MAX_STEP, _MAX_SIZE = 2**31 - 1, 2**62, 1 << 20
 NonNegInt = Annotated[int, Field(ge=0, le=_MAX_INT)]
 #: Steps are BIGINT in the database; 2^62 leaves room and is exact in float64 JSON parsers.
@@ -574,6 +587,7 @@ def _check_names(run_id: str, statistic: str) -> None:
         if name not in seen:
             if rx.search(name) is None:
                 raise ValueError(f"{name!r} does not match {rx.pattern}")
+            addressable(name)
             if len(seen) >= 1 << 16:
                 seen.clear()
             seen.add(name)

@@ -580,7 +580,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return await read(lambda: {**s.service.report(run_id, bad_steps_limit=bad_steps, statistic=statistic),
                                    "page": page})
 
-    @app.get("/v1/runs/{run_id}/statistics/{statistic}/steps")
+    # ``{statistic:path}`` in both step routes: statistic names may hold "/" ("policy/grad_norm",
+    # sent as policy%2Fgrad_norm or policy/grad_norm; the ASGI path is decoded either way),
+    # which the default converter would not match (404). Unambiguous: ".../steps" ends the
+    # listing, ".../steps/<int>" the detail; a name's parts are never empty, "." or ".."
+    # (schemas.addressable).
+    @app.get("/v1/runs/{run_id}/statistics/{statistic:path}/steps")
     async def get_steps(
         request: Request,
         run_id: str = RunIdPath,
@@ -608,8 +613,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return {**out, "next_cursor": encode_cursor(last) if last is not None else None}
         return await read(page)
 
-    # ``:path``: statistic names may hold "/" (e.g. "grad_norm_sq/experts"), which the default
-    # converter would split into another route (404)
     @app.get("/v1/runs/{run_id}/statistics/{statistic:path}/steps/{step}")
     async def get_step(request: Request, run_id: str = RunIdPath,
                        statistic: str = Path(min_length=1, max_length=128, pattern=STATISTIC_PATTERN),

@@ -251,3 +251,36 @@ def test_correct_float32_and_bfloat16_moments_never_trip_the_range_rules():
                "sum_sq": float(np.sum(np.square(v), dtype=np.float32)), "min": float(v.min()), "max": float(v.max())}
         LocalStats.model_validate(loc, strict=True)
         FastLocal(**loc)
+
+
+# ------------------------------------------------------------------ 4. "/" in statistic names
+def test_statistics_with_slashes_are_read_back_and_unaddressable_names_refused(capped, run_id):
+    """The reproducer: "a/b" and "policy/grad_norm" were stored but every route with
+    {statistic} answered 404. Now both step routes take "/" (escaped or not), and so does
+    auditor.Reader; names with an empty, "." or ".." part (which clients and proxies
+    resolve away) are a 422 naming reports[i].statistic."""
+    from auditor import Reader
+
+    for bad in ("..", ".", "a//b", "a/", "/a", "a/../b", "a/./b"):
+        r = capped.post("/v1/reports", json={"reports": reference_reports(run_id, buggy=False, statistic=bad)})
+        assert r.status_code == 422, (bad, r.text)
+        assert {e["field"] for e in r.json()["errors"]} == {"reports[0].statistic", "reports[1].statistic"}, r.text
+    names = ("a/b", "policy/grad_norm", "x/steps", "steps")
+    for name in names:
+        for step, buggy in ((0, True), (1, False)):
+            r = capped.post("/v1/reports", json={"reports": reference_reports(run_id, buggy=buggy, statistic=name,
+                                                                             step=step)})
+            assert r.status_code == 200, r.text
+    for name in names:
+        for spelled in (name, name.replace("/", "%2F")):
+            r = capped.get(f"/v1/runs/{run_id}/statistics/{spelled}/steps")
+            assert r.status_code == 200, (spelled, r.text)
+            assert r.json()["statistic"] == name and [s["verdict"] for s in r.json()["steps"]] == \
+                ["inconsistent", "consistent"], r.json()
+            r = capped.get(f"/v1/runs/{run_id}/statistics/{spelled}/steps/0")
+            assert r.status_code == 200 and r.json()["verdict"] == "inconsistent", (spelled, r.text)
+    with Reader(capped.url) as reader:
+        for name in names:
+            assert [s.step for s in reader.steps(run_id, name)] == [0, 1]
+            assert reader.step(run_id, name, 0).verdict == "inconsistent"
+            assert reader.report(run_id).statistic(name).steps_inconsistent == 1
