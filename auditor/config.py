@@ -10,6 +10,10 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_DATABASE_URL = "sqlite:///./auditor.db"
+#: The largest world_size, size of a dim or num_microbatches the wire schema admits at all
+#: (auditor.schemas); the deployment's own limits below may only be lower. Past the limit a
+#: caller is told the configured value, never this one.
+WIRE_MAX_SIZE = 1 << 20
 
 
 class Settings(BaseSettings):
@@ -56,10 +60,11 @@ class Settings(BaseSettings):
         description="Largest request body, in bytes; enforced while the body streams in (413, rest unread).",
     )
     max_world_size: int = Field(
-        65_536, ge=1, le=2**31 - 1, description="Largest world_size (and size of any dim) a report or run may declare."
+        65_536, ge=1, le=WIRE_MAX_SIZE,
+        description="Largest world_size (and size of any dim, and group_ranks length) a report or run may declare."
     )
     max_num_microbatches: int = Field(
-        4096, ge=1, le=2**31 - 1, description="Largest num_microbatches a report may declare."
+        4096, ge=1, le=WIRE_MAX_SIZE, description="Largest num_microbatches a report may declare."
     )
     max_reports_per_step: int = Field(
         262_144, ge=1, le=2**31 - 1,

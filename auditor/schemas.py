@@ -18,6 +18,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter,
                       model_validator)
 
 from auditor import layout
+from auditor.config import WIRE_MAX_SIZE
 from auditor.core.stats import UNIT_ROUNDOFF
 from auditor.core.types import DIMS, EXPERT_DIMS, Spec
 Dim = Literal["dp", "cp", "tp", "pp", "edp", "ep", "etp"]
@@ -42,13 +43,13 @@ RunId = Annotated[str, Field(min_length=1, max_length=128, pattern=RUN_ID_PATTER
 STATISTIC_PATTERN = r"^[A-Za-z0-9._:/-]+$"
 StatisticName = Annotated[str, Field(min_length=1, max_length=128, pattern=STATISTIC_PATTERN),
                           AfterValidator(addressable)]
-_MAX_INT, _MAX_STEP, _MAX_SIZE = 2**31 - 1, 2**62, 1 << 20
+_MAX_INT, _MAX_STEP, _MAX_SIZE = 2**31 - 1, 2**62, WIRE_MAX_SIZE
 NonNegInt = Annotated[int, Field(ge=0, le=_MAX_INT)]
 #: Steps are BIGINT in the database; 2^62 leaves room and is exact in float64 JSON parsers.
 Step = Annotated[int, Field(ge=0, le=_MAX_STEP)]
 PosInt = Annotated[int, Field(ge=1, le=_MAX_SIZE)]
 #: Bounds of Report.group_ranks and Report.order.
-_MAX_GROUP, _MAX_ORDER = 1 << 20, 32
+_MAX_GROUP, _MAX_ORDER = WIRE_MAX_SIZE, 32
 
 
 class _Strict(BaseModel):

@@ -287,6 +287,35 @@ def _json(data: Any) -> bytes:
     return json.dumps(data, separators=(",", ":"), default=str).encode()
 
 
+#: Wire fields whose static ceiling (auditor.config.WIRE_MAX_SIZE) stands behind a configured
+#: limit: a 422 for them names the configured limit and its setting, the one number a caller
+#: is ever told (the world size limit also bounds each dim and group_ranks).
+_LIMIT_OF_FIELD = {"world_size": ("max_world_size", "AUDITOR_MAX_WORLD_SIZE"),
+                   "num_microbatches": ("max_num_microbatches", "AUDITOR_MAX_NUM_MICROBATCHES"),
+                   "group_ranks": ("max_world_size", "AUDITOR_MAX_WORLD_SIZE"),
+                   **{f"sizes.{d}": ("max_world_size", "AUDITOR_MAX_WORLD_SIZE")
+                      for d in ("dp", "cp", "tp", "pp", "edp", "ep", "etp")}}
+
+
+def name_limits(errors: list[dict], settings: Settings) -> list[dict]:
+    """``errors`` with every breach of a static ceiling behind a configured limit (pydantic's
+    ``less_than_equal`` / ``too_long`` on the fields of :data:`_LIMIT_OF_FIELD`) worded with
+    the configured limit (``limit_exceeded``), as :func:`auditor.schemas.limit_errors` words
+    the values between the two."""
+    out = []
+    for e in errors:
+        loc = tuple(e.get("loc", ()))
+        names = [str(p) for p in loc if not isinstance(p, int)]
+        field = ".".join(names[-2:]) if names[-2:-1] == ["sizes"] else (names[-1] if names else "")
+        if field in _LIMIT_OF_FIELD and e.get("type") in ("less_than_equal", "too_long"):
+            attr, env = _LIMIT_OF_FIELD[field]
+            what = "length" if e["type"] == "too_long" else "value"
+            e = {**e, "type": "limit_exceeded",
+                 "msg": f"{field} {what} is above the limit {getattr(settings, attr)} ({env})"}
+        out.append(e)
+    return out
+
+
 def _parse_reports(body: bytes, settings: Settings) -> list | tuple[int, str, list[dict], int]:
     """Decode and validate a ``POST /v1/reports`` body (in a worker thread): the reports,
     or ``(status, code, field errors, number of reports)`` for a 413/422. A valid body is
@@ -294,7 +323,7 @@ def _parse_reports(body: bytes, settings: Settings) -> list | tuple[int, str, li
     (:func:`auditor.schemas.parse_report_batch`); at most ``max_errors_listed`` are collected."""
     reports, errs, n = parse_report_batch(body, settings.max_errors_listed)
     if reports is None:
-        return 422, "validation", errs, n
+        return 422, "validation", name_limits(errs, settings), n
     if n > settings.max_batch:
         return 413, "too_large", [{"loc": ("reports",), "type": "too_long",
                                    "msg": f"at most {settings.max_batch} reports per request (AUDITOR_MAX_BATCH), "
@@ -322,7 +351,7 @@ def _parse_run(body: bytes, settings: Settings) -> RunRegistration | list[dict]:
     try:
         reg = RunRegistration.model_validate(obj, strict=True)
     except ValidationError as e:
-        return e.errors(include_url=False, include_input=False)[:settings.max_errors_listed]
+        return name_limits(e.errors(include_url=False, include_input=False)[:settings.max_errors_listed], settings)
     if reg.world_size > settings.max_world_size:
         return [{"loc": ("world_size",), "type": "limit_exceeded",
                  "msg": f"world_size ({reg.world_size}) is above the limit {settings.max_world_size} "

@@ -284,3 +284,34 @@ def test_statistics_with_slashes_are_read_back_and_unaddressable_names_refused(c
             assert [s.step for s in reader.steps(run_id, name)] == [0, 1]
             assert reader.step(run_id, name, 0).verdict == "inconsistent"
             assert reader.report(run_id).statistic(name).steps_inconsistent == 1
+
+
+# ------------------------------------------------------------------ 6. one limit, one number
+def test_every_limit_message_names_the_configured_limit(capped, run_id):
+    """The reproducer: world_size 10^9 got "less than or equal to 1048576" (the schema's
+    ceiling) and 100,000 got "65536 (AUDITOR_MAX_WORLD_SIZE)". Every such 422, in reports
+    and run registrations, below or above the ceiling, now names the configured limit
+    (4,096 here) and its setting; the ceiling's number is never shown."""
+    def report(**change):
+        (r, _) = reference_reports(run_id, buggy=False)
+        for k, v in change.items():
+            r[k] = v
+        return r
+
+    cases = [
+        (report(world_size=10**9, group_ranks=[0]), "reports[0].world_size", "4096 (AUDITOR_MAX_WORLD_SIZE)"),
+        (report(world_size=5000, sizes={"dp": 2500, "cp": 2}), "reports[0].world_size",
+         "4096 (AUDITOR_MAX_WORLD_SIZE)"),
+        (report(sizes={"dp": 2**21, "cp": 2}), "reports[0].sizes.dp", "4096 (AUDITOR_MAX_WORLD_SIZE)"),
+        (report(num_microbatches=2**21), "reports[0].num_microbatches", "4096 (AUDITOR_MAX_NUM_MICROBATCHES)"),
+        (report(num_microbatches=5000), "reports[0].num_microbatches", "4096 (AUDITOR_MAX_NUM_MICROBATCHES)"),
+    ]
+    for body, field, words in cases:
+        r = capped.post("/v1/reports", json={"reports": [body]})
+        assert r.status_code == 422 and "1048576" not in r.text, r.text
+        assert any(e["field"] == field and words in e["msg"] for e in r.json()["errors"]), (field, r.text)
+    for world in (10**9, 5000):
+        r = capped.put(f"/v1/runs/{run_id}", json={"world_size": world, "sizes": {"dp": world}})
+        assert r.status_code == 422 and "1048576" not in r.text, r.text
+        assert "4096 (AUDITOR_MAX_WORLD_SIZE)" in r.json()["errors"][0]["msg"], r.text
+    assert capped.get(f"/v1/runs/{run_id}").status_code == 404
