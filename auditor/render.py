@@ -33,7 +33,9 @@ def render_report(report: dict[str, Any], console: Console, *, max_steps: int = 
     """
     verdict = "[green]consistent[/]" if report.get("consistent") else "[red bold]INCONSISTENT[/]"
     sizes = dict(report.get("sizes") or {})
-    if sizes.get("ep", 1) == 1 and sizes.get("etp", 1) == 1:  # no expert parallelism: edp is just dp×cp
+    if report.get("topology") == "unknown":  # placeholder sizes of 1, not a 1×1×1×1 layout
+        sizes = {}
+    elif sizes.get("ep", 1) == 1 and sizes.get("etp", 1) == 1:  # no expert parallelism: edp is just dp×cp
         for d in ("edp", "ep", "etp"):
             sizes.pop(d, None)
     extra = (f"  order={report['order']}" if report.get("order") else "") + (

@@ -96,3 +96,16 @@ def test_the_bad_step_card_says_first_bad_step():
 def test_diagnosis_wording_agrees_in_number():
     assert ranks_text([1]) == "rank 1" and ranks_text([0, 1]) == "ranks 0-1" and ranks_text(np.array([4, 7])) == \
         "ranks 4,7"
+
+
+def test_the_terminal_report_header_shows_no_placeholder_sizes_for_an_unknown_topology():
+    import io
+
+    from rich.console import Console
+
+    from auditor.render import render_report
+
+    out = io.StringIO()
+    render_report(_report("unknown"), Console(file=out, width=200))
+    head = out.getvalue().splitlines()[0]
+    assert "world_size=4" in head and "topology unknown" in head and "dp=1" not in head, head
