@@ -86,7 +86,11 @@ class Settings(BaseSettings):
         1000, ge=1, description="Open client connections per process; connections past it are closed at once."
     )
     max_concurrent_requests: int = Field(
-        200, ge=1, description="Requests in progress per process; past it: 503 with Retry-After."
+        200, ge=1, description="Writes (POST/PUT/DELETE) in progress per process; past it: 503 with Retry-After."
+    )
+    max_concurrent_reads: int = Field(
+        64, ge=1, description="Reads (GET/HEAD: API reads and pages) in progress per process, a budget of their "
+                              "own so writers (or stalled bodies) never starve them; past it: 503 with Retry-After."
     )
     header_timeout_seconds: float = Field(
         10.0, gt=0, description="A connection must deliver a request's complete headers within this many seconds "

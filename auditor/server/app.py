@@ -205,36 +205,39 @@ class AuthMiddleware:
 #: Paths with a concurrency budget of their own (``max_concurrent_probes``): a load
 #: balancer's readiness probe and Prometheus's scrape must answer while ingest is saturated.
 PROBE_PATHS = frozenset({"/readyz", "/metrics"})
+_READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 class ConcurrencyMiddleware:
-    """Requests in progress, in two budgets: at most ``limit`` of every path but the probes,
-    at most ``probe_limit`` of :data:`PROBE_PATHS`; past a budget: 503 + Retry-After at once
-    (logged once per episode). ``/healthz`` has no cap, so liveness answers under any load;
-    stalled or slow bodies, which hold a slot of ``limit``, never take a probe's."""
+    """Requests in progress, in three budgets: probes (:data:`PROBE_PATHS`, ``probe_limit``),
+    other reads (GET/HEAD/OPTIONS, ``read_limit``) and everything else — the writes, whose
+    bodies a slow client can hold open — (``limit``). Past a budget: 503 + Retry-After at
+    once (logged once per episode). ``/healthz`` has no cap, so liveness answers under any
+    load; stalled bodies or a burst of ingest never take a probe's or a reader's slot."""
 
-    def __init__(self, app, limit: int, probe_limit: int):
+    def __init__(self, app, limit: int, probe_limit: int, read_limit: int):
         self.app = app
-        self.limits = {False: (limit, "AUDITOR_MAX_CONCURRENT_REQUESTS"),
-                       True: (probe_limit, "AUDITOR_MAX_CONCURRENT_PROBES")}
-        self.active = {False: 0, True: 0}
+        self.limits = {"write": (limit, "AUDITOR_MAX_CONCURRENT_REQUESTS", ""),
+                       "read": (read_limit, "AUDITOR_MAX_CONCURRENT_READS", "read "),
+                       "probe": (probe_limit, "AUDITOR_MAX_CONCURRENT_PROBES", "probe ")}
+        self.active = dict.fromkeys(self.limits, 0)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["path"] == "/healthz":
             return await self.app(scope, receive, send)
-        probe = scope["path"] in PROBE_PATHS
-        limit, setting = self.limits[probe]
-        if self.active[probe] >= limit:
-            throttled.warning(setting, "more than %d %srequests in progress (%s): answering 503", limit,
-                              "probe " if probe else "", setting)
+        budget = ("probe" if scope["path"] in PROBE_PATHS else
+                  "read" if scope["method"] in _READ_METHODS else "write")
+        limit, setting, what = self.limits[budget]
+        if self.active[budget] >= limit:
+            throttled.warning(setting, "more than %d %srequests in progress (%s): answering 503", limit, what, setting)
             return await _send_problem(send, problem(
-                503, "overloaded", f"more than {limit} {'probe ' if probe else ''}requests in progress "
-                                   f"({setting})", scope["path"], headers={"Retry-After": RETRY_AFTER}), scope)
-        self.active[probe] += 1
+                503, "overloaded", f"more than {limit} {what}requests in progress ({setting})", scope["path"],
+                headers={"Retry-After": RETRY_AFTER}), scope)
+        self.active[budget] += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.active[probe] -= 1
+            self.active[budget] -= 1
 
 
 # ------------------------------------------------------------------ request bodies
@@ -425,7 +428,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                               "is RFC 9457 problem details (application/problem+json).")
     app.add_middleware(AuthMiddleware, settings=settings)
     app.add_middleware(ConcurrencyMiddleware, limit=settings.max_concurrent_requests,
-                       probe_limit=settings.max_concurrent_probes)
+                       probe_limit=settings.max_concurrent_probes, read_limit=settings.max_concurrent_reads)
 
     def svc_of(request: Request) -> AppState:
         return request.app.state.svc

@@ -122,12 +122,13 @@ def status_of(s: socket.socket, timeout: float) -> int | None:
 # ------------------------------------------------------------------ 2. probes under load, slow bodies
 def test_probes_answer_while_stalled_bodies_fill_the_request_cap_and_those_get_408(capped):
     """More stalled bodies than the request cap (the reproducer: 210 > 200): /readyz,
-    /healthz and /metrics keep answering 200 (a budget of their own); the stalled ones get
-    408 after the body timeout (or 503 at once when the cap was full), never hold on."""
+    /healthz, /metrics, API reads and pages keep answering 200 (budgets of their own); the
+    stalled ones get 408 after the body timeout (or 503 at once when the cap was full),
+    never hold on."""
     socks = [stalled_post(capped.port) for _ in range(REQUEST_CAP + 10)]
     try:
         time.sleep(0.5)
-        for path in ("/readyz", "/healthz", "/metrics"):
+        for path in ("/readyz", "/healthz", "/metrics", "/v1/runs?limit=1", "/"):
             r = httpx.get(capped.url + path, timeout=5)
             assert r.status_code == 200, (path, r.status_code, r.text[:200])
         statuses = [status_of(s, 10) for s in socks]
