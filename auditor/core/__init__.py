@@ -38,7 +38,7 @@ from auditor.core.checks import PRECISION_LOSS_THRESHOLD
 from auditor.core.diagnose import STALE_LOOKBACK
 from auditor.core.types import (
     DIMS, EXPERT_DIMS, KINDS, REPLACEABLE, VERDICTS, Coord, Fault, FaultKind, GroupStat, RankReport, RankRow, Spec, StepVerdict,
-    compress_ranks, expand_ranks, placed_count,
+    compress_ranks, compress_ranks_shared, expand_ranks, placed_count,
 )
 from auditor.core.verdict import audit_step
 from auditor.core import batch
@@ -47,6 +47,6 @@ from auditor.core.batch import audit_clean
 __all__ = [
     "DIMS", "EXPERT_DIMS", "KINDS", "REPLACEABLE", "VERDICTS", "Coord", "Fault", "FaultKind", "GroupStat", "PRECISION_LOSS_THRESHOLD",
     "RankReport", "RankRow", "STALE_LOOKBACK", "Spec", "StepVerdict", "audit_clean", "audit_step", "batch",
-    "compress_ranks",
+    "compress_ranks", "compress_ranks_shared",
     "expand_ranks", "placed_count",
 ]

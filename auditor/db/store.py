@@ -30,7 +30,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from auditor.core import (
-    REPLACEABLE, STALE_LOOKBACK, VERDICTS, RankReport, StepVerdict, batch, compress_ranks, expand_ranks,
+    REPLACEABLE, STALE_LOOKBACK, VERDICTS, RankReport, StepVerdict, batch, compress_ranks, compress_ranks_shared, expand_ranks,
 )
 from auditor.db.engine import write_begin
 from auditor.db.tables import faults, reports, runs, series, series_faults, step_audits
@@ -261,10 +261,10 @@ def report_row(r, series_id: int, now: float) -> tuple:
             vals = tuple(None if v is not None and math.isnan(v) else v for v in vals)
     if r.topology == "unknown":  # no coordinates: store the rank (the audit groups by group_ranks)
         return (series_id, r.step, r.microbatch, r.rank, r.rank, 0, 0, 0, 0, 0, 0, r.dtype, *vals[:6],
-                app is not None, *vals[6:], non_finite, compress_ranks(r.group_ranks), now)
+                app is not None, *vals[6:], non_finite, compress_ranks_shared(r.group_ranks), now)
     return (series_id, r.step, r.microbatch, r.rank, c.dp, c.cp, c.tp, c.pp, c.edp, c.ep, c.etp, r.dtype, *vals[:6],
             app is not None, *vals[6:], non_finite,
-            compress_ranks(r.group_ranks) if r.group_ranks is not None else None, now)
+            compress_ranks_shared(r.group_ranks) if r.group_ranks is not None else None, now)
 
 
 def elements(steps: Sequence[Sequence[tuple]]) -> batch.Elements:
