@@ -252,9 +252,11 @@ def _range_error(side: str, v, count, total, total_sq, lo=None) -> str | None:
       of ``sum_sq = Σ m·v²``. Rounding is monotone, so a float sum of non-negative terms,
       in any order and precision, is ``>= fl(v²) >= v²(1 − u)`` for each term whose square
       is a normal number; ``2^-8`` covers ``u`` of every dtype (bfloat16 the loosest) and
-      ``2^-7`` the values whose square underflows (float16). Assumes mask weights ``>= 1``
-      on the elements min/max come from (0/1 masks, DESIGN.md §4); a weight below 1 on the
-      extreme element can break it.
+      ``2^-7`` the values whose square underflows (float16). It holds for 0/1 masks
+      (DESIGN.md §4), not for weights below 1 (``masked_moments`` accepts weighted masks:
+      then ``Σ m·v²`` may be below ``max²``), so it is checked only when ``count`` is a
+      whole number (or absent): a weighted mask's count rarely is, and refusing a correct
+      report would lose it, while a report that lies about its count only misleads itself.
     * the mean ``sum/count`` lies in ``[min, max]`` up to
       ``(count + 1)·2^-24·(|mean| + 2·|min or max|)`` (+ float32's smallest normal per
       term): a weighted mean with non-negative weights lies within its values. The slack
@@ -268,7 +270,8 @@ def _range_error(side: str, v, count, total, total_sq, lo=None) -> str | None:
         return None
     if side == "max" and lo is not None and _isfinite(lo) and lo > v:
         return f"min ({lo}) must be <= max ({v})"
-    if total_sq is not None and _isfinite(total_sq) and total_sq >= 0:
+    if (total_sq is not None and _isfinite(total_sq) and total_sq >= 0
+            and (count is None or (_isfinite(count) and count == int(count)))):
         root = math.sqrt(total_sq)
         if abs(v) > root * (1.0 + _RANGE_REL) + _RANGE_ABS:
             return (f"|{side}| ({abs(v):.6g}) exceeds sqrt(sum_sq) = {root:.6g}: no masked-in element can be larger "

@@ -252,6 +252,10 @@ def test_correct_float32_and_bfloat16_moments_never_trip_the_range_rules():
                "sum_sq": float(np.sum(np.square(v), dtype=np.float32)), "min": float(v.min()), "max": float(v.max())}
         LocalStats.model_validate(loc, strict=True)
         FastLocal(**loc)
+    # a weighted mask (values 1 and 10, weights 1 and 0.5): Σm·v² = 51 < 10², still accepted
+    weighted = {"count": 1.5, "sum": 6.0, "sum_sq": 51.0, "min": 1.0, "max": 10.0}
+    LocalStats.model_validate(weighted, strict=True)
+    FastLocal(**weighted)
 
 
 # ------------------------------------------------------------------ 4. "/" in statistic names
