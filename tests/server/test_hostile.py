@@ -324,8 +324,10 @@ def test_the_largest_accepted_body_is_stored_in_bounded_memory(server, run_id):
 
 def test_invalid_bodies_are_parsed_off_the_event_loop(server):
     """While 4 clients post 6 MB bodies that fail validation (re-parsed on the event loop
-    before, /healthz then took 4 s), /healthz answers in a median under 0.1 s and never
-    over 1 s (on a loaded 2-core machine the validating threads still share the GIL)."""
+    before, /healthz then took 4 s each), /healthz answers in a median under 1 s and never
+    over 3 s. The bounds sit well below the regression and well above what a loaded 2-core
+    machine adds (the validating threads still share the GIL: a median of 0.14 s was seen
+    at load 10)."""
     bad = json.dumps({"reports": [{"run_id": "x", "step": -1, "rank": 0}] * 150_000}).encode()
     assert len(bad) > 5 * 2**20
     stop = threading.Event()
@@ -354,7 +356,7 @@ def test_invalid_bodies_are_parsed_off_the_event_loop(server):
         for w in workers:
             w.join(60)
     took.sort()
-    assert took[15] < 0.1 and took[-1] < 1.0, took
+    assert took[15] < 1.0 and took[-1] < 3.0, took
 
 
 def test_the_token_is_checked_before_the_body_is_read(tmp_path):
@@ -505,16 +507,17 @@ def test_delete_a_run_in_bounded_chunks(server, run_id):
 
 
 def test_retention_drops_idle_runs_with_their_reports(fresh_database_url, tmp_path, run_id):
-    """AUDITOR_RUN_RETENTION_DAYS (here 2 s): the sweep deletes a run idle for longer, with
-    its reports and verdicts; a run still reporting stays."""
-    s = ServerProcess(fresh_database_url, tmp_path / "r.log", AUDITOR_RUN_RETENTION_DAYS=str(2 / 86400),
+    """AUDITOR_RUN_RETENTION_DAYS (here 5 s): the sweep deletes a run idle for longer, with
+    its reports and verdicts; a run still reporting (every ~0.3 s, so even a loaded machine
+    leaves it far from 5 s idle) stays."""
+    s = ServerProcess(fresh_database_url, tmp_path / "r.log", AUDITOR_RUN_RETENTION_DAYS=str(5 / 86400),
                       AUDITOR_SWEEP_INTERVAL_SECONDS="0.3").start()
     try:
         assert post(s, reference_reports(run_id, buggy=True)).status_code == 200
         live = f"{run_id}-live"
-        for step in range(12):
-            post(s, reference_reports(live, buggy=False, step=step))
-            time.sleep(0.4)
+        for step in range(60):
+            assert post(s, reference_reports(live, buggy=False, step=step)).status_code == 200
+            time.sleep(0.3)
             if s.get(f"/v1/runs/{run_id}").status_code == 404:
                 break
         assert s.get(f"/v1/runs/{run_id}").status_code == 404
