@@ -54,7 +54,7 @@ class ServiceConfigError(ConnectionError):
     """The service answered as a wrong URL or token would (401/403/404/405)."""
 
 
-def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = None, batch_size: int = 1000,
+def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = None, batch_size: int = 10_000,
            timeout: float = 10.0, read_timeout: float = 120.0, unreachable_after: float | None = None,
            max_attempts: int = 8, restart: bool = False, dead_letters: Sequence[str | os.PathLike] = (),
            on_progress: Progress | None = None) -> dict[str, Any]:

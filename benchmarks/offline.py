@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", default="per-rank", help="per-rank, interleaved, or both comma-separated")
     ap.add_argument("--cases", default="audit,import")
     ap.add_argument("--backends", default="sqlite,postgresql")
-    ap.add_argument("--batch-size", type=int, default=1000, help="auditor import --batch-size")
+    ap.add_argument("--batch-size", type=int, default=10_000, help="auditor import --batch-size")
     ap.add_argument("--timeout", type=float, help="stop a case after this many seconds")
     ap.add_argument("--spool-dir", default=str(Path(tempfile.gettempdir()) / "auditor-bench-spools"),
                     help="where generated spools are kept (reused across runs)")
