@@ -221,8 +221,9 @@ def _local_rules(loc) -> None:
             raise ValueError(f"{name} must be >= 0, got {v}")
     lo, hi = loc.min, loc.max
     if lo is not None or hi is not None:
-        msg = _range_error("min", lo, loc.count, loc.sum, loc.sum_sq) or \
-            _range_error("max", hi, loc.count, loc.sum, loc.sum_sq, lo)
+        w = loc.weighted
+        msg = _range_error("min", lo, loc.count, loc.sum, loc.sum_sq, weighted=w) or \
+            _range_error("max", hi, loc.count, loc.sum, loc.sum_sq, lo, weighted=w)
         if msg:
             raise ValueError(msg)
 
@@ -237,9 +238,13 @@ _MEAN_COUNT = 0.25 / UNIT_ROUNDOFF["float32"]
 #: Below this magnitude a value's square may underflow (float16: sqrt of its smallest normal,
 #: 2^-14), so the sum of squares says nothing about it.
 _RANGE_ABS = 2.0**-7
+#: Weighted masks: ``count`` = Σm is not the number of terms summed, so the mean rule's
+#: slack assumes at least this many (float32 γ_n ≈ 2^-8 relative; float64 sums of any length
+#: stay far inside it), and ``count``'s own rounding is added in (:func:`_range_error`).
+_WEIGHTED_TERMS = 2.0**16
 
 
-def _range_error(side: str, v, count, total, total_sq, lo=None) -> str | None:
+def _range_error(side: str, v, count, total, total_sq, lo=None, weighted: bool = False) -> str | None:
     """The message of the first rule ``local.<side>`` (``"min"`` or ``"max"``, value ``v``)
     breaks against the other moments of its block, else None. Shared by :class:`LocalStats`
     (a field validator per side, so the 422 names ``reports[i].local.min`` or ``.max``) and
@@ -254,15 +259,19 @@ def _range_error(side: str, v, count, total, total_sq, lo=None) -> str | None:
       is a normal number; ``2^-8`` covers ``u`` of every dtype (bfloat16 the loosest) and
       ``2^-7`` the values whose square underflows (float16). It holds for 0/1 masks
       (DESIGN.md §4), not for weights below 1 (``masked_moments`` accepts weighted masks:
-      then ``Σ m·v²`` may be below ``max²``), so it is checked only when ``count`` is a
-      whole number (or absent): a weighted mask's count rarely is, and refusing a correct
-      report would lose it, while a report that lies about its count only misleads itself.
+      values (3, 0) with weights (0.5, 0.5) give ``sum_sq`` 4.5 < 3²). So it is skipped
+      when the report says ``local.weighted`` (the hooks set it for a floating mask with an
+      entry outside {0, 1}), and also when ``count`` is not a whole number (no 0/1 mask
+      gives one: a weighted report of a client that predates the flag). Its message says
+      to set the flag.
     * the mean ``sum/count`` lies in ``[min, max]`` up to
-      ``(count + 1)·2^-24·(|mean| + 2·|min or max|)`` (+ float32's smallest normal per
-      term): a weighted mean with non-negative weights lies within its values. The slack
-      bounds the rounding of a float32 recursive sum of ``count`` terms (Higham's
-      ``γ_n·Σ|m·v|``, and ``Σ|m·v|/count <= |mean| + 2·|min|`` on the min side, likewise
-      for max); checked for ``0 < count < 2^22`` (beyond, γ_n bounds nothing).
+      ``(n + 1)·2^-24·(|mean| + 2·|min or max|)`` (+ float32's smallest normal per term):
+      a weighted mean with non-negative weights lies within its values. The slack bounds
+      the rounding of a float32 recursive sum of ``n`` terms (Higham's ``γ_n·Σ|m·v|``, and
+      ``Σ|m·v|/count <= |mean| + 2·|min|`` on the min side, likewise for max). 0/1 masks:
+      ``n = count`` (exact), checked for ``0 < count < 2^22`` (beyond, γ_n bounds nothing).
+      Weighted: ``n`` is unknown, taken as ``max(count, 2^16)`` and the slack doubled (the
+      count Σm is rounded too), checked for ``0 < count < 2^22``.
 
     What these rules exclude is what made an audit meaningless: ``min/max = ∓1e308`` with
     ``sum_sq ≈ 170`` gave a consistent step an applied-error σ of 7.8e299."""
@@ -270,17 +279,19 @@ def _range_error(side: str, v, count, total, total_sq, lo=None) -> str | None:
         return None
     if side == "max" and lo is not None and _isfinite(lo) and lo > v:
         return f"min ({lo}) must be <= max ({v})"
-    if (total_sq is not None and _isfinite(total_sq) and total_sq >= 0
-            and (count is None or (_isfinite(count) and count == int(count)))):
+    if not weighted and count is not None and not (_isfinite(count) and count == int(count)):
+        weighted = True  # no 0/1 mask has a fractional count
+    if not weighted and total_sq is not None and _isfinite(total_sq) and total_sq >= 0:
         root = math.sqrt(total_sq)
         if abs(v) > root * (1.0 + _RANGE_REL) + _RANGE_ABS:
-            return (f"|{side}| ({abs(v):.6g}) exceeds sqrt(sum_sq) = {root:.6g}: no masked-in element can be larger "
-                    f"in magnitude than the root of the sum of squares (min and max are those of the elements "
-                    f"counted in count/sum/sum_sq)")
+            return (f"|{side}| ({abs(v):.6g}) is larger than √sum_sq allows for a 0/1 mask (√sum_sq = "
+                    f"{root:.6g}; min and max are those of the elements counted in count/sum/sum_sq); if the mask "
+                    f"weights elements, set local.weighted=true")
     if (count is not None and total is not None and _isfinite(count) and _isfinite(total)
             and 0 < count < _MEAN_COUNT):
         mean = total / count
-        slack = (count + 1.0) * _MEAN_REL * (abs(mean) + 2.0 * abs(v)) + (count + 1.0) * _MEAN_ABS
+        n = max(count, _WEIGHTED_TERMS) * 2.0 if weighted else count
+        slack = (n + 1.0) * _MEAN_REL * (abs(mean) + 2.0 * abs(v)) + (n + 1.0) * _MEAN_ABS
         if (side == "min" and mean < v - slack) or (side == "max" and mean > v + slack):
             return (f"the mean sum/count ({mean:.6g}) lies {'below min' if side == 'min' else 'above max'} "
                     f"({v:.6g}): a mean of the masked-in elements lies between their min and max")
@@ -306,6 +317,13 @@ class LocalStats(_Strict):
     count: float | None = None
     sum: float | None = None
     sum_sq: float | None = None
+    #: Declared before min/max: their validators read it.
+    weighted: bool = Field(False, description=(
+        "true when the mask weights elements (a floating mask with an entry other than 0 or 1: count = Σm, "
+        "sum = Σm·v, sum_sq = Σm·v², min/max over m != 0). It turns off the ingest rule "
+        "|min|, |max| <= √sum_sq, which holds only for 0/1 masks (values (3, 0) with weights (0.5, 0.5) have "
+        "sum_sq 4.5 < 3²); min <= max and the mean within [min, max] still apply. Not stored. The hooks "
+        "(masked_moments) set it."))
     min: float | None = None
     max: float | None = None
     replicated_sum_sq: float | None = None
@@ -314,7 +332,8 @@ class LocalStats(_Strict):
     @classmethod
     def _range(cls, v: float | None, info: ValidationInfo) -> float | None:
         d = info.data
-        msg = _range_error(info.field_name, v, d.get("count"), d.get("sum"), d.get("sum_sq"), d.get("min"))
+        msg = _range_error(info.field_name, v, d.get("count"), d.get("sum"), d.get("sum_sq"), d.get("min"),
+                           weighted=d.get("weighted", False))
         if msg:
             raise ValueError(msg)
         return v
@@ -636,6 +655,7 @@ class FastLocal(_Fast, frozen=True, kw_only=True):
     count: float | None = None
     sum: float | None = None
     sum_sq: float | None = None
+    weighted: bool = False
     min: float | None = None
     max: float | None = None
     replicated_sum_sq: float | None = None

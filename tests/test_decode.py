@@ -69,6 +69,14 @@ def moments(draw, kind):
     vals = draw(st.lists(small, min_size=0, max_size=6))
     n = float(len(vals)) if draw(st.booleans()) else len(vals)  # an int is a float too
     out = {"count": n, "sum": math.fsum(vals), "sum_sq": math.fsum(v * v for v in vals)}
+    if vals and draw(st.integers(0, 3)) == 0:  # a weighted mask: flagged or not (then often refused)
+        w = draw(st.lists(st.sampled_from([0.0, 0.25, 0.5, 1.0, 2.0]), min_size=len(vals), max_size=len(vals)))
+        out = {"count": math.fsum(w), "sum": math.fsum(a * b for a, b in zip(w, vals)),
+               "sum_sq": math.fsum(a * b * b for a, b in zip(w, vals))}
+        vals = [v for a, v in zip(w, vals) if a] or vals
+        out["weighted"] = draw(st.sampled_from([True, False, None]))
+        if out["weighted"] is None:
+            del out["weighted"]
     if vals and draw(st.booleans()):
         out.update(min=min(vals), max=max(vals))
     if kind == "sum":
@@ -254,6 +262,11 @@ BASE = {"run_id": "r", "statistic": "s", "step": 0, "rank": 0, "world_size": 1,
     {"run_id": "r\n"}, {"statistic": "s\n"}, {"run_id": "r\u0000"}, {"run_id": "a" * 129}, {"order": "é" * 33},
     {"order": "tp-cp-dp-pp\n"}, {"step": 2**62}, {"step": 2**62 + 1}, {"rank": 2**31}, {"step": 1.0},
     {"local": {"count": 10**19, "sum": 1.0, "sum_sq": 1.0}}, {"local": {"count": True, "sum": 1, "sum_sq": 1}},
+    {"local": {"count": 1.0, "sum": 1.5, "sum_sq": 4.5, "min": 0.0, "max": 3.0}},
+    {"local": {"count": 1.0, "sum": 1.5, "sum_sq": 4.5, "min": 0.0, "max": 3.0, "weighted": True}},
+    {"local": {"count": 1.0, "sum": 1.5, "sum_sq": 4.5, "min": 0.0, "max": 3.0, "weighted": 1}},
+    {"local": {"count": 1.0, "sum": 1.5, "sum_sq": 4.5, "weighted": None}},
+    {"local": {"count": 1.0, "sum": 1.5, "sum_sq": 4.5, "weighted": "true"}},
     {"spec": None}, {"spec": {"placement": {"pp": "first"}}}, {"spec": {"reduce_over": ["dp", "ep"]}},
     {"topology": "unknown", "group_ranks": [0]}, {"topology": "unknown", "group_ranks": [0], "order": "tp-cp-dp-pp"},
 ])

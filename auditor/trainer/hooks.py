@@ -32,12 +32,17 @@ def masked_summary(values: torch.Tensor, mask: torch.Tensor, indices: bool = Tru
     """:func:`masked_moments` of ``values`` and, if ``indices``, the flat indices of the
     (first) smallest and largest masked value (``None`` when no element is masked in, or
     when not asked for: the hooks need only the values, which a boolean selection gives
-    faster)."""
+    faster). ``local`` gets ``"weighted": True`` when ``mask`` is floating with an entry
+    other than 0 or 1 (the wire's ``local.weighted``: the service then does not hold
+    min/max to ``√sum_sq``, a bound only 0/1 masks obey); a bool or integer mask is not
+    looked at."""
     v = values.detach().reshape(-1).to(torch.float64)
     m = mask.detach().to(torch.float64).expand_as(values).reshape(-1)
     vm = v * m
     local = {"count": float(m.sum()), "sum": float(vm.sum()), "sum_sq": float((vm * v).sum()), "min": None, "max": None}
     nz = m != 0
+    if mask.is_floating_point() and bool((nz & (m != 1)).any()):
+        local["weighted"] = True
     if not indices:
         selected = v[nz]
         if selected.numel():
@@ -78,7 +83,8 @@ def masked_moments(values: torch.Tensor, mask: torch.Tensor) -> dict[str, float 
     -------
     dict with float ``count`` = Σm, ``sum`` = Σv·m, ``sum_sq`` = Σv²·m (accumulated in
     float64), and ``min``/``max`` of the values where ``mask != 0`` (``None`` when no
-    element is masked in).
+    element is masked in); plus ``weighted: True`` when ``mask`` is floating and has an
+    entry other than 0 or 1 (wire field ``local.weighted``, DESIGN.md §3).
     """
     return masked_summary(values, mask, indices=False)[0]
 

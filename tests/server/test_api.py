@@ -92,7 +92,7 @@ def test_metrics_export_the_sigma_gauges(live_server, run_id):
         (lambda r: r.update(dtype="float8"), "reports[0].dtype", "float32"),
         (lambda r: [r["local"].update(sum_sq=0.1), r["local"].pop("min"), r["local"].pop("max")], "reports[0]",
          "local.sum_sq"),
-        (lambda r: r["local"].update(sum_sq=0.1), "reports[0].local.max", "exceeds sqrt(sum_sq)"),
+        (lambda r: r["local"].update(sum_sq=0.1), "reports[0].local.max", "larger than √sum_sq allows for a 0/1 mask"),
         (lambda r: r.update(run_id="bad run id"), "reports[0].run_id", "pattern"),
         (lambda r: r.update(step=-1), "reports[0].step", "greater than or equal to 0"),
         (lambda r: r.pop("local"), "reports[0].local", "Field required"),

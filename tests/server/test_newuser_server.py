@@ -207,8 +207,8 @@ def test_bodies_need_a_json_content_type(capped, run_id, content_type):
 
 # ------------------------------------------------------------------ 3. impossible moments
 @pytest.mark.parametrize("change, field, words", [
-    ({"min": -1e308, "max": 1e308}, "reports[0].local.min", "exceeds sqrt(sum_sq)"),  # the reproducer
-    ({"max": 1e3}, "reports[0].local.max", "exceeds sqrt(sum_sq)"),
+    ({"min": -1e308, "max": 1e308}, "reports[0].local.min", "larger than √sum_sq allows for a 0/1 mask"),  # the reproducer
+    ({"max": 1e3}, "reports[0].local.max", "larger than √sum_sq allows for a 0/1 mask"),
     ({"min": -1.0, "max": -2.0}, "reports[0].local.max", "must be <= max"),
     ({"sum": 1e4, "sum_sq": 1e7}, "reports[0].local.max", "lies above max"),
     ({"sum": -1e4, "sum_sq": 1e7}, "reports[0].local.min", "lies below min"),
@@ -228,6 +228,33 @@ def test_local_moments_inconsistent_with_each_other_are_a_422_naming_the_field(c
     r = httpx.post(capped.url + "/v1/reports", content=__import__("json").dumps({"reports": reports}).encode(),
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 200, r.text
+
+
+def test_a_weighted_mask_report_is_accepted_when_it_says_so(capped, run_id):
+    """Values (3, 0) with weights (0.5, 0.5): count 1, sum 1.5, sum_sq 4.5, max 3 — a correct
+    weighted report whose max² is above sum_sq. Without ``local.weighted`` the √sum_sq rule
+    (0/1 masks only) refuses it with a 422 that says how to fix it, nothing stored; with
+    ``weighted: true`` it is stored and audited consistent. The other range rules still hold
+    for a weighted report (a mean above max is refused)."""
+    local = {"count": 1.0, "sum": 1.5, "sum_sq": 4.5, "min": 0.0, "max": 3.0}
+    report = {"run_id": run_id, "statistic": "advantages", "step": 0, "rank": 0, "world_size": 1, "local": local,
+              "applied": {"count": 1.0, "sum": 1.5, "sum_sq": 4.5, "mean": 1.5, "var": 2.25}, "group_ranks": [0]}
+    r = capped.post("/v1/reports", json={"reports": [report]})
+    assert r.status_code == 422, r.text
+    (err,) = r.json()["errors"]
+    assert err["field"] == "reports[0].local.max", err
+    assert ("|max| (3) is larger than √sum_sq allows for a 0/1 mask (√sum_sq = 2.12132" in err["msg"]
+            and err["msg"].endswith("if the mask weights elements, set local.weighted=true")), err
+    assert capped.get(f"/v1/runs/{run_id}").status_code == 404
+    local["weighted"] = True
+    r = capped.post("/v1/reports", json={"reports": [report]})
+    assert r.status_code == 200 and r.json()["accepted"] == 1, r.text
+    (stat,) = capped.get(f"/v1/runs/{run_id}/report").json()["statistics"]
+    assert (stat["steps_consistent"], stat["steps_inconsistent"]) == (1, 0), stat
+    bad = dict(report, step=1, local=dict(local, max=1.0))  # mean 1.5 > max 1: refused, weighted or not
+    r = capped.post("/v1/reports", json={"reports": [bad]})
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "reports[0].local.max", r.text
+    assert "lies above max" in r.json()["errors"][0]["msg"]
 
 
 def test_correct_float32_and_bfloat16_moments_never_trip_the_range_rules():
@@ -256,6 +283,12 @@ def test_correct_float32_and_bfloat16_moments_never_trip_the_range_rules():
     weighted = {"count": 1.5, "sum": 6.0, "sum_sq": 51.0, "min": 1.0, "max": 10.0}
     LocalStats.model_validate(weighted, strict=True)
     FastLocal(**weighted)
+    # weighted with a whole count (the wire example) is accepted only with the flag, by both
+    example = {"count": 1.0, "sum": 1.5, "sum_sq": 4.5, "min": 0.0, "max": 3.0}
+    for decode in (lambda d: LocalStats.model_validate(d, strict=True), lambda d: FastLocal(**d)):
+        with pytest.raises(ValueError, match="set local.weighted=true"):
+            decode(example)
+        assert decode(dict(example, weighted=True)).weighted is True
 
 
 # ------------------------------------------------------------------ 4. "/" in statistic names

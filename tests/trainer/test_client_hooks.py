@@ -119,3 +119,56 @@ def test_offline_audit_of_wrapped_reports_flags_only_the_buggy_step(tmp_path):
     assert (stat["steps_consistent"], stat["steps_inconsistent"]) == (1, 1)
     (bad,) = stat["bad_steps"]
     assert bad["step"] == 0 and {"group_mismatch", "cp_disagreement"} <= {f["kind"] for f in bad["faults"]}
+
+
+# ------------------------------------------------------------------ weighted masks
+def _weighted_worker(rank: int, port: int, url: str, spool: str, run_id: str) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from auditor.trainer.client import AuditorClient
+    from auditor.trainer.hooks import distributed_masked_whiten
+
+    os.environ["AUDITOR_TOPOLOGY"] = "dp=2"
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    # rank 0: the wire contract's example (max 3, sum_sq 4.5 < 3²); rank 1: weights summing to 2
+    values = [torch.tensor([3.0, 0.0]), torch.tensor([1.0, 2.0, -1.0, 7.0])][rank]
+    mask = [torch.tensor([0.5, 0.5]), torch.tensor([0.25, 1.0, 0.75, 0.0])][rank]
+    client = AuditorClient(url, rank=rank, spool_dir=spool)
+    distributed_masked_whiten(values, mask, client=client, run_id=run_id, step=0)
+    assert client.flush(timeout=60)
+    client.close()
+    dist.destroy_process_group()
+
+
+def test_weighted_mask_reports_from_a_gloo_world_are_accepted_and_consistent(live_server, run_id, tmp_path):
+    """Two gloo ranks whiten with weighted (floating, non-0/1) masks over WORLD: the hooks
+    mark their local blocks ``weighted``, the service accepts both reports although rank 0's
+    max² (9) is above its sum_sq (4.5), nothing is dead-lettered, and the step is audited
+    consistent with the weighted global count 1 + 2 = 3, mean 1.000000, std 1.802776."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    procs = [ctx.Process(target=_weighted_worker, args=(r, port, live_server.url, str(tmp_path), run_id))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    assert not list(tmp_path.rglob("*dead*")), list(tmp_path.rglob("*"))
+    (stat,) = live_server.get(f"/v1/runs/{run_id}/report").json()["statistics"]
+    assert (stat["steps_consistent"], stat["steps_inconsistent"]) == (1, 0), stat
+    step = live_server.get(f"/v1/runs/{run_id}/statistics/advantages/steps/0").json()
+    assert (step["verdict"], step["reports"], step["expected"], step["faults"]) == ("consistent", 2, 2, []), step
+    # global: count 3, sum 1.5 + 0.25 + 2 − 0.75 = 3, sum_sq 4.5 + 0.25 + 4 + 0.75 = 9.5 →
+    # mean 1.000000, sample std √((9.5/3 − 1)·3/2) = 1.802776; rank 0's local mean 1.5, rank 1's 0.75
+    rows = {r["rank"]: r for r in step["ranks"]}
+    assert (rows[0]["local_count"], rows[1]["local_count"]) == (1.0, 2.0)
+    assert (round(rows[0]["local_mean"], 6), round(rows[1]["local_mean"], 6)) == (1.5, 0.75)
+    for r in rows.values():
+        assert round(r["correct_mean"], 6) == round(r["applied_mean"], 6) == 1.0
+        assert round(r["correct_std"], 6) == round(r["applied_std"], 6) == 1.802776
+        assert r["error_sigma"] == pytest.approx(0.0, abs=1e-6) and r["faults"] == []

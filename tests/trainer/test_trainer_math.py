@@ -134,14 +134,20 @@ def test_reference_whitened_float32_torch(world1):
 
 
 def test_masked_moments_masks_weights_and_empty():
-    """Bool and 0/1 float masks agree; other weights scale count/sum/sum_sq but min/max are
-    over mask != 0; empty tensors and all-zero masks give count 0 and min/max None."""
+    """Bool and 0/1 float masks agree (and carry no ``weighted`` flag); other weights scale
+    count/sum/sum_sq but min/max are over mask != 0, and the block says ``weighted: True``
+    (the wire's local.weighted); empty tensors and all-zero masks give count 0 and min/max None."""
     v = torch.tensor([[1.0, -2.0], [3.0, 10.0]])
     as_bool = masked_moments(v, torch.tensor([[True, True], [True, False]]))
     as_float = masked_moments(v, torch.tensor([[1.0, 1.0], [1.0, 0.0]]))
-    assert as_bool == as_float == {"count": 3.0, "sum": 2.0, "sum_sq": 14.0, "min": -2.0, "max": 3.0}
+    as_half = masked_moments(v, torch.tensor([[1.0, 1.0], [1.0, 0.0]], dtype=torch.float16))
+    assert as_bool == as_float == as_half == {"count": 3.0, "sum": 2.0, "sum_sq": 14.0, "min": -2.0, "max": 3.0}
     weighted = masked_moments(v, torch.tensor([[0.5, 0.0], [2.0, 0.0]]))
-    assert weighted == {"count": 2.5, "sum": 6.5, "sum_sq": 18.5, "min": 1.0, "max": 3.0}
+    assert weighted == {"count": 2.5, "sum": 6.5, "sum_sq": 18.5, "min": 1.0, "max": 3.0, "weighted": True}
+    # the wire contract's example: values (3, 0), weights (0.5, 0.5); 3² = 9 > sum_sq 4.5
+    example = masked_moments(torch.tensor([3.0, 0.0]), torch.tensor([0.5, 0.5]))
+    assert example == {"count": 1.0, "sum": 1.5, "sum_sq": 4.5, "min": 0.0, "max": 3.0, "weighted": True}
+    assert masked_moments(v, torch.tensor([1.0, 2.0]))["weighted"] is True  # broadcast weights > 1 too
     for values, mask in ((torch.zeros(0), torch.zeros(0)), (v, torch.zeros_like(v))):
         assert masked_moments(values, mask) == {"count": 0.0, "sum": 0.0, "sum_sq": 0.0, "min": None, "max": None}
 
