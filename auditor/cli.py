@@ -529,10 +529,15 @@ def runs(ctx: typer.Context, url: Optional[str] = ServiceUrl, database_url: Opti
         data = source.runs()
     from rich.table import Table
 
-    t = Table("run", "world", "dp×cp×tp×pp", "statistics", "steps audited", "inconsistent")
+    from rich.table import Column
+
+    t = Table("run", "world", Column("dp×cp×tp×pp", no_wrap=True), "statistics", "steps audited", "inconsistent")
     for r in data:
         s = r["sizes"]
-        t.add_row(r["run_id"], str(r["world_size"]), f"{s['dp']}×{s['cp']}×{s['tp']}×{s['pp']}",
+        # an unknown topology's sizes are placeholders of 1, not a 1×1×1×1 layout (as on the run page)
+        sizes = (f"unknown (world {r['world_size']})" if r.get("topology") == "unknown"
+                 else f"{s['dp']}×{s['cp']}×{s['tp']}×{s['pp']}")
+        t.add_row(r["run_id"], str(r["world_size"]), sizes,
                   ", ".join(r["statistics"]), str(r["steps_audited"]), str(r["steps_inconsistent"]))
     _console().print(t)
 

@@ -42,3 +42,21 @@ def test_report_json_and_table(live_server, run_id):
     assert out.returncode == 0, out.stderr
     for text in ("INCONSISTENT", "cp_disagreement", "wrong_group", "-0.076923", "+0.235294", "0.100000"):
         assert text in out.stdout, (text, out.stdout)
+
+
+def test_runs_says_unknown_topology_not_placeholder_sizes(live_server, run_id):
+    """`auditor runs` shows a run whose ranks declared no topology as "unknown (world 2)" (as
+    the run page does), not its placeholder sizes 1×1×1×1; a known run keeps dp×cp×tp×pp."""
+    unknown, known = f"unk-{run_id[-8:]}", f"known-{run_id[-8:]}"  # short: one table line each
+    reports = [{"run_id": unknown, "statistic": "s", "step": 0, "rank": r, "world_size": 2, "topology": "unknown",
+                "kind": "sum", "local": {"sum": 1.0 + r}, "applied": {"sum": 3.0}, "group_ranks": [0, 1]}
+               for r in range(2)]
+    assert live_server.post("/v1/reports", json={"reports": reports}).status_code == 200
+    assert live_server.post("/v1/reports", json={"reports": reference_reports(known, buggy=False)}).status_code == 200
+    for source in (("--url", live_server.url), ("--database-url", live_server.database_url)):
+        out = auditor("runs", *source)
+        assert out.returncode == 0, out.stderr
+        (line,) = [x for x in out.stdout.splitlines() if unknown in x]
+        assert "unknown (world 2)" in line and "1×1×1×1" not in line, out.stdout
+        (line,) = [x for x in out.stdout.splitlines() if known in x]
+        assert "1×2×1×1" in line, out.stdout
