@@ -73,7 +73,9 @@ def usable_run_id(run_id: str | None) -> str | None:
 
 
 #: The wire contract's run id (DESIGN.md §3; auditor.schemas.RUN_ID_PATTERN, 1..128 chars).
-_WIRE_RUN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+#: The service also refuses one made of dots only (``.``, ``..``: auditor.schemas.addressable,
+#: a URL path segment clients and proxies resolve away; no ``/``, so that is its only part).
+_WIRE_RUN_ID = re.compile(r"(?=.*[^.])[A-Za-z0-9._:-]{1,128}")
 
 
 def _run_id_setting(var: str, raw: str | None) -> str | None:
@@ -82,8 +84,8 @@ def _run_id_setting(var: str, raw: str | None) -> str | None:
     run_id = usable_run_id(raw)
     if run_id is None or _WIRE_RUN_ID.fullmatch(run_id):
         return run_id
-    warn_once(f"{var}={raw}", "auditor: ignoring %s=%r (a run id is 1 to 128 of A-Z a-z 0-9 . _ : -); the ranks "
-              "agree on a run id instead", var, raw)
+    warn_once(f"{var}={raw}", "auditor: ignoring %s=%r (a run id is 1 to 128 of A-Z a-z 0-9 . _ : -, not only "
+              "dots); the ranks agree on a run id instead", var, raw)
     return None
 
 

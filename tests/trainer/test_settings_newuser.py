@@ -108,3 +108,28 @@ def test_a_run_id_the_service_would_refuse_is_said_once_and_not_used(caplog):
     assert sum("ignoring AUDITOR_RUN_ID='my run #1'" in r.getMessage() for r in caplog.records) == 1
     assert read_settings({"AUDITOR_RUN_ID": "qwen3-4b:grpo.0001"}).run_id == "qwen3-4b:grpo.0001"
     assert read_settings({"TORCHELASTIC_RUN_ID": "x" * 129}).elastic_run_id is None
+
+
+def test_dot_run_ids_the_service_refuses_are_said_once_and_not_used(caplog):
+    """AUDITOR_RUN_ID='.' or '..' (a URL path segment resolved away: the service answers 422)
+    is said once and not used, like any other run id the service refuses; ids that merely
+    hold dots are kept. The trainer's rule and the service's agree on every case."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from auditor.schemas import RunId
+    from auditor.trainer.settings import read_settings
+
+    service = TypeAdapter(RunId)
+    for raw in (".", "..", "...", ".a", "a..", "..a..", "v1.2", "x" * 128, "x" * 129, "a/b"):
+        try:
+            service.validate_python(raw)
+            refused = False
+        except ValidationError:
+            refused = True
+        assert (read_settings({"AUDITOR_RUN_ID": raw}).run_id is None) == refused, raw
+        assert (read_settings({"TORCHELASTIC_RUN_ID": raw}).elastic_run_id is None) == refused, raw
+    for raw in (".", ".."):
+        for _ in range(3):
+            assert read_settings({"AUDITOR_RUN_ID": raw}).run_id is None
+        assert sum(f"ignoring AUDITOR_RUN_ID={raw!r}" in r.getMessage() for r in caplog.records) == 1, raw
+    assert read_settings({"AUDITOR_RUN_ID": "v1.2"}).run_id == "v1.2"
