@@ -132,6 +132,9 @@ async def _send_problem(send, response: Response, scope=None) -> None:
 #: The cookie a browser signs in with (``POST /login``); its value is the token. Accepted for
 #: GET/HEAD only, so a cross-site form can never write with it (SameSite=Strict besides).
 TOKEN_COOKIE = "auditor_token"
+#: Bytes of a sign-in form (``POST /login``: token and ``next``) beyond the configured tokens'
+#: worst-case percent-encoding (3 bytes a character); a longer body is a 413, never read whole.
+LOGIN_BODY_BYTES = 8192
 #: Assets that hold no data: every page (the sign-in page too) loads them without a token.
 OPEN_PREFIXES = ("/static/", "/static-offline-docs/")
 
@@ -673,8 +676,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def login(request: Request) -> Response:
         """Check the token of the sign-in form (the read token or the service token); keep it in
         an HttpOnly, SameSite=Strict cookie that GET/HEAD requests of this browser are
-        authorised with, and go back to the page asked for (303). Wrong token: the form again, 401."""
-        form = urllib.parse.parse_qs((await request.body()).decode("utf-8", "replace"))
+        authorised with, and go back to the page asked for (303). Wrong token: the form again, 401.
+        A body over ``LOGIN_BODY_BYTES`` (8 KiB) + 3 bytes per character of the longest token is
+        a 413 ``too_large`` as soon as it is declared or received (the rest is never read); a
+        body that stalls is a 408, as on the write endpoints."""
+        limit = LOGIN_BODY_BYTES + 3 * max((len(t) for t in (settings.read_token, settings.token) if t), default=0)
+        try:
+            body = await read_body(request, limit, settings.body_timeout_seconds, settings.body_deadline_seconds)
+        except BodyTooLarge as e:
+            got = f"{e.size} bytes" if e.size is not None else "more"
+            return problem(413, "too_large", f"sign-in form larger than {limit} bytes, got {got}",
+                           request.url.path, headers={"Connection": "close"},
+                           errors=[{"field": "body", "loc": [], "type": "too_long", "msg": f"at most {limit} bytes"}])
+        except BodyTimeout as e:
+            return problem(408, "request_timeout", str(e), request.url.path, headers={"Connection": "close"})
+        except ClientDisconnect:
+            return _disconnected(request)
+        form = urllib.parse.parse_qs(body.decode("utf-8", "replace"))
         token = (form.get("token") or [""])[0]
         target = _local_path((form.get("next") or ["/"])[0])
         root = request.scope.get("root_path", "")

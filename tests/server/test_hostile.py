@@ -561,6 +561,42 @@ def test_reads_need_a_token_and_a_read_token_only_reads(tmp_path, run_id):
         s.stop()
 
 
+def test_the_sign_in_form_body_is_capped(tmp_path):
+    """POST /login read its form body whole, however large. Now (token 'write-tok', 9 chars:
+    cap 8,192 + 3·9 = 8,219 bytes) the right token signs in (303 with the cookie), a wrong
+    one near the cap gets the form again (401), and a body over the cap — declared (1 MB) or
+    chunked with no length (6.5 MB offered) — is a 413 problem naming the body, the rest unread."""
+    s = ServerProcess(f"sqlite:///{tmp_path / 'a.db'}", tmp_path / "a.log", AUDITOR_TOKEN="write-tok").start()
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    try:
+        r = httpx.post(f"{s.url}/login", data={"token": "write-tok", "next": "/runs/x"}, timeout=30)
+        assert r.status_code == 303 and r.headers["location"] == "/runs/x", r.text
+        assert r.cookies.get("auditor_token") == "write-tok"
+        body = b"next=%2F&token=" + b"a" * (8219 - 15)
+        r = httpx.post(f"{s.url}/login", content=body, headers=form, timeout=30)
+        assert r.status_code == 401 and "not this auditor" in r.text, r.text
+        r = httpx.post(f"{s.url}/login", content=body + b"a", headers=form, timeout=30)
+        problem = assert_problem(r, 413, "too_large")
+        assert problem["detail"] == "sign-in form larger than 8219 bytes, got 8220 bytes", problem
+        assert problem["errors"][0]["field"] == "body" and problem["errors"][0]["msg"] == "at most 8219 bytes"
+        r = httpx.post(f"{s.url}/login", content=b"token=" + b"a" * 1_000_000, headers=form, timeout=30)
+        assert assert_problem(r, 413, "too_large")["detail"].endswith("got 1000006 bytes")
+
+        def chunks():
+            piece = b"a" * 65536
+            yield b"6\r\ntoken=\r\n"
+            for _ in range(100):
+                yield b"%x\r\n%s\r\n" % (len(piece), piece)
+
+        head = (b"POST /login HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-www-form-urlencoded\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n")
+        answer, _ = _raw_request(s, head, chunks())
+        assert answer.startswith(b"HTTP/1.1 413") and b"sign-in form larger than 8219 bytes" in answer, answer[:300]
+        assert s.get("/healthz").status_code == 200
+    finally:
+        s.stop()
+
+
 # ------------------------------------------------------------------ the command line
 def _auditor(*args: str, env: dict | None = None):
     import os
