@@ -408,7 +408,8 @@ def test_idle_connections_are_closed_and_capped(server):
 def test_a_locked_database_is_a_503_with_retry_after_and_liveness_stays_fast(server, run_id):
     """Another process holds the write lock (SQLite: BEGIN EXCLUSIVE; PostgreSQL: LOCK
     TABLE reports): ingest gets 503 + Retry-After after the 2 s lock timeout (a 500 or a
-    30 s wait before), /healthz answers in milliseconds meanwhile, and ingest works again
+    30 s wait before), /healthz answers meanwhile (well under the 2 s it would take if it
+    waited on the lock), and ingest works again
     once the lock is gone."""
     url = server.database_url
     if url.startswith("sqlite"):
@@ -442,7 +443,7 @@ def test_a_locked_database_is_a_503_with_retry_after_and_liveness_stays_fast(ser
         t.join()
         body = assert_problem(results[0], 503, "unavailable")
         assert results[0].headers["retry-after"] == "1" and "retry later" in body["detail"]
-        assert worst < 0.25, worst
+        assert worst < 1.0, worst  # blocked on the lock it would take >= 2 s; a loaded machine adds ~0.3 s
     finally:
         release()
     assert post(server, reference_reports(run_id, buggy=False)).status_code == 200
