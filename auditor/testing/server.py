@@ -35,19 +35,34 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60.0) -> "ServerProcess":
-        """Start and wait until ``/healthz`` answers; raises RuntimeError (with the log's tail) if not."""
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "auditor", "serve", "--port", str(self.port), "--log-level", "warning",
-             *self.args],
-            env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=self._limit_memory,
-        )
-        try:
-            wait_healthy(self.url, timeout, alive=lambda: self.proc is not None and self.proc.poll() is None)
-        except TimeoutError:
-            self.stop()
-            raise RuntimeError(f"server did not start; log:\n{self.log_path.read_text()[-4000:]}") from None
-        return self
+        """Start and wait until ``/healthz`` answers; raises RuntimeError (with the log's tail) if not.
+        A port taken between :func:`free_port` and the server's bind (another test process
+        picked it too: ``auditor serve`` exits 2 naming the address) is replaced by a new
+        free port, up to three times."""
+        for attempt in range(3):
+            log = open(self.log_path, "ab")
+            start = log.tell()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "auditor", "serve", "--port", str(self.port), "--log-level", "warning",
+                 *self.args],
+                env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=self._limit_memory,
+            )
+            log.close()
+            try:
+                wait_healthy(self.url, timeout, alive=lambda: self.proc is not None and self.proc.poll() is None)
+                return self
+            except TimeoutError:
+                code = self.proc.poll()
+                self.stop()
+                with open(self.log_path, "rb") as f:
+                    f.seek(start)
+                    said = f.read().decode(errors="replace")
+                if code == 2 and "cannot listen on" in said and attempt < 2:
+                    self.port = free_port()
+                    self.url = f"http://127.0.0.1:{self.port}"
+                    continue
+                raise RuntimeError(f"server did not start; log:\n{self.log_path.read_text()[-4000:]}") from None
+        raise AssertionError("unreachable")
 
     def _limit_memory(self) -> None:
         if self.memory_limit is not None:

@@ -26,6 +26,23 @@ def auditor(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
 
 
 # ------------------------------------------------------------------ 1. start-up and shutdown
+def test_the_test_harness_moves_to_another_port_when_its_port_was_taken(tmp_path):
+    """ServerProcess (tests, benchmarks): a port that another process took between
+    free_port() and the bind (parallel test workers) is replaced, not a failed start."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        s = ServerProcess(f"sqlite:///{tmp_path / 'a.db'}", tmp_path / "s.log")
+        s.port = taken.getsockname()[1]
+        s.url = f"http://127.0.0.1:{s.port}"
+        try:
+            s.start()
+            assert s.port != taken.getsockname()[1] and s.get("/healthz").status_code == 200
+            assert "cannot listen on" in (tmp_path / "s.log").read_text()
+        finally:
+            s.stop()
+
+
 def test_serve_on_a_taken_port_exits_2_at_once_naming_the_port(fresh_database_url):
     """The reproducer: an existing, migrated database and a port another process listens on.
     Before: the lifespan's probe task swallowed its cancellation (asyncio.wait_for on Python
