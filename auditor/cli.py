@@ -191,6 +191,20 @@ def _require_existing_sqlite(url: str) -> None:
             raise UsageError(f"no auditor database at {u.database} (pass --database-url or --url)")
 
 
+def _ensure_schema(database_url: str) -> None:
+    """Migrate an empty database to head, accept one at head (:func:`auditor.db.engine.ensure_schema`);
+    anything else (another revision, a bad URL, an unreachable server) is a :class:`UsageError`."""
+    from auditor.db.engine import SchemaError, ensure_schema, make_engine
+
+    engine = make_engine(database_url)
+    try:
+        ensure_schema(engine, database_url)
+    except SchemaError as e:
+        raise UsageError(str(e)) from None
+    finally:
+        engine.dispose()
+
+
 class ReportSource:
     """Where ``report``, ``check`` and ``runs`` read from: a running service over HTTP
     (``--url``) or the service's flows on a local database (:class:`auditor.service.Service`).
@@ -340,7 +354,6 @@ def serve(
     if grace_seconds is not None:
         os.environ["AUDITOR_GRACE_SECONDS"] = str(grace_seconds)
     settings = Settings()
-    from auditor.db.engine import SchemaError, ensure_schema, make_engine
     from auditor.server.run import BindError, listen_socket
     from auditor.server.run import serve as run_server
 
@@ -349,13 +362,7 @@ def serve(
     except BindError as e:
         raise UsageError(e.strerror) from None
     try:
-        engine = make_engine(settings.database_url)
-        try:
-            ensure_schema(engine, settings.database_url)
-        except SchemaError as e:
-            raise UsageError(str(e)) from None
-        finally:
-            engine.dispose()
+        _ensure_schema(settings.database_url)
     except BaseException:
         sock.close()
         raise
@@ -576,16 +583,8 @@ def demo(
         return
     from auditor.server.run import BackgroundServer
 
-    from auditor.db.engine import SchemaError, ensure_schema, make_engine
-
     settings = Settings(database_url=_db_url(database_url))
-    engine = make_engine(settings.database_url)  # bad URL, missing directory, unreachable: exit 2 now
-    try:
-        ensure_schema(engine, settings.database_url)
-    except SchemaError as e:
-        raise UsageError(str(e)) from None
-    finally:
-        engine.dispose()
+    _ensure_schema(settings.database_url)  # bad URL, missing directory, unreachable: exit 2 now
     console.print(f"[dim]auditor service on {settings.database_url}[/dim]")
     try:
         with BackgroundServer(settings) as base:
