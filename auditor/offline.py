@@ -106,9 +106,11 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
     written = list(starts)  # offset recorded in each spool's sidecar
     total = sum(reader.sizes)
     source: dict[int, int] = {}  # id(line) -> file index, for the lines of the batch in flight
-    # refused again, from a retried dead-letter file (or a spool whose one is being retried):
-    # collected beside it, moved over it when the import completes
+    # refused again, from a retried dead-letter file: collected beside it; when the import
+    # completes, the file becomes those lines plus whatever was appended to it meanwhile
+    # (refusals of its spool, a trainer still writing). Interrupted: it stays as it is.
     again = {p: p.with_name(p.name + ".again") for p in retried}
+    before = {p: p.stat().st_size for p in retried}  # the lines being retried
     for tmp in again.values():
         tmp.unlink(missing_ok=True)
 
@@ -141,7 +143,7 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
             by_file[source[id(ln)]].append(ln)
         for i, lines in by_file.items():
             dead = files[i] if i >= len(spools) else dead_letter_path(files[i])
-            append_lines(again.get(dead, dead), lines)
+            append_lines(again[dead] if i >= len(spools) else dead, lines)
             counts["dead_lettered"][str(dead)] += len(lines)
             log.warning("%s: %d reports rejected, appended to %s: %s", files[i], len(lines), dead,
                         out.message[:300])
@@ -178,6 +180,12 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
         if end > written[i]:
             write_offset(files[i], url, end)
     for dead, tmp in again.items():
+        with open(dead, "rb") as f:  # appended during the import: kept after the lines refused again
+            f.seek(before[dead])
+            appended = f.read()
+        if appended:
+            with open(tmp, "ab") as f:
+                f.write(appended)
         if tmp.exists():
             os.replace(tmp, dead)
         else:

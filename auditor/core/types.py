@@ -230,10 +230,11 @@ def compress_ranks(ranks: Iterable[int]) -> str:
 
 
 #: Memo of :func:`compress_ranks_shared`: id → (the rank list, its text); the list is held,
-#: so its id cannot be reused while it is here. Bounded by the ranks it holds.
+#: so its id cannot be reused while it is here. Bounded by the ranks and entries it holds.
 _SHARED: dict[int, tuple[object, str]] = {}
 _SHARED_RANKS = [0]
 _SHARED_MAX_RANKS = 1 << 20
+_SHARED_MAX_ENTRIES = 4096  # lists that are not shared (pydantic decodes one per report) come and go
 
 
 def compress_ranks_shared(ranks: Sequence[int]) -> str:
@@ -245,11 +246,11 @@ def compress_ranks_shared(ranks: Sequence[int]) -> str:
     if hit is not None and hit[0] is ranks:
         return hit[1]
     text = compress_ranks(ranks)
-    if _SHARED_RANKS[0] + len(ranks) > _SHARED_MAX_RANKS:
+    if _SHARED_RANKS[0] + len(ranks) + 1 > _SHARED_MAX_RANKS or len(_SHARED) >= _SHARED_MAX_ENTRIES:
         _SHARED.clear()
         _SHARED_RANKS[0] = 0
     _SHARED[id(ranks)] = (ranks, text)
-    _SHARED_RANKS[0] += len(ranks)
+    _SHARED_RANKS[0] += len(ranks) + 1  # an empty list costs its entry
     return text
 
 

@@ -226,7 +226,10 @@ def deliver(
                 if not held:
                     failures = 0
                     continue
-                chunk, out = held, last  # an outage: keep the rest whole, back off below
+                chunk, out = held, last or out  # an outage (or a stop): keep the rest whole
+                if stopped():
+                    pending.append(chunk)
+                    return False
             if on_retry is not None:
                 on_retry(out, failures)
             if max_attempts is not None and failures >= max_attempts:

@@ -13,12 +13,22 @@ def test_compress_ranks_text_and_inverse():
 def test_shared_memo_is_by_list_identity_and_bounded(monkeypatch):
     monkeypatch.setattr(types, "_SHARED", {})
     monkeypatch.setattr(types, "_SHARED_RANKS", [0])
-    monkeypatch.setattr(types, "_SHARED_MAX_RANKS", 2048)
+    monkeypatch.setattr(types, "_SHARED_MAX_RANKS", 2052)
     group = list(range(1024))
     assert compress_ranks_shared(group) == "0-1023"
     assert compress_ranks_shared(group) == "0-1023" and len(types._SHARED) == 1  # one entry per list object
     other = list(range(0, 2048, 2))  # equal length, another object: its own text
     assert compress_ranks_shared(other) == compress_ranks(other) and len(types._SHARED) == 2
-    # a third list would exceed 2,048 held ranks: the memo starts over instead of growing
+    # a third list would exceed 2,052 (ranks + 1 per entry): the memo starts over instead of growing
     assert compress_ranks_shared(list(range(5))) == "0-4"
-    assert len(types._SHARED) == 1 and types._SHARED_RANKS == [5]
+    assert len(types._SHARED) == 1 and types._SHARED_RANKS == [6]
+
+
+def test_shared_memo_counts_entries_too(monkeypatch):
+    """Lists nobody shares (pydantic decodes one per report), even empty ones, never pile up."""
+    monkeypatch.setattr(types, "_SHARED", {})
+    monkeypatch.setattr(types, "_SHARED_RANKS", [0])
+    monkeypatch.setattr(types, "_SHARED_MAX_ENTRIES", 10)
+    held = [[] for _ in range(25)]
+    assert all(compress_ranks_shared(g) == "" for g in held)
+    assert len(types._SHARED) <= 10

@@ -357,3 +357,27 @@ def test_batches_of_one_report_poison_or_outage(server, spool_dir):
     (dead,) = spool_dir.glob("*.deadletter")
     assert [json.loads(line)["step"] for line in dead.read_bytes().splitlines()] == [2]
     client.close()
+
+
+def test_a_stop_while_a_sick_service_is_being_isolated_ends_delivery_cleanly(server):
+    """deliver() stopped (client.close()) just as a chunk answered 500 POISON_AFTER times
+    goes to isolation: it returns False and keeps the chunk, instead of raising on the
+    isolation's empty outcome (an AttributeError that gave the batch up as an error)."""
+    import httpx
+
+    from auditor.trainer import delivery
+
+    server.sick_until = time.monotonic() + 60
+    checks = []
+
+    def stopped():
+        checks.append(1)
+        return len(checks) > delivery.POISON_AFTER  # true from the isolation's first check on
+
+    finals, retries = [], []
+    lines = [json.dumps(r).encode() for r in _reports(4)]
+    with httpx.Client(timeout=5) as http:
+        done = delivery.deliver(http, server.url, lines, on_final=lambda *a: finals.append(a),
+                                on_retry=lambda out, n: retries.append(n), stopped=stopped, wait=lambda s: None)
+    assert done is False and finals == []
+    assert len(server.requests) == delivery.POISON_AFTER and server.statuses == [500] * delivery.POISON_AFTER
