@@ -270,6 +270,18 @@ def mlflow_batches(reports: list[dict], mlflow_run_id: str, per_report: int = 1,
             for chunk in batches(metrics, size)]
 
 
+def post_retrying_busy(http, path: str, body: bytes):
+    """POST ``body`` until the answer is not a 503 (waiting its ``Retry-After``); return the
+    answer and how many 503s came first."""
+    busy = 0
+    while True:
+        r = http.post(path, content=body)
+        if r.status_code != 503:
+            return r, busy
+        busy += 1
+        time.sleep(float(r.headers.get("retry-after", "1")))
+
+
 def percentile(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     if not xs:

@@ -42,7 +42,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
     auditor_code, auditor_python, auditor_service, batches, cpu_seconds, database, encode_batch, load, machine,
-    mlflow_batches, mlflow_service, report_stream, rss_kib, tree_pids,
+    mlflow_batches, mlflow_service, post_retrying_busy, report_stream, rss_kib, tree_pids,
 )
 
 
@@ -52,12 +52,8 @@ def _client(url: str, path: str, bodies: list[bytes], start, out) -> None:
         t0 = time.perf_counter()
         accepted = audited = busy = 0
         for b in bodies:
-            while True:
-                r = http.post(path, content=b)
-                if r.status_code != 503:
-                    break
-                busy += 1
-                time.sleep(float(r.headers.get("retry-after", "1")))
+            r, waited = post_retrying_busy(http, path, b)
+            busy += waited
             if r.status_code != 200:
                 out.put(("error", f"{r.status_code} {r.text[:300]}"))
                 return

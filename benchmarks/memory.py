@@ -30,8 +30,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (  # noqa: E402
-    auditor_code, auditor_python, auditor_service, database, database_bytes, load, machine, rss_kib, step_reports,
-    tree_pids,
+    auditor_code, auditor_python, auditor_service, database, database_bytes, load, machine, post_retrying_busy, rss_kib,
+    step_reports, tree_pids,
 )
 
 #: Steps of distinct values a client cycles through (consecutive steps differ).
@@ -73,12 +73,8 @@ def _client(url: str, run_id: str, n: int, world: int, batch: int, start, stored
         with httpx.Client(base_url=url, timeout=600, headers={"content-type": "application/json"}) as http:
             start.wait()
             for body, k in _bodies(run_id, n, world, batch):
-                while True:
-                    r = http.post("/v1/reports", content=body)
-                    if r.status_code != 503:
-                        break
-                    busy += 1
-                    time.sleep(float(r.headers.get("retry-after", "1")))
+                r, waited = post_retrying_busy(http, "/v1/reports", body)
+                busy += waited
                 if r.status_code != 200:
                     out.put(("error", f"{r.status_code} {r.text[:300]}"))
                     return
