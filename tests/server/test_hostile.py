@@ -345,12 +345,11 @@ def test_invalid_bodies_are_parsed_off_the_event_loop(server):
     try:
         time.sleep(1.0)
         took = []
-        with httpx.Client(timeout=10) as c:
-            for _ in range(30):
-                t0 = time.perf_counter()
-                assert c.get(f"{server.url}/healthz").status_code == 200
-                took.append(time.perf_counter() - t0)
-                time.sleep(0.05)
+        for _ in range(30):  # a new connection each time, as a load balancer's probe makes
+            t0 = time.perf_counter()
+            assert httpx.get(f"{server.url}/healthz", timeout=10).status_code == 200
+            took.append(time.perf_counter() - t0)
+            time.sleep(0.05)
     finally:
         stop.set()
         for w in workers:
