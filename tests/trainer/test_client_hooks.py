@@ -4,21 +4,21 @@ without changing its code, reports what its all-reduce returned and the group it
 from __future__ import annotations
 
 import json
-import multiprocessing as mp
 import os
 import sys
 from pathlib import Path
 
 import pytest
 
-from auditor.server import free_port
+from auditor.testing.world import spawn_world
 
 pytestmark = pytest.mark.multiprocess
 
 TESTS = str(Path(__file__).parents[1])  # factory.py
+TIMEOUT = 120.0
 
 
-def _worker(rank: int, port: int, spool: str, run_id: str, variant: str) -> None:
+def _worker(rank: int, world: int, port: int, spool: str, run_id: str, variant: str) -> dict:
     sys.path.insert(0, TESTS)
     import torch
     import torch.distributed as dist
@@ -29,7 +29,7 @@ def _worker(rank: int, port: int, spool: str, run_id: str, variant: str) -> None
     from factory import ADVANTAGES, REFERENCE_TOKENS
 
     os.environ["AUDITOR_TOPOLOGY"] = "cp=2"  # no Megatron here: the two ranks are the CP slices of one sequence
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     own = [dist.new_group([0]), dist.new_group([1])][rank]  # slime's bug: a group without the CP peer
     values = torch.tensor([a for a, n in zip(ADVANTAGES, REFERENCE_TOKENS[rank]) for _ in range(n)] + [9.0])
     mask = torch.ones_like(values)
@@ -56,23 +56,12 @@ def _worker(rank: int, port: int, spool: str, run_id: str, variant: str) -> None
         results[step] = torch.equal(out, fn(values, mask, process_group=group))
     client.close()
     dist.destroy_process_group()
-    Path(spool, f"ok{rank}").write_text(json.dumps(results))
+    return results
 
 
 def _run(tmp_path, run_id, variant):
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path), run_id, variant)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    for r in range(2):
-        assert json.loads((tmp_path / f"ok{r}").read_text()) == {"0": True, "1": True}  # output unchanged
+    unchanged = spawn_world(_worker, 2, (str(tmp_path), run_id, variant), TIMEOUT)
+    assert unchanged == [{0: True, 1: True}] * 2  # each rank's output, both steps, bit-identical
     return {(x["step"], x["rank"]): x for f in tmp_path.glob("*.jsonl") for x in map(json.loads, f.read_text().splitlines())}
 
 
@@ -122,7 +111,7 @@ def test_offline_audit_of_wrapped_reports_flags_only_the_buggy_step(tmp_path):
 
 
 # ------------------------------------------------------------------ weighted masks
-def _weighted_worker(rank: int, port: int, url: str, spool: str, run_id: str) -> None:
+def _weighted_worker(rank: int, world: int, port: int, url: str, spool: str, run_id: str) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -130,15 +119,17 @@ def _weighted_worker(rank: int, port: int, url: str, spool: str, run_id: str) ->
     from auditor.trainer.hooks import distributed_masked_whiten
 
     os.environ["AUDITOR_TOPOLOGY"] = "dp=2"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     # rank 0: the wire contract's example (max 3, sum_sq 4.5 < 3²); rank 1: weights summing to 2
     values = [torch.tensor([3.0, 0.0]), torch.tensor([1.0, 2.0, -1.0, 7.0])][rank]
     mask = [torch.tensor([0.5, 0.5]), torch.tensor([0.25, 1.0, 0.75, 0.0])][rank]
     client = AuditorClient(url, rank=rank, spool_dir=spool)
     distributed_masked_whiten(values, mask, client=client, run_id=run_id, step=0)
-    assert client.flush(timeout=60)
+    delivered = client.flush(timeout=60)
+    stats = dict(client.stats)
     client.close()
     dist.destroy_process_group()
+    return {"delivered": delivered, "stats": stats}
 
 
 def test_weighted_mask_reports_from_a_gloo_world_are_accepted_and_consistent(live_server, run_id, tmp_path):
@@ -146,18 +137,8 @@ def test_weighted_mask_reports_from_a_gloo_world_are_accepted_and_consistent(liv
     mark their local blocks ``weighted``, the service accepts both reports although rank 0's
     max² (9) is above its sum_sq (4.5), nothing is dead-lettered, and the step is audited
     consistent with the weighted global count 1 + 2 = 3, mean 1.000000, std 1.802776."""
-    ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_weighted_worker, args=(r, port, live_server.url, str(tmp_path), run_id))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    results = spawn_world(_weighted_worker, 2, (live_server.url, str(tmp_path), run_id), TIMEOUT)
+    assert all(r["delivered"] and r["stats"]["rejected"] == 0 for r in results), results
     assert not list(tmp_path.rglob("*dead*")), list(tmp_path.rglob("*"))
     (stat,) = live_server.get(f"/v1/runs/{run_id}/report").json()["statistics"]
     assert (stat["steps_consistent"], stat["steps_inconsistent"]) == (1, 0), stat
