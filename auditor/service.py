@@ -173,14 +173,23 @@ class IngestOutcome:
     audited: list[tuple[int, int, str]] = field(default_factory=list)  # (series_id, step, verdict)
 
 
+class _StaleCaches(Exception):
+    """A run this process has cached was deleted (and maybe created anew) by another
+    process: :meth:`Service.ingest` drops its caches and tries the batch once more."""
+
+
 class Service:
-    """The flows over one database. Thread-safe; holds no state but immutable caches (a
-    run's topology and a series' kind/spec never change once stored)."""
+    """The flows over one database. Thread-safe; holds no state but caches of what does not
+    change once stored: a run's topology and created_at, a series' id, kind and spec — for
+    as long as the run is not deleted. Another process (replica, worker, ``auditor runs
+    delete``, retention) can delete a run and create it anew, and SQLite then hands the
+    deleted series' ids to new series, so each ingest first checks, in its transaction,
+    that every cached run it relies on is still the one cached (its ``created_at``)."""
 
     def __init__(self, store: Store, *, max_statistics_per_run: int | None = None):
         self.store = store
         self.max_statistics_per_run = max_statistics_per_run
-        self._topology: dict[str, Topology] = {}
+        self._runs: dict[str, tuple[Topology, float]] = {}  # run_id: (topology, created_at)
         self._series: dict[tuple[str, str], SeriesInfo] = {}
 
     @classmethod
@@ -202,12 +211,16 @@ class Service:
                 self._ensure_series(conn, run_id, name, st.kind, st.spec, now, index=None)
         return self.get_run(run_id)
 
-    def _ensure_run(self, conn: sa.Connection, run_id: str, topo: Topology, now: float, index: int | None) -> None:
-        stored = self._topology.get(run_id)
+    def _ensure_run(self, conn: sa.Connection, run_id: str, topo: Topology, now: float, index: int | None,
+                    stored: Topology | None = None) -> float | None:
+        """Create the run with ``topo`` unless it exists; raise :class:`ConflictError` if it
+        is stored (or ``stored``, its topology as this transaction knows it) with another
+        topology. Returns the run's ``created_at`` when it was read from the database."""
+        born = None
         if stored is None:
             row = self.store.ensure_run(conn, run_id, topo.world_size, topo.sizes, now, topo.expert, topo.order,
                                         topo.known)
-            stored = Topology.of_row(row)
+            stored, born = Topology.of_row(row), row.created_at
         if stored != topo:
             field_ = "topology" if stored.known != topo.known else "order" if stored.order != topo.order else "sizes"
             raise ConflictError(
@@ -215,12 +228,17 @@ class Service:
                 f"run {run_id!r} was registered with {stored.describe()}; this report says {topo.describe()}",
                 [{"index": index, "field": field_}] if index is not None else [],
             )
+        return born
 
     def _ensure_series(
         self, conn: sa.Connection, run_id: str, statistic: str, kind: str, spec: StatisticSpec | None,
-        now: float, index: int | None,
+        now: float, index: int | None, use_cache: bool = False,
     ) -> SeriesInfo:
-        info = self._series.get((run_id, statistic))
+        """The series (created unless it exists) of ``(run_id, statistic)``; raises
+        :class:`ConflictError` if it is stored with another kind or spec. ``use_cache``:
+        the process's cached series may answer (only when its run was checked in this
+        transaction, see :class:`Service`)."""
+        info = self._series.get((run_id, statistic)) if use_cache else None
         if info is None:
             want = (spec or DEFAULT_SPECS[kind]).model_dump()
             if self.max_statistics_per_run is not None:
@@ -254,9 +272,9 @@ class Service:
         try:
             return self._ingest(batch, now)
         except Exception as exc:
-            if not _is_integrity_error(exc):
+            if not (isinstance(exc, _StaleCaches) or _is_integrity_error(exc)):
                 raise
-            self._topology.clear()
+            self._runs.clear()
             self._series.clear()
             return self._ingest(batch, now)
 
@@ -273,9 +291,15 @@ class Service:
         now = time.time() if now is None else now
         store = self.store
         out = IngestOutcome()
-        new_topology: dict[str, Topology] = {}
+        new_runs: dict[str, tuple[Topology, float]] = {}
         new_series: dict[tuple[str, str], SeriesInfo] = {}
         with store.write() as conn:
+            cached = {rid: c for rid in {r.run_id for r in batch} if (c := self._runs.get(rid)) is not None}
+            if cached:  # still the runs this process cached? (before anything relies on them)
+                stored_at = store.runs_created_at(conn, cached)
+                if any(stored_at.get(rid) != c[1] for rid, c in cached.items()):
+                    raise _StaleCaches()
+            topo_of = {rid: c[0] for rid, c in cached.items()}
             series_of: dict[tuple[str, str], SeriesInfo] = {}
             last = None
             for i, r in enumerate(batch):
@@ -286,16 +310,17 @@ class Service:
                     continue  # same run, topology and series as the report before: checked
                 last = same
                 topo = Topology.of(r.world_size, sz, r.order, r.topology)
-                if (self._topology.get(r.run_id) or new_topology.get(r.run_id)) != topo:
-                    self._ensure_run(conn, r.run_id, topo, now, i)  # creates it, or raises
-                    new_topology[r.run_id] = topo
+                if topo_of.get(r.run_id) != topo:  # creates it, or raises
+                    born = self._ensure_run(conn, r.run_id, topo, now, i, topo_of.get(r.run_id))
+                    topo_of[r.run_id] = topo
+                    new_runs[r.run_id] = (topo, born)
                 skey = (r.run_id, r.statistic)
                 info = series_of.get(skey)
                 if info is None or info.kind != r.kind or (r.spec is not None and r.spec != info.spec):
-                    info = self._ensure_series(conn, r.run_id, r.statistic, r.kind, r.spec, now, i)
+                    info = self._ensure_series(conn, r.run_id, r.statistic, r.kind, r.spec, now, i,
+                                               use_cache=r.run_id in cached)
                     series_of[skey] = info
-                    if skey not in self._series:
-                        new_series[skey] = info
+                    new_series[skey] = info
 
             rows: dict[tuple, tuple] = {}
             index_of: dict[tuple, int] = {}
@@ -305,7 +330,7 @@ class Service:
                 info = series_of[(r.run_id, r.statistic)]
                 pl = placed_of.get(info.id)
                 if pl is None:
-                    topo = self._topology.get(r.run_id) or new_topology[r.run_id]
+                    topo = topo_of[r.run_id]
                     allowed = topo.placed(info.engine_spec)
                     pl = placed_of[info.id] = (topo.placed_count(info.engine_spec),
                                                {d: set(v) for d, v in allowed.items()} or None)
@@ -375,10 +400,10 @@ class Service:
                     # audit the rows in hand instead of reading them back.
                     mine = (by_step[(p.series_id, p.step)]
                             if all_new and p.received == added[(p.series_id, p.step)] else None)
-                    topo = self._topology.get(info.run_id) or new_topology[info.run_id]
+                    topo = topo_of[info.run_id]
                     todo.append(_Due(info, topo, p, previous, mine))
                 out.audited += self._audit_steps(conn, todo, now)
-        self._topology.update(new_topology)
+        self._runs.update(new_runs)
         self._series.update(new_series)
         return out
 
@@ -605,7 +630,7 @@ class Service:
         return counts
 
     def _forget(self, run_id: str) -> None:
-        self._topology.pop(run_id, None)
+        self._runs.pop(run_id, None)
         for key in [k for k in self._series if k[0] == run_id]:
             self._series.pop(key, None)
 

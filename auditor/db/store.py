@@ -345,6 +345,11 @@ class Store:
         )
         return _run_row(conn.execute(sa.select(runs).where(runs.c.run_id == run_id)).one())
 
+    def runs_created_at(self, conn: sa.Connection, run_ids: Iterable[str]) -> dict[str, float]:
+        """``{run_id: created_at}`` of those of ``run_ids`` that exist (one indexed read)."""
+        return dict(conn.execute(sa.select(runs.c.run_id, runs.c.created_at)
+                                 .where(runs.c.run_id.in_(sorted(run_ids)))).all())
+
     def ensure_series(self, conn: sa.Connection, run_id: str, statistic: str, kind: str, spec: dict,
                       now: float) -> SeriesRow:
         """Create the (run, statistic) with this kind and spec unless it exists; return the stored one."""

@@ -101,3 +101,32 @@ def test_ingest_takes_a_bounded_number_of_statements_per_batch(service, run_id):
         assert sum(v == "inconsistent" for _, _, v in out.audited) == sum(s % 7 == 3 for s in range(first, first + steps))
         counts.append(len(statements))
     assert counts[0] == counts[1], counts
+
+
+def test_a_run_deleted_by_another_process_never_receives_reports_under_a_reused_id(fresh_database_url):
+    """Two services on one database (replicas, ``--workers``): one caches run A's series,
+    the other deletes run A and creates run B, whose series may get A's old id (SQLite
+    reuses the largest deleted rowid). Reports of A sent to the first service then create
+    run A anew; none of them lands in B's series, and B's verdict stays its own."""
+    from auditor.db.engine import ensure_schema, make_engine
+    from auditor.service import Service
+
+    engine = make_engine(fresh_database_url)
+    ensure_schema(engine, fresh_database_url)
+    first, second = Service.from_engine(engine), Service.from_engine(engine)
+    try:
+        assert first.ingest(batch("run-a", buggy=False, step=0)).accepted == 2
+        second.delete_run("run-a")
+        assert second.ingest(batch("run-b", buggy=True, step=0)).accepted == 2
+        out = first.ingest(batch("run-a", buggy=False, step=1))
+        assert (out.accepted, [v for _, _, v in out.audited]) == (2, ["consistent"])
+        b = second.report("run-b")
+        (sb,) = b["statistics"]
+        assert (sb["steps_audited"], sb["cp_disagreement_sigma"]) == (1, pytest.approx(0.433154, abs=1e-6))
+        assert [r["step"] for r in second.steps("run-b", "advantages")["steps"]] == [0]
+        a = second.report("run-a")
+        (sa_,) = a["statistics"]
+        assert (a["consistent"], sa_["steps_audited"]) == (True, 1)
+    finally:
+        first.close()
+        second.close()
