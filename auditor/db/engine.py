@@ -55,7 +55,26 @@ def make_engine(url: str, *, lock_timeout: float | None = None, **kwargs) -> sa.
     return sa.create_engine(u, isolation_level="READ COMMITTED", **kwargs)
 
 
+def _fast_sqlite_binds() -> None:
+    """Register identity adapters for ``None`` and ``bool`` with the ``sqlite3`` module
+    (process-wide; idempotent). They change no value: ``None`` is still bound as NULL and
+    ``True``/``False`` as the integers 1/0, exactly as without them.
+
+    Why: CPython's ``sqlite3`` binds ``int``, ``float``, ``str`` and ``bytearray`` directly,
+    but for any other type (``None`` and ``bool`` included) it first tries the adaptation
+    protocol, whose failed ``__adapt__`` lookup raises and clears an AttributeError: ~400 ns
+    per such parameter (CPython 3.11, ``Modules/_sqlite/cursor.c``). A registered adapter
+    is found by one dict lookup instead (~90 ns). A ``reports`` row binds three NULLs and a
+    bool on average (``local_replicated_sum_sq``, ``non_finite``, ``group_ranks``,
+    ``applied``): the bulk insert went from 1.94 to 1.40 µs per row (docs/performance.md).
+    ``{}.get`` is a C callable returning None for any key."""
+    sqlite3.register_adapter(type(None), {}.get)
+    sqlite3.register_adapter(bool, int)
+
+
 def _configure_sqlite(engine: sa.Engine, busy_ms: int = SQLITE_BUSY_TIMEOUT_MS) -> None:
+    _fast_sqlite_binds()
+
     @sa.event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: sqlite3.Connection, _record) -> None:
         dbapi_conn.isolation_level = None  # let SQLAlchemy's begin event emit BEGIN
