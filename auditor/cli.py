@@ -79,13 +79,14 @@ def _errors_as_exit_2(fn):
     import sqlalchemy as sa
     from alembic.util.exc import CommandError
 
+    from auditor.offline_reader import SpoolReaderError
     from auditor.reader import ReaderError
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except UsageError as e:
+        except (UsageError, SpoolReaderError) as e:
             msg = str(e)
         except (ReaderError, httpx.HTTPError, httpx.InvalidURL) as e:
             msg = http_error_message(e)

@@ -17,17 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import logging
 import operator
 import os
 import queue
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-from array import array
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -38,10 +34,8 @@ from auditor.db.engine import ensure_schema, make_engine
 from auditor.schemas import parse_report_batch
 from auditor.service import ConflictError, LimitError, NotFound, Service
 from auditor.trainer.delivery import CONFIGURATION_ERRORS, DeliveryError, Outcome, deliver
-from auditor.trainer.spool import (
-    BODY_HEAD, BODY_TAIL, PipedBatch, SpoolReader, append_lines, dead_letter_path, read_batches, read_offset,
-    spool_files, write_offset,
-)
+from auditor.offline_reader import BODY_HEAD, BODY_TAIL, Batch, local_batches, piped_batches
+from auditor.trainer.spool import SpoolReader, append_lines, dead_letter_path, read_offset, spool_files, write_offset
 
 log = logging.getLogger("auditor.spool")
 _run_id = operator.attrgetter("run_id")
@@ -257,8 +251,8 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
     end are audited by :meth:`Service.sweep` with a grace period of 0 (``missing_report``),
     as the service would after its grace period.
 
-    The files are read and merged by a second process (:func:`_piped_batches`) when
-    ``reader_process`` is true — by default on a machine with more than one CPU when the
+    The files are read and merged by a second process
+    (:func:`auditor.offline_reader.piped_batches`) when ``reader_process`` is true — by default on a machine with more than one CPU when the
     spools hold at least :data:`READER_PROCESS_BYTES` — so that reading overlaps decoding,
     storing and auditing; memory is then two batches (the one being read, the one being
     stored). ``on_progress(done_bytes, total_bytes, reports_read)`` is called after every batch.
@@ -301,7 +295,7 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
             on_progress(0, total, 0)
         if reader_process is None:
             reader_process = (os.cpu_count() or 1) > 1 and total >= READER_PROCESS_BYTES
-        with (_piped_batches(files, batch_size) if reader_process else _local_batches(files, batch_size)) as batches:
+        with (piped_batches(files, batch_size) if reader_process else local_batches(files, batch_size)) as batches:
             for batch in batches:
                 counts["reports"] += len(batch)
                 reports = _decode(batch, invalid)
@@ -352,53 +346,7 @@ def _few_collections() -> Iterator[None]:
         gc.unfreeze()
 
 
-@contextlib.contextmanager
-def _local_batches(files: list[Path], size: int) -> Iterator[Iterator[PipedBatch]]:
-    """:meth:`SpoolReader.batches` read in this process, in the shape :func:`_piped_batches` yields."""
-    reader = SpoolReader(files)
-
-    def batches() -> Iterator[PipedBatch]:
-        for batch in reader.batches(size):
-            lines = [item[3] for item in batch]
-            where = array("q", [v for item in batch for v in (item[1], item[2])])
-            yield PipedBatch(BODY_HEAD + b",".join(lines) + BODY_TAIL, where, array("q", map(len, lines)),
-                             reader.done_bytes())
-
-    yield batches()
-
-
-@contextlib.contextmanager
-def _piped_batches(files: list[Path], size: int) -> Iterator[Iterator[PipedBatch]]:
-    """The batches of a :class:`SpoolReader` over ``files`` read and merged by a child
-    process (:func:`auditor.trainer.spool.reader_main`, the same code), sent through a pipe
-    (:func:`~auditor.trainer.spool.read_batches`): the reading runs on another core
-    meanwhile. The child is this interpreter importing this checkout of ``auditor``; it is
-    killed if the consumer stops early. Raises OSError if it dies mid-stream."""
-    import auditor
-
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(Path(auditor.__file__).resolve().parents[1]), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.Popen([sys.executable, "-P", "-c", "from auditor.trainer.spool import reader_main; reader_main()"],
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, bufsize=0)
-    try:
-        proc.stdin.write(json.dumps({"paths": [str(p) for p in files], "size": size}).encode())
-        proc.stdin.close()
-
-        def batches() -> Iterator[PipedBatch]:
-            try:
-                yield from read_batches(proc.stdout)
-            except EOFError as e:
-                raise OSError(f"the spool reader process (exit code {proc.poll()}): {e}") from None
-
-        yield batches()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        proc.stdout.close()
-
-
-def _decode(batch: PipedBatch, invalid: "_InvalidLines") -> list:
+def _decode(batch: Batch, invalid: "_InvalidLines") -> list:
     """The valid reports of a batch of spool lines, decoded as the body of one
     ``POST /v1/reports`` would be; if that fails (some line is invalid), line by line, and
     the invalid lines (file index and end offset in ``batch.where``) are handed to ``invalid``."""

@@ -19,25 +19,19 @@ partial last line; readers stop at the last newline, and a torn line is skipped.
 
 from __future__ import annotations
 
-import gc
 import heapq
 import json
 import logging
 import os
 import re
 import resource
-import select
 import socket
-import struct
 import sys
 import threading
 import time
 import urllib.parse
-import zlib
-from array import array
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import BinaryIO
 
 from auditor.trainer.settings import read_settings
 
@@ -442,113 +436,3 @@ def _open_files_allowed() -> int:
         except (ValueError, OSError):
             pass
     return max(1, (want if soft == resource.RLIM_INFINITY else soft) - 128)
-
-
-# ------------------------------------------------------------- batches through a pipe
-#: Frame header of :func:`write_batches`: lines in the batch (-1: end of stream), bytes of
-#: the body, bytes of the spools read so far, CRC-32 of the frame's data.
-_FRAME = struct.Struct("<qqqQ")
-
-#: What a batch of lines becomes as the body of ``POST /v1/reports``: ``{"reports":[`` +
-#: the lines joined by commas + ``]}`` (the bytes :func:`auditor.trainer.delivery.post_lines` sends).
-BODY_HEAD, BODY_TAIL = b'{"reports":[', b"]}"
-
-
-class PipedBatch:
-    """One batch from :func:`read_batches`: ``body`` (the request body of its lines),
-    ``where`` (``where[2k]``, ``where[2k + 1]``: file index and end offset of line ``k``),
-    ``done`` (bytes of the spools read so far), and :meth:`lines` (cut from the body on demand)."""
-
-    __slots__ = ("body", "where", "lengths", "done")
-
-    def __init__(self, body: bytes, where: array, lengths: array, done: int):
-        self.body, self.where, self.lengths, self.done = body, where, lengths, done
-
-    def __len__(self) -> int:
-        return len(self.lengths)
-
-    def lines(self) -> list[bytes]:
-        out, pos = [], len(BODY_HEAD)
-        for n in self.lengths:
-            out.append(self.body[pos:pos + n])
-            pos += n + 1
-        return out
-
-
-def write_batches(reader: SpoolReader, size: int, out: BinaryIO) -> None:
-    """Write ``reader.batches(size)`` to ``out`` (a pipe to another process, which reads
-    them with :func:`read_batches`), one frame per batch: a header (:data:`_FRAME`, with a
-    CRC-32 that :func:`read_batches` checks), the file index and end offset of every line
-    (int64 pairs), the length of every line (int64), and the batch's request body (the
-    reader process also does the joining); then an end frame. The writer blocks while the
-    pipe is full: it reads at most one batch ahead of its consumer."""
-    for batch in reader.batches(size):
-        lines = [item[3] for item in batch]
-        meta = (array("q", [v for item in batch for v in (item[1], item[2])]).tobytes()
-                + array("q", map(len, lines)).tobytes())
-        body = BODY_HEAD + b",".join(lines) + BODY_TAIL
-        _write_all(out, _FRAME.pack(len(batch), len(body), reader.done_bytes(), zlib.crc32(body, zlib.crc32(meta))))
-        _write_all(out, meta)
-        _write_all(out, body)
-    _write_all(out, _FRAME.pack(-1, 0, reader.done_bytes(), 0))
-
-
-def _write_all(out: BinaryIO, data: bytes) -> None:
-    """``os.write`` until all of ``data`` is written: partial writes, and an EAGAIN that a
-    process tracer (py-spy) can make a blocking pipe answer, are waited out, not dropped."""
-    view = memoryview(data)
-    fd = out.fileno()
-    while view:
-        try:
-            view = view[os.write(fd, view):]
-        except BlockingIOError:
-            select.select([], [fd], [])
-
-
-def read_batches(inp: BinaryIO) -> Iterator[PipedBatch]:
-    """The batches :func:`write_batches` wrote to the pipe ``inp``. Raises EOFError if the
-    stream stops before its end frame (the writer died) or a frame does not match its CRC."""
-    while True:
-        n, length, done, crc = _FRAME.unpack(_read_exactly(inp, _FRAME.size))
-        if n < 0:
-            return
-        meta = _read_exactly(inp, 24 * n)
-        body = _read_exactly(inp, length)
-        if zlib.crc32(body, zlib.crc32(meta)) != crc:
-            raise EOFError(f"a batch of {n} lines from the spool reader arrived damaged")
-        where, lengths = array("q"), array("q")
-        where.frombytes(meta[:16 * n])
-        lengths.frombytes(meta[16 * n:])
-        yield PipedBatch(body, where, lengths, done)
-
-
-def _read_exactly(inp: BinaryIO, n: int) -> bytes:
-    """``n`` bytes from the unbuffered pipe ``inp`` (``os.readv`` until done; EAGAIN waited
-    out as in :func:`_write_all`). Raises EOFError at end of stream."""
-    data = bytearray(n)
-    view = memoryview(data)
-    fd = inp.fileno()
-    got = 0
-    while got < n:
-        try:
-            k = os.readv(fd, [view[got:]])
-        except BlockingIOError:
-            select.select([fd], [], [])
-            continue
-        if k == 0:
-            raise EOFError(f"the spool reader stopped mid-stream ({got} of {n} bytes)")
-        got += k
-    return bytes(data)
-
-
-def reader_main() -> None:
-    """Entry point of a reader process (``python -c "from auditor.trainer.spool import
-    reader_main; reader_main()"``): reads ``{"paths": [...], "starts": [...], "size": N}``
-    (JSON) from stdin and writes the batches of a :class:`SpoolReader` over those files to
-    stdout (:func:`write_batches`)."""
-    gc.freeze()
-    gc.set_threshold(50_000, 20, 100)  # a batch's tuples live until it is sent: few collections
-    args = json.loads(sys.stdin.buffer.read())
-    reader = SpoolReader([Path(p) for p in args["paths"]], args.get("starts"))
-    sys.stdout.flush()
-    write_batches(reader, int(args["size"]), sys.stdout.buffer)

@@ -4,13 +4,16 @@ only on a terminal."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pty
+import signal
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from factory import applied, local_moments, reference_reports, total
@@ -220,6 +223,88 @@ def test_a_reader_process_gives_the_same_audit(tmp_path, caplog):
     assert results[1] == ({"files": 2, "reports": 9, "stored": 8, "duplicates": 0, "invalid": 1, "conflicting": 0},
                           3, {"cp_disagreement": 1, "group_mismatch": 1, "wrong_group": 1}, 2, 0.433155,
                           [-0.076923, 0.235294])
+
+
+
+def _write_steps(directory, run_id: str, steps: int) -> list:
+    """Per-rank spool files of ``steps`` correct reference steps (2 ranks, ~350 bytes a line)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for rep in reference_reports(run_id, buggy=False, step=0):
+        head, tail = json.dumps(rep, separators=(",", ":")).split('"step":0,')
+        p = directory / f"rank{rep['rank']}.jsonl"
+        p.write_text("".join(f'{head}"step":{s},{tail}\n' for s in range(steps)))
+        paths.append(p)
+    return paths
+
+
+def _reader_children(pid: int) -> list[int]:
+    """Live children of ``pid`` that are spool reader processes (auditor.offline_reader)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            with contextlib.suppress(OSError):
+                if b"reader_main" in Path(f"/proc/{child}/cmdline").read_bytes():
+                    found.append(int(child))
+    return found
+
+
+def test_a_reader_process_killed_mid_spool_is_an_error(tmp_path):
+    """The reader process killed after the first batch (each batch ~350 KB: more than the
+    connection holds, so it is blocked mid-spool, far from the end): the audit raises
+    SpoolReaderError naming the signal after having handed over the batches before it,
+    and the process is reaped. A reader that fails (a spool gone) says why."""
+    from auditor.offline_reader import SpoolReaderError, piped_batches
+
+    _write_steps(tmp_path / "spool", "killed", 4_000)  # 8,000 reports, 8 batches of 1,000
+    seen, killed = [], []
+
+    def on_progress(done: int, total: int, reports: int) -> None:
+        seen.append(reports)
+        if reports == 1_000:
+            (reader,) = _reader_children(os.getpid())
+            os.kill(reader, signal.SIGKILL)
+            killed.append(reader)
+
+    with pytest.raises(SpoolReaderError, match="was killed by SIGKILL before the end of the spools"):
+        audit_offline([tmp_path / "spool"], batch_size=1_000, reader_process=True, on_progress=on_progress)
+    assert seen[:2] == [0, 1_000] and max(seen) < 8_000
+    assert not Path(f"/proc/{killed[0]}").exists()  # reaped, not a zombie
+    with pytest.raises(SpoolReaderError, match=r"failed: FileNotFoundError: .*No such file or directory: .*gone"):
+        with piped_batches([tmp_path / "gone.jsonl"], 10) as batches:
+            next(batches)
+    assert _reader_children(os.getpid()) == []
+
+
+def test_audit_command_exits_2_when_its_reader_process_dies(tmp_path):
+    """``auditor audit`` of a spool large enough for a reader process (>= 32 MiB), whose
+    reader is killed while the audit runs: the command exits 2 with one line saying the
+    reader was killed — no traceback, no hang (bounded by the subprocess timeout), no report."""
+    from auditor.offline import READER_PROCESS_BYTES
+
+    paths = _write_steps(tmp_path / "spool", "big", 50_000)
+    assert sum(p.stat().st_size for p in paths) >= READER_PROCESS_BYTES
+    proc = subprocess.Popen([sys.executable, "-m", "auditor", "audit", str(tmp_path / "spool"), "--format", "json",
+                             "--batch-size", "1000"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        killed = []
+        while not killed and proc.poll() is None:
+            for child in _reader_children(proc.pid):
+                os.kill(child, signal.SIGKILL)
+                killed.append(child)
+            time.sleep(0.01)
+        out, err = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert killed, err
+    assert proc.returncode == 2, err
+    assert out == ""
+    assert err.strip().splitlines()[-1] == (
+        "error: the spool reader process was killed by SIGKILL before the end of the spools; "
+        "the reports after the last batch were not read")
+    assert "Traceback" not in err
 
 
 def test_read_ahead_hands_over_errors_and_stops_with_its_consumer():
