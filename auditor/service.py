@@ -164,6 +164,14 @@ class _Due:
     arrival: Arrival
     previous: str | None
     rows: list[tuple] | None
+    #: no step row yet (every report of the step is in ``rows``): insert it with the verdict
+    fresh: bool = False
+
+
+class _StepRowExists(Exception):
+    """A step this ingest completed in hand had a step row after all (reports deleted
+    under a kept step row, or a concurrent report outside the step's expected key space):
+    the transaction is rolled back and the batch ingested again the general way."""
 
 
 @dataclass
@@ -268,17 +276,25 @@ class Service:
         """Store a validated batch in one transaction and audit the steps it completes
         (:meth:`_ingest`). A foreign-key violation means a cached run or series was deleted
         meanwhile (``DELETE /v1/runs``, retention, maybe on another replica): the caches are
-        dropped and the batch is tried once more."""
+        dropped and the batch is tried once more. A step completed in hand whose step row
+        existed after all (:meth:`_fresh_steps`) rolls the batch back; it is ingested again
+        without completing steps in hand."""
         try:
-            return self._ingest(batch, now)
+            return self._ingest_retrying(batch, now, in_hand=True)
+        except _StepRowExists:
+            return self._ingest_retrying(batch, now, in_hand=False)
+
+    def _ingest_retrying(self, batch: Sequence[Report], now: float | None, in_hand: bool) -> IngestOutcome:
+        try:
+            return self._ingest(batch, now, in_hand)
         except Exception as exc:
             if not (isinstance(exc, _StaleCaches) or _is_integrity_error(exc)):
                 raise
             self._runs.clear()
             self._series.clear()
-            return self._ingest(batch, now)
+            return self._ingest(batch, now, in_hand)
 
-    def _ingest(self, batch: Sequence[Report], now: float | None = None) -> IngestOutcome:
+    def _ingest(self, batch: Sequence[Report], now: float | None = None, in_hand: bool = True) -> IngestOutcome:
         """Store a validated batch in one transaction and audit the steps it completes.
 
         Re-sent identical reports are counted as duplicates and change nothing. Raises
@@ -375,18 +391,28 @@ class Service:
 
             added = Counter(k[:2] for k in inserted_keys)
             if added:
-                progress = store.count_arrivals(conn, added, expected, now)
+                # Steps complete in hand: this transaction inserted as many reports of the
+                # step as it expects (placed ranks × num_microbatches), so they are all of its
+                # reports and its step row cannot exist yet (Service._fresh_steps): audit them
+                # with the rows in hand and insert their step rows with the verdict.
+                fresh = self._fresh_steps(added, expected) if in_hand else set()
+                progress = store.count_arrivals(conn, {k: n for k, n in added.items() if k not in fresh},
+                                                expected, now)
                 for p in progress:
                     if p.expected != expected[(p.series_id, p.step)]:
                         i = next(index_of[k] for k in sorted(rows) if k[:2] == (p.series_id, p.step))
                         raise _microbatch_conflict(i, batch[i], p.expected // placed_of[p.series_id][0])
                 by_id = {info.id: info for info in series_of.values()}
                 by_step: dict[tuple[int, int], list[tuple]] = defaultdict(list)
-                if all_new:
-                    for row in ordered:
-                        by_step[row[:2]].append(row)
+                for row in (ordered if all_new else (rows[k] for k in sorted(inserted_keys))):
+                    by_step[row[:2]].append(row)
                 todo: list[_Due] = []
-                for p in sorted(progress, key=lambda p: (p.series_id, p.step)):
+                for sk in fresh:
+                    info = by_id[sk[0]]
+                    n = added[sk]
+                    todo.append(_Due(info, topo_of[info.run_id],
+                                     Arrival(sk[0], sk[1], n, n, None), None, by_step[sk], fresh=True))
+                for p in progress:
                     if p.received < p.expected:
                         continue
                     # first audit, or a late report completed a step audited while incomplete
@@ -398,14 +424,39 @@ class Service:
                     info = by_id[p.series_id]
                     # Every stored report of the step is one this transaction just wrote:
                     # audit the rows in hand instead of reading them back.
-                    mine = (by_step[(p.series_id, p.step)]
-                            if all_new and p.received == added[(p.series_id, p.step)] else None)
-                    topo = topo_of[info.run_id]
-                    todo.append(_Due(info, topo, p, previous, mine))
+                    mine = by_step[(p.series_id, p.step)] if p.received == added[(p.series_id, p.step)] else None
+                    todo.append(_Due(info, topo_of[info.run_id], p, previous, mine))
+                todo.sort(key=lambda d: (d.arrival.series_id, d.arrival.step))
                 out.audited += self._audit_steps(conn, todo, now)
         self._runs.update(new_runs)
         self._series.update(new_series)
         return out
+
+    @staticmethod
+    def _fresh_steps(added: Counter, expected: dict[tuple[int, int], int]) -> set[tuple[int, int]]:
+        """The steps (series_id, step) of which this transaction inserted ``expected``
+        reports: all of the step's reports, so no other transaction can have made its step
+        row, which :meth:`_ingest` then inserts with the verdict.
+
+        Why no step row can exist. A step row is made only by :meth:`Store.count_arrivals`
+        in a transaction that inserted at least one of the step's reports (``added``
+        counts inserted keys only). Every report of a step lies in a key space of
+        ``expected`` = placed ranks × ``num_microbatches`` places: the schema validates
+        ``microbatch < num_microbatches``, ``rank < world_size`` and each coordinate below
+        its size; ``_check_placed`` keeps the placed dims within the placement; every
+        report of the step in this batch gave one ``num_microbatches`` (else 409); and
+        ``uq_reports_coords`` (series, step, microbatch, dense coords) admits one report
+        per place (unknown topology: the coords are the rank, < world_size). Having
+        inserted ``expected`` of them, this transaction holds every place: another
+        transaction's report of the step waits on these keys and then conflicts (a
+        duplicate, or a 409), so it inserts none and makes no step row, before or after.
+        Not covered by that argument, and caught by the INSERT's ``ON CONFLICT DO
+        NOTHING`` (:class:`_StepRowExists`: the batch is ingested again the general way):
+        a step row left by the deletion of its reports (``delete_rank_range``), a
+        concurrent report saying another ``num_microbatches`` (today a 409 at its step
+        row), and an expert placement without an ``order``, where the dense-coordinate
+        index bounds a step by the world rather than the placed ranks."""
+        return {k for k, n in added.items() if n == expected[k]}
 
     def _judge(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, step: int, expected: int,
                rank_reports: list[RankReport], history) -> core.StepVerdict:
@@ -452,10 +503,19 @@ class Service:
         pending: list[VerdictItem] = []
         recorded: list[tuple[int, int, str]] = []
 
+        # steps whose rows are inserted with their verdicts: not stored yet, they still
+        # count as steps of their series for hang localisation (as count_arrivals' rows did)
+        unstored: dict[int, set[int]] = defaultdict(set)
+        for d in due:
+            if d.fresh:
+                unstored[d.arrival.series_id].add(d.arrival.step)
+
         def flush() -> None:
             for it, ok in zip(pending, store.record_verdicts(conn, pending, now)):
                 if ok:
                     recorded.append((it.series_id, it.step, it.verdict.verdict))
+                elif it.fresh:
+                    raise _StepRowExists(it.series_id, it.step)
             pending.clear()
 
         for d in due:
@@ -477,8 +537,9 @@ class Service:
                 v = self._judge(conn, info, d.topo, p.step, p.expected, rank_reports, history)
             progress = None
             if any(f.kind == core.FaultKind.MISSING_REPORT for f in v.faults):
-                progress = self._progress(conn, info, d.topo)
-            pending.append(VerdictItem(p.series_id, p.step, v, n >= p.expected, d.previous, progress))
+                progress = self._progress(conn, info, d.topo, unstored.get(info.id, ()))
+            pending.append(VerdictItem(p.series_id, p.step, v, n >= p.expected, d.previous, progress, d.fresh,
+                                       p.expected, p.received))
         flush()
         return recorded
 
@@ -515,14 +576,14 @@ class Service:
         done = self._audit_steps(conn, [_Due(info, topo, p, previous, None)], now)
         return done[0][2] if done else None
 
-    def _progress(self, conn: sa.Connection, info: SeriesInfo, topo: Topology) -> dict:
+    def _progress(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, unstored=()) -> dict:
         """Hang localisation: which ranks reached which step, from the newest
         :data:`PROGRESS_WINDOW` steps of the series. The ranks expected are the placed ranks
         (the world; by rank number when the placement and order allow), plus any that
         reported. ``{"newest_step", "ranks_behind", "at": [{"step", "ranks"}], "summary"}``,
         e.g. summary "ranks 0,2-3 stopped at step 39; rank 1 at 41"; a rank that sent nothing
         in the window sent nothing "since before" its first step."""
-        lo, last = self.store.rank_progress(conn, info.id, PROGRESS_WINDOW)
+        lo, last = self.store.rank_progress(conn, info.id, PROGRESS_WINDOW, unstored)
         expected: set[int] = set(last)
         placed = topo.placed(info.engine_spec)
         if placed and topo.order:

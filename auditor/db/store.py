@@ -19,12 +19,14 @@ verdict. On SQLite, write transactions are ``BEGIN IMMEDIATE`` and simply queue.
 
 from __future__ import annotations
 
+import json
 import math
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+import msgspec
 import numpy as np
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -57,6 +59,7 @@ _VALUE_COLUMNS = operator.itemgetter(*(COLUMNS.index(c) for c in batch.VALUE_FIE
 _DTYPE, _NON_FINITE, _GROUP_RANKS_COLUMN = (COLUMNS.index(c) for c in ("dtype", "non_finite", "group_ranks"))
 #: Below this many rows a PostgreSQL batch is inserted with one ``INSERT ... RETURNING``.
 _PG_COPY_MIN_ROWS = 32
+_json_encode = msgspec.json.Encoder().encode
 _PG_COPY_TYPES = {"BIGINT": "int8", "INTEGER": "int4", "FLOAT": "float8", "BOOLEAN": "bool", "TEXT": "text"}
 
 
@@ -113,6 +116,12 @@ class VerdictItem:
     previous: str | None = None
     #: hang localisation of a step audited with missing reports (``Service._progress``)
     progress: dict | None = None
+    #: the step has no row yet: INSERT it with the verdict, ``expected`` and ``received``
+    #: (``first_seen`` = ``audited_at``), instead of UPDATEing the row
+    #: :meth:`Store.count_arrivals` made. Lost (False) if the row exists after all.
+    fresh: bool = False
+    expected: int = 0
+    received: int = 0
 
 
 def _bind(name: str, type_: Any) -> Any:
@@ -120,22 +129,66 @@ def _bind(name: str, type_: Any) -> Any:
     return sa.cast(sa.bindparam(name, type_=type_), type_)
 
 
-def _verdict_statements() -> tuple[Any, Any]:
-    """The step row UPDATEs of :meth:`Store.record_verdicts`: first audit (``verdict IS
-    NULL``) and re-audit (the ``previous`` verdict, recorded while incomplete)."""
-    a = step_audits.c
-    b = {k: sa.bindparam(k, type_=t) for k, t in (
-        ("sid", sa.BigInteger), ("st", sa.BigInteger), ("v_verdict", sa.String), ("now", sa.Float),
-        ("complete", sa.Boolean), ("cp", sa.Float), ("ae", sa.Float), ("tol", sa.Float), ("kinds", sa.String),
-        ("v_groups", sa.JSON), ("prev", sa.String))}
-    values = {"verdict": b["v_verdict"], "audited_at": b["now"], "complete_at_audit": b["complete"],
-              "cp_disagreement_sigma": b["cp"], "applied_error_sigma": b["ae"], "tolerance_sigma": b["tol"],
-              "fault_kinds": b["kinds"], "groups": b["v_groups"]}
-    key = (a.series_id == b["sid"], a.step == b["st"])
-    first = step_audits.update().where(*key, a.verdict.is_(None)).values(**values)
-    again = (step_audits.update().where(*key, a.verdict == b["prev"], a.complete_at_audit.is_(False))
-             .values(**values, previous_verdict=b["prev"], verdict_changed_at=b["now"]))
-    return first, again
+#: The columns of a step row's verdict, in the order of :meth:`Store._verdict_values`.
+_VERDICT_COLUMNS = ("verdict", "complete_at_audit", "cp_disagreement_sigma", "applied_error_sigma", "tolerance_sigma",
+                    "fault_kinds", "groups")
+_ADD_RECEIVED = ("ON CONFLICT (series_id, step) DO UPDATE SET received = step_audits.received + excluded.received "
+                 "RETURNING series_id, step, received, expected, verdict, complete_at_audit")
+_SET_VERDICT = ", ".join(f"{c} = ?" for c in _VERDICT_COLUMNS) + ", audited_at = ?"
+
+
+def _verdict_sql(dialect: str) -> dict[str, str]:
+    """The step row statements of :meth:`Store.record_verdicts` and
+    :meth:`Store.count_arrivals`, as driver SQL (positional parameters).
+
+    SQLite (``executemany`` of one row each; no round trips to save): ``insert`` a fresh step
+    row with its verdict (``ON CONFLICT DO NOTHING``), ``first`` audit (``verdict IS NULL``),
+    ``again`` (re-audit of the ``previous`` verdict, recorded while incomplete), and
+    ``arrivals`` (the upsert, one multi-row ``VALUES`` per chunk, ``RETURNING``).
+
+    PostgreSQL: one statement per kind for all steps, over ``unnest`` of one array per
+    column, so the backend executes it once (psycopg's ``executemany`` executes it once per
+    parameter set, ~30 µs of backend time each): ``insert`` and ``arrivals`` in array
+    (= key) order (``WITH ORDINALITY ... ORDER BY``, so their locks are taken in key order),
+    ``update`` (first audits and re-audits together, ``RETURNING`` the keys it won).
+    """
+    cols = ", ".join(_VERDICT_COLUMNS)
+    if dialect != "postgresql":
+        key = "series_id = ? AND step = ?"
+        return {
+            "insert": f"INSERT INTO step_audits (series_id, step, expected, received, first_seen, {cols}, audited_at) "
+                      f"VALUES ({', '.join('?' * (len(_VERDICT_COLUMNS) + 6))}) ON CONFLICT DO NOTHING",
+            "first": f"UPDATE step_audits SET {_SET_VERDICT} WHERE {key} AND verdict IS NULL",
+            "again": f"UPDATE step_audits SET {_SET_VERDICT}, previous_verdict = ?, verdict_changed_at = ? "
+                     f"WHERE {key} AND verdict = ? AND complete_at_audit IS 0",
+            "faults": "INSERT INTO faults (series_id, step, kind, ranks, message, evidence) VALUES (?, ?, ?, ?, ?, ?)",
+            "arrivals": "INSERT INTO step_audits (series_id, step, received, expected, first_seen) VALUES {values} "
+                        f"{_ADD_RECEIVED}",
+        }
+    v = ("v.verdict, v.complete, v.cp, v.ae, v.tol, v.kinds, v.groups::json")
+    arrays = ("%s::bigint[], %s::bigint[], %s::text[], %s::bool[], %s::float8[], %s::float8[], %s::float8[], "
+              "%s::text[], %s::text[]")
+    names = "sid, st, verdict, complete, cp, ae, tol, kinds, groups"
+    return {
+        "insert": f"INSERT INTO step_audits (series_id, step, expected, received, first_seen, {cols}, audited_at) "
+                  f"SELECT v.sid, v.st, v.exp, v.rec, %s, {v}, %s "
+                  f"FROM unnest({arrays}, %s::int[], %s::int[]) WITH ORDINALITY AS v({names}, exp, rec, ord) "
+                  "ORDER BY v.ord ON CONFLICT DO NOTHING RETURNING series_id, step",
+        "update": f"UPDATE step_audits AS a SET ({cols}, audited_at, previous_verdict, verdict_changed_at) = "
+                  f"({v}, %s, CASE WHEN v.prev IS NULL THEN a.previous_verdict ELSE v.prev END, "
+                  "CASE WHEN v.prev IS NULL THEN a.verdict_changed_at ELSE %s END) "
+                  f"FROM unnest({arrays}, %s::text[]) AS v({names}, prev) "
+                  "WHERE a.series_id = v.sid AND a.step = v.st AND CASE WHEN v.prev IS NULL THEN a.verdict IS NULL "
+                  "ELSE a.verdict = v.prev AND a.complete_at_audit IS FALSE END "
+                  "RETURNING a.series_id, a.step",
+        "faults": "INSERT INTO faults (series_id, step, kind, ranks, message, evidence) "
+                  "SELECT v.sid, v.st, v.kind, v.ranks, v.message, v.evidence::json "
+                  "FROM unnest(%s::bigint[], %s::bigint[], %s::text[], %s::text[], %s::text[], %s::text[]) "
+                  "WITH ORDINALITY AS v(sid, st, kind, ranks, message, evidence, ord) ORDER BY v.ord",
+        "arrivals": "INSERT INTO step_audits (series_id, step, received, expected, first_seen) "
+                    "SELECT v.sid, v.st, v.rec, v.exp, %s FROM unnest(%s::bigint[], %s::bigint[], %s::int[], %s::int[]) "
+                    f"WITH ORDINALITY AS v(sid, st, rec, exp, ord) ORDER BY v.ord {_ADD_RECEIVED}",
+    }
 
 
 def _series_statement() -> Any:
@@ -241,6 +294,20 @@ def finite_or_none(x: float | None) -> float | None:
     return x if x is None or math.isfinite(x) else None
 
 
+def _json_text(obj: Any) -> str:
+    """JSON text of what :func:`json_safe` returned (msgspec; the json module for what
+    msgspec does not take, e.g. integers beyond 64 bits)."""
+    try:
+        return _json_encode(obj).decode()
+    except (TypeError, OverflowError, msgspec.EncodeError):
+        return json.dumps(obj)
+
+
+def _float_or_none(x: float | None) -> float | None:
+    """:func:`finite_or_none` as a plain float (numpy scalars would not fit a typed array)."""
+    return None if x is None or not math.isfinite(x) else float(x)
+
+
 def report_row(r, series_id: int, now: float) -> tuple:
     """Flatten one wire report (anything with the attributes of
     :class:`auditor.schemas.Report`) into a ``reports`` row, a tuple in :data:`COLUMNS`
@@ -311,7 +378,7 @@ class Store:
         self._copy_sql = f"COPY reports ({names}) FROM STDIN (FORMAT BINARY)"
         mark = "%s" if self.dialect == "postgresql" else "?"
         self._step_sql = f"SELECT {names} FROM reports WHERE series_id = {mark} AND step = {mark}"
-        self._verdict_stmt, self._reaudit_stmt = _verdict_statements()
+        self._step_sql_of = _verdict_sql(self.dialect)
         self._series_stmt = _series_statement()
         self._copy_types = [
             _PG_COPY_TYPES["TEXT" if isinstance(c.type, sa.String) else c.type.compile(postgresql.dialect())]
@@ -482,21 +549,31 @@ class Store:
                        expected: Mapping[tuple[int, int], int], now: float) -> list[Arrival]:
         """Add ``added[(series_id, step)]`` new reports to each step's row (created with
         ``expected`` reports and ``first_seen = now`` by its first report), in key order; the
-        rows after the update. The upsert takes each step row's lock: this is where
-        concurrent ingests of one step serialize."""
-        stmt = self._insert(step_audits)
-        stmt = stmt.on_conflict_do_update(
-            index_elements=["series_id", "step"],
-            set_={"received": step_audits.c.received + stmt.excluded.received},
-        ).returning(
-            step_audits.c.series_id, step_audits.c.step, step_audits.c.received,
-            step_audits.c.expected, step_audits.c.verdict, step_audits.c.complete_at_audit,
-        )
-        progress = conn.execute(stmt, [
-            {"series_id": s, "step": st, "received": n, "expected": expected[(s, st)], "first_seen": now}
-            for (s, st), n in sorted(added.items())
-        ]).all()
-        return [Arrival(*p) for p in progress]
+        rows after the update, in key order. The upsert takes each step row's lock: this is
+        where concurrent ingests of one step serialize. One statement on PostgreSQL (over
+        ``unnest``, rows taken in key order), one per 2,000 steps on SQLite (multi-row
+        ``VALUES``)."""
+        keys = sorted(added)
+        if not keys:
+            return []
+        sql = self._step_sql_of["arrivals"]
+        cur = conn.connection.driver_connection.cursor()
+        try:
+            if self.dialect == "postgresql":
+                cur.execute(sql, (now, [k[0] for k in keys], [k[1] for k in keys], [added[k] for k in keys],
+                                  [expected[k] for k in keys]))
+                got = cur.fetchall()
+            else:
+                got = []
+                for i in range(0, len(keys), 2000):
+                    chunk = keys[i:i + 2000]
+                    cur.execute(sql.format(values=", ".join(["(?, ?, ?, ?, ?)"] * len(chunk))),
+                                [x for k in chunk for x in (k[0], k[1], added[k], expected[k], now)])
+                    got += cur.fetchall()
+        finally:
+            cur.close()
+        return [Arrival(sid, st, rec, exp, verdict, None if complete is None else bool(complete))
+                for sid, st, rec, exp, verdict, complete in sorted(got)]
 
     def history(self, conn: sa.Connection, series_id: int, step: int) -> Callable[[], dict]:
         """A loader of the correct statistic of each group in the last ``STALE_LOOKBACK``
@@ -524,9 +601,11 @@ class Store:
 
     def record_verdicts(self, conn: sa.Connection, items: Sequence["VerdictItem"], now: float) -> list[bool]:
         """Record the verdicts of many steps, their faults and the series aggregates, in a
-        bounded number of statements (executemany; at most ten, however many steps).
+        bounded number of statements (at most ten, however many steps; on PostgreSQL each
+        one backend execution, except the series UPDATE, one per series).
         Returns per item (in the given order) True if it was recorded, False (and nothing of
-        it written) if another transaction recorded that step first.
+        it written) if another transaction recorded that step first (for a ``fresh`` item:
+        if its step row existed).
 
         Per item: ``complete``: all expected reports were audited (else the report that
         completes the step re-audits). ``previous``: replace the verdict ``previous``
@@ -545,34 +624,37 @@ class Store:
         newest step), one per item for series with re-audits or progress (the statement's
         CASE expressions then apply them in order).
 
+        ``fresh`` items (a step whose every report this transaction inserted, see
+        ``Service._ingest``) have no step row yet: it is INSERTed with the verdict,
+        ``expected``, ``received`` and ``first_seen = now`` (``ON CONFLICT DO NOTHING``: an
+        existing row loses, nothing of it written); the row ends as :meth:`count_arrivals`
+        followed by the verdict UPDATE would leave it.
+
         Lock order: the ``step_audits`` rows (key order), then the ``series`` rows (id
         order), then the ``series_faults`` rows (key order). The series rows are updated
         before ``series_faults`` so that every auditing transaction takes these locks in
         one order; the other way round, a transaction auditing two steps with different
-        fault kinds deadlocked with one auditing a third (PostgreSQL).
+        fault kinds deadlocked with one auditing a third (PostgreSQL). On PostgreSQL the
+        verdict UPDATE joins ``unnest`` and visits rows in plan order, not key order: that
+        takes no lock out of order because its callers hold those row locks already (an
+        ingest upserted them in key order in :meth:`count_arrivals`) or update one row (the
+        sweep). Fresh rows are inserted in key order and are no other transaction's to
+        touch: any transaction writing such a row must first insert one of the step's
+        reports, and waits on this one's report keys before it can.
         """
         order = sorted(range(len(items)), key=lambda i: (items[i].series_id, items[i].step))
         won = [False] * len(items)
         if not order:
             return won
-        first = [i for i in order if items[i].previous is None]
-        again = [i for i in order if items[i].previous is not None]
-        params = {i: self._step_params(items[i], now) for i in order}
-        if len(order) == 1:  # the rowcount of one UPDATE says whether it won
-            i = order[0]
-            won[i] = conn.execute(self._reaudit_stmt if again else self._verdict_stmt, [params[i]]).rowcount == 1
-        else:
-            savepoint = conn.begin_nested()
-            n = sum(conn.execute(stmt, [params[i] for i in idx]).rowcount
-                    for stmt, idx in ((self._verdict_stmt, first), (self._reaudit_stmt, again)) if idx)
-            if n == len(order):
-                savepoint.commit()
-                won = [True] * len(items)
-            else:  # another transaction recorded some of them: find which, one by one
-                savepoint.rollback()
-                for i in order:
-                    stmt = self._verdict_stmt if items[i].previous is None else self._reaudit_stmt
-                    won[i] = conn.execute(stmt, [params[i]]).rowcount == 1
+        values = {i: self._verdict_values(items[i]) for i in order}
+        cur = conn.connection.driver_connection.cursor()
+        try:
+            if self.dialect == "postgresql":
+                self._pg_step_rows(cur, items, order, values, now, won)
+            else:
+                self._sqlite_step_rows(conn, cur, items, order, values, now, won)
+        finally:
+            cur.close()
         mine = [i for i in order if won[i]]
         if not mine:
             return won
@@ -600,13 +682,18 @@ class Store:
                 series_params.append(_series_params(sid, its, now))
         conn.execute(self._series_stmt, series_params)
 
-        fault_rows = [
-            {"series_id": items[i].series_id, "step": items[i].step, "kind": str(f.kind),
-             "ranks": compress_ranks(f.ranks), "message": f.message, "evidence": json_safe(f.evidence)}
-            for i in mine for f in items[i].verdict.faults
-        ]
+        fault_rows = [(items[i].series_id, items[i].step, str(f.kind), compress_ranks(f.ranks), f.message,
+                       _json_text(json_safe(f.evidence)))
+                      for i in mine for f in items[i].verdict.faults]
         if fault_rows:
-            conn.execute(faults.insert(), fault_rows)
+            cur = conn.connection.driver_connection.cursor()
+            try:
+                if self.dialect == "postgresql":  # one execution, ids in key order
+                    cur.execute(self._step_sql_of["faults"], [list(c) for c in zip(*fault_rows)])
+                else:
+                    cur.executemany(self._step_sql_of["faults"], fault_rows)
+            finally:
+                cur.close()
         deltas: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0])
         for i in mine:
             it = items[i]
@@ -631,28 +718,96 @@ class Store:
             )
         return won
 
+    def _pg_step_rows(self, cur, items: Sequence[VerdictItem], order: list[int], values: dict[int, tuple],
+                      now: float, won: list[bool]) -> None:
+        """PostgreSQL: the step rows of :meth:`record_verdicts`, one ``INSERT`` (fresh rows)
+        and one ``UPDATE`` (the rest) over ``unnest``, each ``RETURNING`` the keys it wrote."""
+        done: set[tuple[int, int]] = set()
+        for fresh in (True, False):
+            idx = [i for i in order if items[i].fresh is fresh]
+            if not idx:
+                continue
+            cols = [list(c) for c in zip(*((items[i].series_id, items[i].step, *values[i]) for i in idx))]
+            if fresh:
+                cur.execute(self._step_sql_of["insert"],
+                            (now, now, *cols, [items[i].expected for i in idx], [items[i].received for i in idx]))
+            else:
+                cur.execute(self._step_sql_of["update"], (now, now, *cols, [items[i].previous for i in idx]))
+            done.update(map(tuple, cur.fetchall()))
+        for i in order:
+            won[i] = (items[i].series_id, items[i].step) in done
+
+    def _sqlite_step_rows(self, conn: sa.Connection, cur, items: Sequence[VerdictItem], order: list[int],
+                          values: dict[int, tuple], now: float, won: list[bool]) -> None:
+        """SQLite: the step rows of :meth:`record_verdicts`, an ``executemany`` per kind
+        (insert, first audit, re-audit) inside a savepoint; if their change count falls
+        short (another transaction recorded some steps first) the savepoint is rolled back
+        and the steps are written one by one to find which."""
+        sql = self._step_sql_of
+
+        def params(i: int) -> tuple[str, tuple]:
+            it, v = items[i], values[i]
+            if it.fresh:
+                return "insert", (it.series_id, it.step, it.expected, it.received, now, *v, now)
+            if it.previous is None:
+                return "first", (*v, now, it.series_id, it.step)
+            return "again", (*v, now, it.previous, now, it.series_id, it.step, it.previous)
+
+        if len(order) == 1:  # the rowcount of one statement says whether it won
+            kind, p = params(order[0])
+            cur.execute(sql[kind], p)
+            won[order[0]] = cur.rowcount == 1
+            return
+        by_kind: dict[str, list[tuple]] = defaultdict(list)
+        for i in order:
+            kind, p = params(i)
+            by_kind[kind].append(p)
+        savepoint = conn.begin_nested()
+        n = 0
+        for kind, ps in by_kind.items():
+            cur.executemany(sql[kind], ps)
+            n += cur.rowcount
+        if n == len(order):
+            savepoint.commit()
+            for i in order:
+                won[i] = True
+            return
+        savepoint.rollback()  # another transaction recorded some of them: find which, one by one
+        for i in order:
+            kind, p = params(i)
+            cur.execute(sql[kind], p)
+            won[i] = cur.rowcount == 1
+
     @staticmethod
-    def _step_params(it: "VerdictItem", now: float) -> dict:
+    def _verdict_values(it: "VerdictItem") -> tuple:
+        """The :data:`_VERDICT_COLUMNS` of one item: the σ figures as floats or None, the
+        fault kinds as text, the groups as JSON text (``[[key, mb, count, mean, var], ...]``,
+        NaN/Inf as strings: :func:`json_safe`)."""
         v = it.verdict
         groups = [[list(g.key), g.microbatch, g.count, g.mean, g.var] for g in v.groups]
         try:  # plain ints and floats: only non-finite floats need json_safe (one C-level check)
             finite = math.isfinite(math.fsum([x for g in v.groups for x in (g.count, g.mean, g.var)]))
         except (OverflowError, ValueError):
             finite = False
-        return {"sid": it.series_id, "st": it.step, "v_verdict": v.verdict, "now": now, "complete": it.complete,
-                "cp": finite_or_none(v.cp_disagreement_sigma), "ae": finite_or_none(v.applied_error_sigma),
-                "tol": finite_or_none(v.tolerance_sigma), "kinds": ",".join(map(str, v.fault_kinds)) or None,
-                "v_groups": groups if finite else json_safe(groups), "prev": it.previous}
+        try:
+            text = _json_encode(groups if finite else json_safe(groups))
+        except TypeError:  # numpy values
+            text = _json_encode(json_safe(groups))
+        return (v.verdict, bool(it.complete), _float_or_none(v.cp_disagreement_sigma),
+                _float_or_none(v.applied_error_sigma), _float_or_none(v.tolerance_sigma),
+                ",".join(map(str, v.fault_kinds)) or None, text.decode())
 
-    def rank_progress(self, conn: sa.Connection, series_id: int, window: int) -> tuple[int, dict[int, int]]:
+    def rank_progress(self, conn: sa.Connection, series_id: int, window: int,
+                      unstored: Iterable[int] = ()) -> tuple[int, dict[int, int]]:
         """Hang localisation: the first of the series' newest ``window`` steps, and each rank's
         newest step among them (ranks that sent nothing in the window are absent). Bounded:
-        one index range of ``window`` steps."""
+        one index range of ``window`` steps. ``unstored``: steps whose reports are stored but
+        whose step row this transaction has not inserted yet (they count as steps)."""
         steps = conn.execute(
             sa.select(step_audits.c.step).where(step_audits.c.series_id == series_id)
             .order_by(step_audits.c.step.desc()).limit(window)
         ).scalars().all()
-        lo = min(steps)
+        lo = min(sorted(set(steps).union(unstored), reverse=True)[:window])
         last = dict(conn.execute(
             sa.select(reports.c.rank, sa.func.max(reports.c.step))
             .where(reports.c.series_id == series_id, reports.c.step >= lo).group_by(reports.c.rank)

@@ -3,6 +3,9 @@ and the exactly-once primitives the service's flows rely on."""
 
 from __future__ import annotations
 
+import contextlib
+import re
+import tempfile
 import time
 
 import pytest
@@ -173,28 +176,70 @@ def test_record_verdicts_equals_record_verdict_one_by_one(store, run_id):
             "audit_error": 1, "missing_report": 1, "wrong_group": 1, "cp_disagreement": 1, "group_mismatch": 1}
 
 
+@contextlib.contextmanager
+def _executions(conn: sa.Connection, out: list):
+    """Append to ``out`` what the database executes on ``conn`` meanwhile: on PostgreSQL
+    each backend execution (libpq's protocol trace: ``Execute`` and simple ``Query``
+    messages; psycopg's executemany sends one ``Execute`` per parameter set); on SQLite
+    each run of one statement (SQLite's trace callback, literals blanked, consecutive
+    repeats, i.e. an ``executemany``, counted once)."""
+    raw = conn.connection.driver_connection
+    if conn.dialect.name == "postgresql":
+        import psycopg
+
+        with tempfile.TemporaryFile("w+") as f:
+            raw.pgconn.trace(f.fileno())
+            raw.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS | psycopg.pq.Trace.REGRESS_MODE)
+            try:
+                yield
+            finally:
+                raw.pgconn.untrace()
+                f.seek(0)
+                out += [line for line in f.read().splitlines()
+                        if line.startswith("F\t") and line.split("\t")[2] in ("Execute", "Query")]
+        return
+    seen: list[str] = []
+    raw.set_trace_callback(seen.append)
+    try:
+        yield
+    finally:
+        raw.set_trace_callback(None)
+    shapes = [re.sub(r"'(?:[^']|'')*'|\b\d+(?:\.\d+)?(?:e[+-]?\d+)?\b|\bNULL\b", "?", q) for q in seen]
+    out += [q for i, q in enumerate(shapes) if i == 0 or shapes[i - 1] != q]
+
+
 def test_record_verdicts_takes_a_bounded_number_of_statements(store, run_id):
-    """Recording the verdicts of 5 or 200 steps (with faults) takes the same few statements."""
+    """Counting the arrivals of 5 or 200 steps and recording their verdicts (with faults;
+    steps with a step row and fresh steps inserted with their verdict) takes the same few
+    statements: on PostgreSQL the same few backend executions (one per statement, not per
+    step), on SQLite the same few statements (an executemany counted once)."""
     now = time.time()
     counts = []
     with store.write() as conn:
         store.ensure_run(conn, run_id, 2, (1, 2, 1, 1), now)
         sid = store.ensure_series(conn, run_id, "adv", "moments", {}, now).id
-        store.count_arrivals(conn, {(sid, s): 2 for s in range(205)}, {(sid, s): 2 for s in range(205)}, now)
+
+    def verdict(s):
+        return (_verdict("inconsistent", 0.1 * s, 0.2, ("group_mismatch",)) if s % 3 else
+                _verdict("consistent", 0.1, 0.1))
+
     for steps in (range(5), range(5, 205)):
-        statements = []
-        listen = lambda *a, **k: statements.append(a[2])  # noqa: E731
-        sa.event.listen(store.engine, "before_cursor_execute", listen)
-        try:
-            with store.write() as conn:
-                done = store.record_verdicts(conn, [
-                    VerdictItem(sid, s, _verdict("inconsistent", 0.1 * s, 0.2, ("group_mismatch",)) if s % 3 else
-                                _verdict("consistent", 0.1, 0.1)) for s in steps], now)
-        finally:
-            sa.event.remove(store.engine, "before_cursor_execute", listen)
+        executed: list = []
+        with store.write() as conn, _executions(conn, executed):
+            store.count_arrivals(conn, {(sid, s): 2 for s in steps}, {(sid, s): 2 for s in steps}, now)
+            done = store.record_verdicts(
+                conn, [VerdictItem(sid, s, verdict(s)) for s in steps]
+                + [VerdictItem(sid, 1000 + s, verdict(s), fresh=True, expected=2, received=2) for s in steps], now)
         assert all(done)
-        counts.append(len(statements))
-    assert counts[0] == counts[1] <= 10, counts
+        counts.append(len(executed))
+    assert counts[0] == counts[1] <= 12, counts
+    with store.read() as conn:
+        assert [(r["step"], r["received"], r["verdict"]) for r in store.step_rows(conn, sid, start=1000, stop=1002)] \
+            == [(1000, 2, "consistent"), (1001, 2, "inconsistent"), (1002, 2, "inconsistent")]
+        (s,) = store.series_rows(conn, run_id)
+        assert (s["steps_consistent"], s["steps_inconsistent"]) == (2 * 69, 2 * 136)
+        for st in (3, 4, 200):  # a fresh row is what count_arrivals and the verdict UPDATE leave
+            assert dict(store.step_row(conn, sid, 1000 + st)) == {**store.step_row(conn, sid, st), "step": 1000 + st}
 
 
 def test_verdict_updates_find_the_step_row_by_its_key_on_sqlite(store):
@@ -205,8 +250,8 @@ def test_verdict_updates_find_the_step_row_by_its_key_on_sqlite(store):
         pytest.skip("a SQLite query plan")
     with store.read() as conn:
         raw = conn.connection.driver_connection
-        for stmt in (store._verdict_stmt, store._reaudit_stmt, store._series_stmt):
-            sql = str(stmt.compile(dialect=store.engine.dialect))
+        for sql in (store._step_sql_of["first"], store._step_sql_of["again"],
+                    str(store._series_stmt.compile(dialect=store.engine.dialect))):
             plan = [row[3] for row in raw.execute("EXPLAIN QUERY PLAN " + sql, [None] * sql.count("?"))]
             assert all("ix_step_audits_open" not in p and not p.startswith("SCAN") for p in plan), plan
             assert any("(series_id=? AND step=?)" in p or "(rowid=?)" in p for p in plan), plan

@@ -130,3 +130,86 @@ def test_a_run_deleted_by_another_process_never_receives_reports_under_a_reused_
     finally:
         first.close()
         second.close()
+
+
+def _state(service, run_id: str) -> dict:
+    """Everything stored of a run's one statistic, without ids: step rows, faults, series
+    aggregates and fault counts."""
+    store = service.store
+    with store.read() as conn:
+        (s,) = store.series_rows(conn, run_id)
+        srow = {k: v for k, v in s.items() if k not in ("id", "run_id")}
+        sid = s["id"]
+        steps = {r["step"]: {k: v for k, v in store.step_row(conn, sid, r["step"]).items() if k != "series_id"}
+                 for r in store.step_rows(conn, sid, limit=10_000)}
+        faults = {st: [{k: v for k, v in f.items() if k not in ("id", "series_id")}
+                       for f in store.step_faults(conn, sid, st)] for st in steps}
+        return {"series": srow, "steps": steps, "faults": faults, "fault_counts": store.fault_counts(conn, sid)}
+
+
+def test_steps_complete_in_hand_are_recorded_as_the_general_path_records_them(service, run_id, monkeypatch):
+    """Batches mixing steps they complete in hand (inserted with their verdict, no
+    count_arrivals) with steps split across batches, a step the sweep audited incomplete
+    that a late report completes (re-audit), and re-sent duplicates leave the same outcomes,
+    step rows, faults, series aggregates and fault counts as the general path (upsert the
+    step row, then UPDATE its verdict) does for the same batches."""
+    t0 = time.time()
+
+    def reports(rid, steps, ranks=(0, 1)):
+        return [r for s in steps for r in batch(rid, buggy=s % 5 == 2, step=s) if r.rank in ranks]
+
+    def rounds(rid):  # (reports, now) in order; None: a sweep at that time
+        return [
+            (reports(rid, range(0, 40)) + reports(rid, (40, 41, 60), ranks=(0,)), t0),
+            (None, t0 + 10),  # steps 40, 41 and 60 audited incomplete
+            (reports(rid, (40,), ranks=(1,)) + reports(rid, range(42, 50)) + reports(rid, (5, 41), ranks=(0,))
+             + reports(rid, (60,), ranks=(1,)), t0 + 20),
+            (reports(rid, range(0, 40)), t0 + 30),  # all re-sent
+            (reports(rid, range(50, 60)) + reports(rid, (41,), ranks=(1,)), t0 + 40),
+        ]
+
+    counted: list[set] = []  # the steps of each count_arrivals call (round 4 adds nothing: no call)
+    count_arrivals = service.store.count_arrivals
+
+    def spy(conn, added, expected, now):
+        counted.append(set(added))
+        return count_arrivals(conn, added, expected, now)
+
+    outcomes = {}
+    for rid, in_hand in ((run_id, True), (run_id + "-general", False)):
+        outs = []
+        monkeypatch.setattr(service.store, "count_arrivals", spy)
+        for rs, now in rounds(rid):
+            if rs is None:
+                service.sweep(grace_seconds=5.0, now=now)
+                continue
+            out = service.ingest(rs, now) if in_hand else service._ingest_retrying(rs, now, in_hand=False)
+            sid = service._series[(rid, "advantages")].id
+            outs.append((out.accepted, out.duplicates, sorted((st, v) for s, st, v in out.audited if s == sid)))
+        outcomes[in_hand] = outs
+        if in_hand:  # the steps completed in hand never had a step row before their verdict
+            assert [sorted(st for _, st in keys) for keys in counted] == [[40, 41, 60], [40, 60], [41]]
+            counted.clear()
+    assert outcomes[True] == outcomes[False]
+    assert [(a, d, len(v)) for a, d, v in outcomes[True]] == [(83, 0, 40), (18, 2, 10), (0, 80, 0), (21, 0, 11)]
+    new, general = _state(service, run_id), _state(service, run_id + "-general")
+    assert new == general
+    assert new["series"]["steps_consistent"] == 49 and new["series"]["steps_inconsistent"] == 12
+    assert new["series"]["superseded_incomplete"] == 3 and new["steps"][41]["previous_verdict"] == "incomplete"
+    assert new["fault_counts"]["cp_disagreement"] == 12
+
+
+def test_a_step_row_left_without_its_reports_sends_the_batch_the_general_way(service, run_id):
+    """A step whose reports were deleted under its kept step row, then sent again in full:
+    the batch completes it in hand, its step row exists after all, and the batch is
+    ingested again the general way (the reports stored, the step row's count raised, no
+    second verdict), as before steps were completed in hand."""
+    service.ingest(batch(run_id, buggy=True, step=0) + batch(run_id, buggy=False, step=1))
+    sid = service._series[(run_id, "advantages")].id
+    with service.store.write() as conn:
+        assert service.store.delete_rank_range(conn, sid, 0, 2) == 2
+    out = service.ingest(batch(run_id, buggy=True, step=0) + batch(run_id, buggy=False, step=2))
+    assert (out.accepted, out.duplicates, [(st, v) for _, st, v in out.audited]) == (4, 0, [(2, "consistent")])
+    state = _state(service, run_id)
+    assert (state["steps"][0]["received"], state["steps"][0]["verdict"]) == (4, "inconsistent")
+    assert (state["series"]["steps_inconsistent"], state["series"]["steps_consistent"]) == (1, 2)
