@@ -109,6 +109,15 @@ class Settings(BaseSettings):
                               "Prometheus's scrape answer while ingest is saturated (503 past it; /healthz "
                               "has no cap)."
     )
+    probe_interval_seconds: float = Field(
+        2.0, gt=0, description="Pause between two background database probes, whose last result /readyz and "
+                               "/healthz report."
+    )
+    probe_timeout_seconds: float = Field(
+        10.0, gt=0, description="A database probe without an answer after this counts as a failure (/readyz 503). "
+                                "It is abandoned, and no new probe starts until its thread returns: a hung "
+                                "database holds at most one probe thread and pooled connection."
+    )
     shutdown_timeout_seconds: float = Field(
         10.0, gt=0, description="On SIGTERM/SIGINT: how long requests in progress and background tasks get to "
                                 "finish; the process is gone at most 5 s after that in any case."

@@ -34,6 +34,7 @@ import gc
 import hmac
 import json
 import logging
+import threading
 import time
 import urllib.parse
 from typing import Any, Callable, Literal
@@ -890,23 +891,59 @@ async def _sweep_forever(svc: AppState) -> None:
                 log.exception("sweep failed")
 
 
-async def _probe_forever(svc: AppState, every: float = 2.0) -> None:
-    """Probe the database every ``every`` s in a thread of its own (not the request
-    threads), for ``/readyz`` and ``/healthz``. A probe that takes over 10 s counts as a
-    failure and is abandoned (its thread ends when the driver returns).
+#: Name of the thread of a database probe (:func:`_probe_forever`); at most one is alive.
+PROBE_THREAD = "auditor-db-probe"
+
+
+async def _probe_forever(svc: AppState) -> None:
+    """Probe the database every ``probe_interval_seconds``, for ``/readyz`` and ``/healthz``,
+    in a thread of its own named :data:`PROBE_THREAD` (not a request thread). A probe
+    without an answer after ``probe_timeout_seconds`` counts as a failure and is abandoned;
+    while its thread is still waiting on the database, no new probe starts (each period
+    reports how long it has been waiting), so a hung database holds one probe thread and
+    one pooled connection, not one more every period.
 
     Not ``asyncio.wait_for``: up to Python 3.11 it swallows a cancellation that arrives as
-    the awaited thread finishes, and this loop then never ended: the lifespan shutdown
+    the awaited future completes, and this loop then never ended: the lifespan shutdown
     waited for it forever (``auditor serve`` on a taken port hung, deaf to SIGTERM)."""
-    limiter = anyio.CapacityLimiter(1)
+    loop = asyncio.get_running_loop()
+    every, timeout = svc.settings.probe_interval_seconds, svc.settings.probe_timeout_seconds
+    thread: threading.Thread | None = None
+    started = 0.0
     while True:
-        try:
-            with anyio.fail_after(10.0):
-                await anyio.to_thread.run_sync(current_revision, svc.engine, abandon_on_cancel=True, limiter=limiter)
-            svc.database = (True, "ok", time.monotonic())
-        except Exception as exc:  # noqa: BLE001 - reported by /readyz (TimeoutError included)
-            svc.database = (False, f"{type(exc).__name__}: {str(exc)[:200]}", time.monotonic())
+        if thread is not None and thread.is_alive():
+            waited = time.monotonic() - started
+            svc.database = (False, f"TimeoutError: the database probe has been waiting {waited:.0f} s for an "
+                                   "answer", time.monotonic())
+        else:
+            answer = loop.create_future()
+            started = time.monotonic()
+            thread = threading.Thread(target=_probe, args=(svc.engine, loop, answer), name=PROBE_THREAD, daemon=True)
+            thread.start()
+            try:
+                with anyio.fail_after(timeout):
+                    ok, message = await asyncio.shield(answer)
+                svc.database = (ok, message, time.monotonic())
+            except TimeoutError:
+                svc.database = (False, f"TimeoutError: the database did not answer the probe within {timeout:g} s",
+                                time.monotonic())
         await asyncio.sleep(every)
+
+
+def _probe(engine: sa.Engine, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
+    """One probe (in :data:`PROBE_THREAD`): ``(ok, message)`` handed to ``answer`` on ``loop``."""
+    try:
+        current_revision(engine)
+        result = (True, "ok")
+    except Exception as exc:  # noqa: BLE001 - reported by /readyz
+        result = (False, f"{type(exc).__name__}: {str(exc)[:200]}")
+    with contextlib.suppress(RuntimeError):  # the loop is closed: the server stopped meanwhile
+        loop.call_soon_threadsafe(_settle, answer, result)
+
+
+def _settle(answer: asyncio.Future, result: tuple[bool, str]) -> None:
+    if not answer.done():
+        answer.set_result(result)
 
 
 async def _stop(tasks: list[asyncio.Task], timeout: float) -> None:
