@@ -302,7 +302,7 @@ class Service:
         a stored one with the same key, claims the coordinates another rank holds in its
         step, or contradicts its run's topology, its statistic's kind/spec, or its step's
         ``num_microbatches``. A report completing a step audited while incomplete re-audits
-        it (once, across replicas: :meth:`auditor.db.store.Store.record_verdict`).
+        it (once, across replicas: :meth:`auditor.db.store.Store.record_verdicts`).
         """
         now = time.time() if now is None else now
         store = self.store

@@ -23,7 +23,6 @@ the stored reports when a step is shown).
 from __future__ import annotations
 
 import math
-import operator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -32,21 +31,20 @@ import numpy as np
 from auditor.core import stats
 from auditor.core.checks import PRECISION_LOSS_THRESHOLD
 from auditor.core.step import DEFAULT_LOCAL_TERMS
-from auditor.core.types import DIMS, Coord, GroupStat, RankReport, Spec, StepVerdict, compress_ranks
+from auditor.core.types import DIMS, Coord, GroupStat, Spec, StepVerdict, compress_ranks
 
 #: Float columns of :class:`Elements` ``values`` (the :class:`~auditor.core.types.RankReport`
 #: field names).
 VALUE_FIELDS: tuple[str, ...] = ("local_count", "local_sum", "local_sum_sq", "local_min", "local_max",
                                  "local_replicated_sum_sq", "applied_count", "applied_sum", "applied_sum_sq",
                                  "applied_mean", "applied_var")
-_INTS = operator.attrgetter("dp", "cp", "tp", "pp", "microbatch", "rank")
-_VALUES = operator.attrgetter(*VALUE_FIELDS)
 _DEFAULT_U = stats.UNIT_ROUNDOFF["float32"]
 
 
 @dataclass(slots=True)
 class Elements:
-    """The reports of ``k`` steps of one series, as columns (one row per report).
+    """The reports of ``k`` steps of one series, as columns (one row per report); the
+    service builds them from its ``reports`` rows (:func:`auditor.db.store.elements`).
 
     ``step``: int64 (n,), the index in [0, k) of each report's step. ``ints``: int64 (n, 6),
     dp, cp, tp, pp, microbatch, rank. ``values``: float64 (n, 11), :data:`VALUE_FIELDS`
@@ -63,22 +61,6 @@ class Elements:
     dtype: Sequence[str]
     noted: np.ndarray
     group_ranks: Sequence[str | None]
-
-    @classmethod
-    def of_reports(cls, steps: Sequence[Sequence[RankReport]]) -> "Elements":
-        """From the engine's reports: ``steps[i]`` holds the reports of step ``i``. A NaN
-        value must have its field named in ``non_finite`` (as the store keeps it)."""
-        rs = [r for step in steps for r in step]
-        n = len(rs)
-        return cls(
-            step=np.repeat(np.arange(len(steps), dtype=np.int64), [len(step) for step in steps]),
-            ints=np.array([_INTS(r) for r in rs], dtype=np.int64).reshape(n, 6),
-            values=np.array([_VALUES(r) for r in rs], dtype=np.float64).reshape(n, len(VALUE_FIELDS)),
-            applied=np.array([r.applied for r in rs], dtype=bool).reshape(n),
-            dtype=[r.dtype for r in rs],
-            noted=np.array([bool(r.non_finite) for r in rs], dtype=bool).reshape(n),
-            group_ranks=[None if r.group_ranks is None else compress_ranks(r.group_ranks) for r in rs],
-        )
 
 
 def eligible(spec: Spec, kind: str, topology: str = "known") -> bool:

@@ -12,7 +12,7 @@ inserts its reports (``ON CONFLICT DO NOTHING``), then upserts the step rows it 
 ``RETURNING`` the new count. The upsert takes the row lock, so concurrent transactions
 (threads, workers, replicas) that add to one step serialize on it, and exactly one of them
 sees ``received == expected``; that one audits the step in the same transaction. The verdict
-is written with ``UPDATE ... WHERE verdict IS NULL`` (:meth:`Store.record_verdict`), so the
+is written with ``UPDATE ... WHERE verdict IS NULL`` (:meth:`Store.record_verdicts`), so the
 sweep (missing reports after the grace period) and an ingest can never both record a
 verdict. On SQLite, write transactions are ``BEGIN IMMEDIATE`` and simply queue.
 """
@@ -591,13 +591,6 @@ class Store:
                     hist[tuple(key)].append((row.step, as_float(count), as_float(mean), as_float(var)))
             return {k: v[::-1] for k, v in hist.items()}
         return load
-
-    def record_verdict(self, conn: sa.Connection, series_id: int, step: int, v: StepVerdict, now: float,
-                       complete: bool = True, previous: str | None = None,
-                       progress: dict | None = None) -> bool:
-        """Record one step's verdict: :meth:`record_verdicts` of one item. False (and
-        nothing written) if another transaction recorded it first."""
-        return self.record_verdicts(conn, [VerdictItem(series_id, step, v, complete, previous, progress)], now)[0]
 
     def record_verdicts(self, conn: sa.Connection, items: Sequence["VerdictItem"], now: float) -> list[bool]:
         """Record the verdicts of many steps, their faults and the series aggregates, in a

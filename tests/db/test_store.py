@@ -68,7 +68,7 @@ def test_bulk_insert_is_all_or_nothing_and_reads_back_the_engine_input(store, ru
 
 
 def test_a_verdict_is_recorded_once_with_its_aggregates(store, run_id):
-    """count_arrivals adds to the step row and returns it; record_verdict writes the verdict
+    """count_arrivals adds to the step row and returns it; record_verdicts writes the verdict
     only while the step is open (a second call is False and changes nothing); the series
     aggregates, fault counts and the history loader read it back."""
     now = time.time()
@@ -80,8 +80,8 @@ def test_a_verdict_is_recorded_once_with_its_aggregates(store, run_id):
         (arrival,) = store.count_arrivals(conn, {(sid, 0): 2}, {(sid, 0): 2}, now)
         assert (arrival.received, arrival.expected, arrival.verdict) == (2, 2, None)
         v = core.audit_step([rank_report(r) for r in rows], (1, 2, 1, 1), core.Spec())
-        assert store.record_verdict(conn, sid, 0, v, now) is True
-        assert store.record_verdict(conn, sid, 0, v, now) is False
+        assert store.record_verdicts(conn, [VerdictItem(sid, 0, v)], now) == [True]
+        assert store.record_verdicts(conn, [VerdictItem(sid, 0, v)], now) == [False]
         (g,) = v.groups  # key: the coordinates outside reduce_over (tp, pp)
         assert store.history(conn, sid, 1)() == {(0, 0): [(0, 150.0, pytest.approx(0.1, abs=1e-12), g.var)]}
     with store.read() as conn:
@@ -140,10 +140,10 @@ _ROUNDS = [
 ]
 
 
-def test_record_verdicts_equals_record_verdict_one_by_one(store, run_id):
-    """The same rounds of verdicts recorded one by one (record_verdict, key order) in one
-    series and all at once (record_verdicts) in another leave identical step rows, faults,
-    series aggregates and fault counts, and win/lose the same."""
+def test_record_verdicts_all_at_once_equals_one_by_one(store, run_id):
+    """The same rounds of verdicts recorded one by one (a record_verdicts call per item, key
+    order) in one series and all at once (one call per round) in another leave identical step
+    rows, faults, series aggregates and fault counts, and win/lose the same."""
     now = time.time()
     sids = []
     with store.write() as conn:
@@ -154,8 +154,8 @@ def test_record_verdicts_equals_record_verdict_one_by_one(store, run_id):
             store.count_arrivals(conn, {(sid, s): 1 for s in range(11)}, {(sid, s): 2 for s in range(11)}, now)
     for r, items in enumerate(_ROUNDS):
         with store.write() as conn:
-            one = [store.record_verdict(conn, sids[0], st, v, now + r, complete=c, previous=p, progress=g)
-                   for st, v, c, p, g in sorted(items, key=lambda it: it[0])]
+            one = [ok for st, v, c, p, g in sorted(items, key=lambda it: it[0])
+                   for ok in store.record_verdicts(conn, [VerdictItem(sids[0], st, v, c, p, g)], now + r)]
             many = store.record_verdicts(conn, [VerdictItem(sids[1], st, v, c, p, g) for st, v, c, p, g in items],
                                          now + r)
         assert [ok for _, ok in sorted(zip([it[0] for it in items], many))] == one

@@ -6,11 +6,14 @@ consistent steps (else it would be correct but useless).
 
 Two corpora: the golden generator's cases (1–3 steps each, every fault of DESIGN.md §5),
 and batches of 2–24 steps of one series in shuffled order, each step correct or carrying
-one fault of its own.
+one fault of its own. ``audit_clean`` gets what the service gives it: the wire reports
+decoded, stored as ``reports`` rows and read as columns (``auditor.db.store.elements``);
+steps the wire contract refuses (engine-only inputs) are left out.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 
@@ -19,14 +22,24 @@ import numpy as np
 import regenerate
 
 from auditor import core
-from auditor.core import batch
-from auditor.schemas import StatisticSpec
+from auditor.db.store import elements, rank_report, report_row
+from auditor.schemas import StatisticSpec, parse_report_batch
 
 
 def _engine_input(case) -> tuple[core.Spec, list[list[core.RankReport]]]:
     spec = StatisticSpec(**case.spec).to_core()
     steps = [[core.RankReport(**generate.rank_report_fields(b)) for b in s.reports] for s in case.steps]
     return spec, steps
+
+
+def _rows(reports: list[dict]) -> list[tuple] | None:
+    """The ``reports`` rows the service stores of one step's wire reports: decoded as a
+    request body is (:func:`parse_report_batch`) and flattened (:func:`report_row`); the
+    columns ``audit_clean`` reads are then :func:`auditor.db.store.elements` of them. None
+    if the wire contract refuses a report (the corpus's engine-only inputs: the service
+    never audits such a step)."""
+    decoded, _, _ = parse_report_batch(json.dumps({"reports": reports}).encode(), 1)
+    return None if decoded is None else [report_row(r, 1, 0.0) for r in decoded]
 
 
 def _same(fast: core.StepVerdict, exact: core.StepVerdict) -> bool:
@@ -41,14 +54,24 @@ def _same(fast: core.StepVerdict, exact: core.StepVerdict) -> bool:
 
 
 def _check(case, spec, steps, counts) -> None:
-    """audit_clean over ``steps`` (reports shuffled) ≡ audit_step of each step."""
+    """audit_clean over the steps the wire contract accepts (reports shuffled, through the
+    store's rows and columns) ≡ audit_step of each step."""
     rng = random.Random(case.id)
-    shuffled = [rng.sample(s, len(s)) for s in steps]
-    expected = np.full(len(steps), case.world * case.num_microbatches)
-    fast = core.audit_clean(batch.Elements.of_reports(shuffled), expected, case.sizes, spec, case.kind)
-    for i, (reps, f) in enumerate(zip(steps, fast)):
+    kept = []
+    for step, reps in zip(case.steps, steps):
+        wire = generate.wire_reports(case, step, f"golden-{case.id}")
+        rows = _rows(rng.sample(wire, len(wire)))
+        if rows is None:
+            counts["refused"] += 1
+        else:
+            kept.append((step.index, rows, reps))
+    if not kept:
+        return
+    expected = np.full(len(kept), case.world * case.num_microbatches)
+    fast = core.audit_clean(elements([rows for _, rows, _ in kept]), expected, case.sizes, spec, case.kind)
+    for (index, _, reps), f in zip(kept, fast):
         exact = core.audit_step(reps, case.sizes, spec, num_microbatches=case.num_microbatches, kind=case.kind)
-        where = f"{case.describe()} step {i}"
+        where = f"{case.describe()} step {index}"
         if f is not None:
             assert _same(f, exact), where
             counts["fast"] += 1
@@ -58,7 +81,7 @@ def _check(case, spec, steps, counts) -> None:
 
 
 def test_golden_cases_through_audit_clean():
-    counts = {"fast": 0, "consistent": 0, "consistent_fast": 0}
+    counts = {"fast": 0, "consistent": 0, "consistent_fast": 0, "refused": 0}
     for case in generate.cases(regenerate.SEED, 300):
         if case.raw:
             continue  # NaN handed to the engine as NaN: the store never does that
@@ -71,7 +94,7 @@ def test_golden_cases_through_audit_clean():
 def test_multi_step_batches_with_a_fault_per_step():
     """Batches of many steps of one series, each step clean or with one injected fault."""
     rng = random.Random(20261130)
-    counts = {"fast": 0, "consistent": 0, "consistent_fast": 0}
+    counts = {"fast": 0, "consistent": 0, "consistent_fast": 0, "refused": 0}
     pool = [f for f in generate.FAULTS if f not in ("precision", "rep_each")]
     for index in range(100):
         kind = rng.choice(("moments", "moments", "moments", "sum", "norm"))
@@ -96,19 +119,17 @@ def test_unclean_inputs_are_left_to_audit_step():
     None (the exact engine judges them)."""
     sizes = (1, 2, 1, 1)
     spec = core.Spec()
-    good = [core.RankReport(rank=r, microbatch=0, dp=0, cp=r, tp=0, pp=0, dtype="float32", local_count=2.0,
-                            local_sum=float(r), local_sum_sq=float(r) + 1.0, applied_count=4.0, applied_sum=1.0,
-                            applied_sum_sq=3.0) for r in range(2)]
-    exact = core.audit_step(good, sizes, spec)
+    good = [{"run_id": "unclean", "statistic": "adv", "step": 0, "rank": r, "world_size": 2,
+             "coords": {"dp": 0, "cp": r, "tp": 0, "pp": 0}, "sizes": {"dp": 1, "cp": 2, "tp": 1, "pp": 1},
+             "local": {"count": 2.0, "sum": float(r), "sum_sq": float(r) + 1.0},
+             "applied": {"count": 4.0, "sum": 1.0, "sum_sq": 3.0}, "dtype": "float32"} for r in range(2)]
+    exact = core.audit_step([rank_report(row) for row in _rows(good)], sizes, spec)
     assert exact.verdict == "consistent"
-    noted = [good[0], core.RankReport(**{**{f: getattr(good[1], f) for f in good[1].__slots__},
-                                         "local_sum": None, "non_finite": "local_sum"})]
-    skipped = [good[0], core.RankReport(**{**{f: getattr(good[1], f) for f in good[1].__slots__},
-                                           "applied": False, "applied_count": None, "applied_sum": None,
-                                           "applied_sum_sq": None})]
-    el = batch.Elements.of_reports([good, noted, skipped, good[:1]])
+    noted = [good[0], {**good[1], "local": {**good[1]["local"], "sum": float("nan")}}]  # stored NULL, named
+    skipped = [good[0], {k: v for k, v in good[1].items() if k != "applied"}]
+    el = elements([_rows(reports) for reports in (good, noted, skipped, good[:1])])
     out = core.audit_clean(el, np.array([2, 2, 2, 2]), sizes, spec)
     assert out[0] is not None and _same(out[0], exact)
     assert out[1:] == [None, None, None]
-    assert core.audit_clean(batch.Elements.of_reports([good]), np.array([2]), sizes, spec, topology="unknown") == [None]
+    assert core.audit_clean(elements([_rows(good)]), np.array([2]), sizes, spec, topology="unknown") == [None]
     assert math.isfinite(out[0].tolerance_sigma)
