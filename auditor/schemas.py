@@ -8,11 +8,14 @@ statistic: they are a training fault the audit reports (``non_finite``), not a c
 from __future__ import annotations
 
 import functools
+import itertools
 import math
+import operator
 import re
-from typing import Annotated, Literal
+from typing import Annotated, ClassVar, Literal
 
 import msgspec
+import numpy as np
 import pydantic_core
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError, ValidationInfo, field_validator,
                       model_validator)
@@ -405,9 +408,36 @@ def _ranks_facts(ranks: list[int]) -> tuple[bool, int]:
 def _report_rules(r, core_spec: Spec | None = None, ranks_facts: tuple[bool, int] | None = None) -> None:
     """The cross-field rules of one report (:class:`Report`, or the fast decoder's struct
     whose ``spec`` is already a :class:`StatisticSpec`); raises ValueError naming the
-    fields. ``core_spec``: ``r.spec.to_core()``, ``ranks_facts``: ``_ranks_facts(r.group_ranks)``
-    if the caller has them at hand."""
-    # Runs once per report on the ingest hot path: plain attribute tests first, the
+    fields (the first rule broken, in this order). ``core_spec``: ``r.spec.to_core()``,
+    ``ranks_facts``: ``_ranks_facts(r.group_ranks)`` if the caller has them at hand."""
+    _shape_rules(r, core_spec)
+    loc, kind = r.local, r.kind
+    if not (kind == "moments" and loc.count is not None and loc.sum is not None and loc.sum_sq is not None):
+        missing = [f"local.{f}" for f in _REQUIRED_LOCAL[kind] if getattr(loc, f) is None]
+        if missing:
+            raise ValueError(f"{', '.join(missing)} required for kind '{kind}'")
+    _group_rules(r, ranks_facts)
+    _check_cauchy_schwarz("local", loc.count, loc.sum, loc.sum_sq, r.dtype)
+    a = r.applied
+    if a is not None:
+        if kind == "moments":
+            if a.mean is None and (a.count is None or a.sum is None or a.sum_sq is None):
+                raise ValueError("applied must carry count, sum and sum_sq (what the all-reduce returned) or "
+                                 "mean (and var, what the rank whitened with) for kind 'moments': nothing "
+                                 "else can be checked")
+        elif getattr(a, _REQUIRED_APPLIED[kind]) is None:
+            raise ValueError(f"applied.{_REQUIRED_APPLIED[kind]} required for kind '{kind}' "
+                             "(use applied: null when the rank skipped the collective)")
+        _check_cauchy_schwarz("applied", a.count, a.sum, a.sum_sq, r.dtype)
+
+
+def _shape_rules(r, core_spec: Spec | None = None) -> None:
+    """The rules of :func:`_report_rules` on a report's place in the world: topology,
+    sizes against world_size, rank, coords, microbatch (and :func:`_extended_rules`). With
+    :func:`_group_rules` they read only ``world_size``, ``rank``, ``microbatch``,
+    ``num_microbatches``, ``sizes``, ``coords``, ``order``, ``topology``, ``spec`` and
+    ``group_ranks``: the fast decoder checks each distinct combination once per batch."""
+    # Runs once per report on the pydantic path: plain attribute tests first, the
     # messages only when a rule fails.
     s, c = r.sizes, r.coords
     if r.topology == "unknown" or r.order is not None or r.spec is not None or s.has_expert:
@@ -430,11 +460,10 @@ def _report_rules(r, core_spec: Spec | None = None, ranks_facts: tuple[bool, int
             f"microbatch ({r.microbatch}) must be < num_microbatches ({r.num_microbatches}); "
             "send num_microbatches with every report of a step that has several microbatches"
         )
-    loc, kind = r.local, r.kind
-    if not (kind == "moments" and loc.count is not None and loc.sum is not None and loc.sum_sq is not None):
-        missing = [f"local.{f}" for f in _REQUIRED_LOCAL[kind] if getattr(loc, f) is None]
-        if missing:
-            raise ValueError(f"{', '.join(missing)} required for kind '{kind}'")
+
+
+def _group_rules(r, ranks_facts: tuple[bool, int] | None = None) -> None:
+    """``group_ranks`` (if given) lists no rank twice and none >= world_size."""
     gr = r.group_ranks
     if gr is not None:
         unique, top = _ranks_facts(gr) if ranks_facts is None else ranks_facts
@@ -443,18 +472,6 @@ def _report_rules(r, core_spec: Spec | None = None, ranks_facts: tuple[bool, int
         if top >= r.world_size:
             bad = [x for x in gr if x >= r.world_size]
             raise ValueError(f"group_ranks holds ranks >= world_size ({r.world_size}): {bad[:5]}")
-    _check_cauchy_schwarz("local", loc.count, loc.sum, loc.sum_sq, r.dtype)
-    a = r.applied
-    if a is not None:
-        if kind == "moments":
-            if a.mean is None and (a.count is None or a.sum is None or a.sum_sq is None):
-                raise ValueError("applied must carry count, sum and sum_sq (what the all-reduce returned) or "
-                                 "mean (and var, what the rank whitened with) for kind 'moments': nothing "
-                                 "else can be checked")
-        elif getattr(a, _REQUIRED_APPLIED[kind]) is None:
-            raise ValueError(f"applied.{_REQUIRED_APPLIED[kind]} required for kind '{kind}' "
-                             "(use applied: null when the rank skipped the collective)")
-        _check_cauchy_schwarz("applied", a.count, a.sum, a.sum_sq, r.dtype)
 
 
 def _extended_rules(r, core_spec: Spec | None) -> None:
@@ -526,6 +543,9 @@ class Report(_Strict):
     order: Annotated[str, Field(max_length=_MAX_ORDER)] | None = None
     #: "unknown": the trainer does not know its coordinates; judged from group_ranks alone.
     topology: Literal["known", "unknown"] = "known"
+    #: Not a field: whether every float of the report is known to be finite (no: the
+    #: pydantic path reads NaN and Infinity; :class:`FastReport` says yes).
+    values_finite: ClassVar[bool] = False
 
     @model_validator(mode="after")
     def _topology(self) -> "Report":
@@ -582,7 +602,7 @@ class ReportBatch(_Strict):
 # refuse, for whatever reason, is validated again by pydantic, which words the errors: the
 # pydantic models stay the one source of the messages and of the OpenAPI schema, and these
 # structs accept exactly the bodies pydantic accepts, with equal values
-# (tests/test_schemas_decode.py checks both on random bodies). msgspec refuses a few bodies
+# (tests/test_decode.py checks both on random bodies). msgspec refuses a few bodies
 # pydantic accepts (``NaN``/``Infinity`` tokens, numbers beyond float range): those take
 # the pydantic path, as every body did before.
 
@@ -593,7 +613,7 @@ def _search_pattern(pattern: str) -> str:
     return pattern[:-1] + r"\Z"
 
 
-#: run_id and statistic: their length bounds here, their patterns in FastReport.__post_init__
+#: run_id and statistic: their length bounds here, their patterns in :func:`_batch_holds`
 #: against the names already matched (a regex search per name costs more than the rest of
 #: the report's decode).
 _FName = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
@@ -603,10 +623,10 @@ _RUN_IDS: set[str] = set()
 _STATISTICS: set[str] = set()
 
 
-def _check_names(run_id: str, statistic: str) -> None:
-    """Raise ValueError unless run_id and statistic match their wire patterns; remember
-    those that do (at most 2^16 of each)."""
-    for name, seen, rx in ((run_id, _RUN_IDS, _RUN_ID_RE), (statistic, _STATISTICS, _STATISTIC_RE)):
+def _check_names(names, seen: set[str], rx: re.Pattern) -> None:
+    """Raise ValueError unless every name (run ids, or statistics) matches its wire pattern
+    ``rx`` and is :func:`addressable`; remember in ``seen`` those that do (at most 2^16)."""
+    for name in names:
         if name not in seen:
             if rx.search(name) is None:
                 raise ValueError(f"{name!r} does not match {rx.pattern}")
@@ -650,7 +670,8 @@ class FastSizes(_Fast, _SizesAPI, frozen=True, kw_only=True):
 
 class FastLocal(_Fast, frozen=True, kw_only=True):
     """:class:`LocalStats` as decoded by :func:`decode_report_batch` (integers become floats,
-    as in pydantic)."""
+    as in pydantic). Its rules (:func:`_local_rules`) are checked for the whole batch by
+    :func:`_batch_holds`, not on construction."""
 
     count: float | None = None
     sum: float | None = None
@@ -660,21 +681,15 @@ class FastLocal(_Fast, frozen=True, kw_only=True):
     max: float | None = None
     replicated_sum_sq: float | None = None
 
-    def __post_init__(self) -> None:
-        _local_rules(self)
-
 
 class FastApplied(_Fast, frozen=True, kw_only=True):
-    """:class:`AppliedStats` as decoded by :func:`decode_report_batch`."""
+    """:class:`AppliedStats` as decoded by :func:`decode_report_batch` (rules: :func:`_batch_holds`)."""
 
     count: float | None = None
     sum: float | None = None
     sum_sq: float | None = None
     mean: float | None = None
     var: float | None = None
-
-    def __post_init__(self) -> None:
-        _applied_rules(self)
 
 
 class _TextCache:
@@ -739,8 +754,8 @@ def _ranks_of(raw: msgspec.Raw) -> tuple[list[int] | None, tuple[bool, int] | No
 class FastReport(_Fast, kw_only=True):
     """:class:`Report` as decoded by :func:`decode_report_batch`: the same attributes (and
     ``coords``/``sizes`` methods) the service reads; ``spec`` is a :class:`StatisticSpec`
-    (or None) once decoded. The rules are :class:`Report`'s (:func:`_report_rules`);
-    a broken one raises ValueError, which msgspec turns into its ValidationError."""
+    (or None) once decoded. The rules are :class:`Report`'s, checked for the whole batch by
+    :func:`_batch_holds` (not on construction: a struct made by hand is not checked)."""
 
     run_id: _FName
     statistic: _FName
@@ -753,27 +768,21 @@ class FastReport(_Fast, kw_only=True):
     sizes: FastSizes = FastSizes()
     local: FastLocal
     applied: FastApplied | None = None
-    #: Decoded as the raw JSON text (``null`` too), replaced by its list (or None) in
-    #: :meth:`__post_init__`: the reports of a step mostly carry the same group, decoded and
+    #: Decoded as the raw JSON text (``null`` too), replaced by its list (or None) by
+    #: :func:`_batch_holds`: the reports of a step mostly carry the same group, decoded and
     #: checked once and shared (a 1,024-rank group is 4 kB of JSON per report).
     group_ranks: msgspec.Raw = None  # type: ignore[assignment]
     dtype: DType = "float32"
     kind: Kind = "moments"
-    #: Decoded as the raw JSON text (``null`` too); :meth:`__post_init__` replaces it with
+    #: Decoded as the raw JSON text (``null`` too); :func:`_batch_holds` replaces it with
     #: its :class:`StatisticSpec` or None.
     spec: msgspec.Raw = None  # type: ignore[assignment]
     order: Annotated[str, msgspec.Meta(max_length=_MAX_ORDER)] | None = None
     topology: Literal["known", "unknown"] = "known"
-
-    def __post_init__(self) -> None:
-        if self.run_id not in _RUN_IDS or self.statistic not in _STATISTICS:
-            _check_names(self.run_id, self.statistic)
-        core = facts = None
-        if isinstance(self.spec, msgspec.Raw):
-            self.spec, core = _spec_of(self.spec)
-        if isinstance(self.group_ranks, msgspec.Raw):
-            self.group_ranks, facts = _ranks_of(self.group_ranks)
-        _report_rules(self, core, facts)
+    #: Not a field: msgspec reads no NaN or Infinity token nor a number beyond float range,
+    #: so every float of a fast-decoded report is finite (:func:`auditor.db.store.report_row`
+    #: need not look for non-finite values).
+    values_finite: ClassVar[bool] = True
 
 
 #: What :func:`parse_report_batch` returns: pydantic reports or their fast-decoded twins,
@@ -789,13 +798,149 @@ _FAST_BATCH = msgspec.json.Decoder(_FastBatch)
 
 
 def decode_report_batch(body: bytes) -> list[FastReport] | None:
-    """The reports of a valid ``POST /v1/reports`` body, decoded by msgspec; None when the
-    body breaks any rule or msgspec cannot read it (``NaN`` tokens, numbers beyond float
-    range): :func:`parse_report_batch` then validates it with pydantic."""
+    """The reports of a valid ``POST /v1/reports`` body, decoded by msgspec and checked by
+    :func:`_batch_holds`; None when the body breaks any rule or msgspec cannot read it
+    (``NaN`` tokens, numbers beyond float range): :func:`parse_report_batch` then validates
+    it with pydantic, which words the errors."""
     try:
-        return _FAST_BATCH.decode(body).reports
+        reports = _FAST_BATCH.decode(body).reports
+        return reports if _batch_holds(reports) else None
     except Exception:  # whatever the reason: pydantic decides and words it
         return None
+
+
+_get_run_id, _get_statistic = operator.attrgetter("run_id"), operator.attrgetter("statistic")
+_get_spec, _get_group_ranks = operator.attrgetter("spec"), operator.attrgetter("group_ranks")
+_get_order = operator.attrgetter("order")
+#: Rows of tuples as one flat iterator (``np.fromiter`` reads None as NaN and bools as 0/1).
+_chain = itertools.chain.from_iterable
+_get_local, _get_applied, _get_kind = operator.attrgetter("local"), operator.attrgetter("applied"), operator.attrgetter("kind")
+#: What :func:`_shape_rules` and :func:`_group_rules` read of a report, besides spec and group_ranks.
+_SHAPE = operator.attrgetter("world_size", "rank", "microbatch", "num_microbatches", "sizes", "coords", "order",
+                             "topology")
+_LOCAL_VALUES = operator.attrgetter("count", "sum", "sum_sq", "min", "max", "replicated_sum_sq", "weighted")
+_APPLIED_VALUES = operator.attrgetter("count", "sum", "sum_sq", "mean")
+_NO_APPLIED_VALUES = (0.0, 0.0, 0.0, 0.0)
+_NAN = math.nan
+
+
+def _batch_holds(reports: list[FastReport]) -> bool:
+    """Whether freshly decoded reports keep every rule of :class:`Report` (and of its
+    ``local``/``applied`` blocks); replaces each ``spec`` and ``group_ranks`` raw text by
+    its value on the way. False (or an exception) when a rule is broken: the caller then
+    lets pydantic validate the body, so this may refuse more than the models do, never less.
+
+    The rules are checked per batch rather than per report (the per-report Python rules
+    cost ~2 µs of the ~2.8 µs decode, docs/performance.md "Decode"):
+
+    * names, specs and rank groups once per distinct text (the ``_TextCache`` caches);
+    * :func:`_shape_rules` and :func:`_group_rules` once per distinct combination of the
+      fields they read (a step's ranks repeat every step);
+    * the value rules (:func:`_local_rules`, :func:`_applied_rules`, the fields each kind
+      requires and :func:`_check_cauchy_schwarz`) as numpy array tests over the batch that
+      flag every report that could break one; each flagged report is then checked by the
+      exact rule functions. msgspec reads only finite floats, so a NaN in these columns is
+      a field that was absent (None), and the tests repeat the rules' own float
+      operations (IEEE: the same results); where they would need ``log2`` (Cauchy-Schwarz)
+      or could differ at all, they flag more (``Q < S²/C`` instead of the slack).
+    """
+    n = len(reports)
+    # Names and texts: once per distinct value.
+    if not _RUN_IDS.issuperset(map(_get_run_id, reports)):
+        _check_names(set(map(_get_run_id, reports)), _RUN_IDS, _RUN_ID_RE)
+    if not _STATISTICS.issuperset(map(_get_statistic, reports)):
+        _check_names(set(map(_get_statistic, reports)), _STATISTICS, _STATISTIC_RE)
+    specs = list(map(_get_spec, reports))
+    ranks = list(map(_get_group_ranks, reports))
+    cores: dict[int, Spec] = {}  # id(StatisticSpec) -> its engine spec
+    facts: dict[int, tuple[bool, int]] = {}  # id(group_ranks list) -> _ranks_facts
+    if specs.count(None) != n:
+        last = spec = None
+        for i, raw in enumerate(specs):
+            if raw is not None:
+                if raw != last:  # mostly the text of the report before (compared, not hashed)
+                    spec, core = _spec_of(raw)
+                    last = raw
+                    if spec is not None:
+                        cores[id(spec)] = core
+                reports[i].spec = specs[i] = spec
+    if ranks.count(None) != n:
+        last = gr = None
+        for i, raw in enumerate(ranks):
+            if raw is not None:
+                if raw != last:
+                    gr, f = _ranks_of(raw)
+                    last = raw
+                    if gr is not None:
+                        facts[id(gr)] = f
+                reports[i].group_ranks = ranks[i] = gr
+
+    # The shape rules: with an order, a spec or groups (the extended rules, ~0.8 µs a
+    # report) once per distinct combination of what they read; specs and ranks hold
+    # objects the reports keep alive, so their ids are theirs for the whole check. Plain
+    # reports are cheaper to check one by one than to hash.
+    if cores or facts or list(map(_get_order, reports)).count(None) != n:
+        keys = zip(map(_SHAPE, reports), map(id, specs), map(id, ranks))
+        for i in dict(zip(keys, range(n))).values():  # an index of each distinct combination
+            r = reports[i]
+            _shape_rules(r, None if r.spec is None else cores[id(r.spec)])
+            if r.group_ranks is not None:
+                _group_rules(r, facts[id(r.group_ranks)])
+    else:
+        for r in reports:  # no spec, no group_ranks
+            _shape_rules(r)
+
+    # The value rules: arrays over the batch flag the reports that could break one.
+    locs = list(map(_get_local, reports))
+    L = np.fromiter(_chain(map(_LOCAL_VALUES, locs)), dtype=np.float64, count=7 * n).reshape(n, 7)
+    count, total, total_sq, lo, hi, rep_sq, weighted = L.T
+    has_count, has_sum, has_sq = ~np.isnan(count), ~np.isnan(total), ~np.isnan(total_sq)
+    with np.errstate(all="ignore"):
+        suspect = (count < 0) | (total_sq < 0) | (rep_sq < 0) | (lo > hi)
+        # |min|, |max| <= sqrt(sum_sq)·(1 + 2^-8) + 2^-7 unless weighted (flag or fractional count)
+        wt = (weighted != 0) | (has_count & (np.floor(count) != count))
+        lim = np.sqrt(total_sq) * (1.0 + _RANGE_REL) + _RANGE_ABS
+        suspect |= ~wt & ((np.abs(lo) > lim) | (np.abs(hi) > lim))
+        # the mean sum/count within [min, max] up to its slack
+        on = (count > 0) & (count < _MEAN_COUNT) & has_sum
+        if on.any():
+            mean = total / count
+            terms = np.where(wt, np.maximum(count, _WEIGHTED_TERMS) * 2.0, count) + 1.0
+            slack_lo = terms * _MEAN_REL * (np.abs(mean) + 2.0 * np.abs(lo)) + terms * _MEAN_ABS
+            slack_hi = terms * _MEAN_REL * (np.abs(mean) + 2.0 * np.abs(hi)) + terms * _MEAN_ABS
+            suspect |= on & ((mean < lo - slack_lo) | (mean > hi + slack_hi))
+        # Cauchy-Schwarz: its slack needs log2, so every report below the exact floor is flagged
+        suspect |= (count > 0) & has_sum & has_sq & ~(total_sq >= total * total / count)
+        apps = list(map(_get_applied, reports))
+        missing = apps.count(None)
+        if missing != n:  # an absent applied block reads as zeros: no rule applies to it
+            A = np.fromiter(_chain([_NO_APPLIED_VALUES if a is None else _APPLIED_VALUES(a) for a in apps] if missing
+                                   else map(_APPLIED_VALUES, apps)), dtype=np.float64, count=4 * n).reshape(n, 4)
+            a_count, a_sum, a_sq, a_mean = A.T
+            has_a_sum, has_a_sq = ~np.isnan(a_sum), ~np.isnan(a_sq)
+            suspect |= (a_count < 0) | (a_sq < 0)
+            suspect |= (a_count > 0) & has_a_sum & has_a_sq & ~(a_sq >= a_sum * a_sum / a_count)
+        # the fields each kind requires (applied: moments its mean, or count, sum and sum_sq)
+        kinds = list(map(_get_kind, reports))
+        moments = slice(None) if kinds.count("moments") == n else np.array(kinds, dtype=object) == "moments"
+        suspect[moments] |= ~(has_count & has_sum & has_sq)[moments]
+        if missing != n:
+            suspect[moments] |= (np.isnan(a_mean) & (np.isnan(a_count) | ~has_a_sum | ~has_a_sq))[moments]
+        if not isinstance(moments, slice):
+            k = np.array(kinds, dtype=object)
+            suspect |= (k == "sum") & ~has_sum
+            suspect |= (k == "norm") & ~has_sq
+            if missing != n:
+                suspect |= (k == "sum") & ~has_a_sum
+                suspect |= (k == "norm") & ~has_a_sq
+    for i in np.flatnonzero(suspect).tolist():
+        r = reports[i]
+        _local_rules(r.local)
+        if r.applied is not None:
+            _applied_rules(r.applied)
+        _report_rules(r, None if r.spec is None else cores[id(r.spec)],
+                      None if r.group_ranks is None else facts[id(r.group_ranks)])
+    return True
 
 
 #: Reports validated per pydantic call by :func:`parse_report_batch`.

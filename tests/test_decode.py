@@ -303,3 +303,91 @@ def test_decoded_field_caches_are_bounded():
     for t in (b"[100]", b"[200]", b"[300]", b"[400]", b"[500]"):  # 5 bytes each: 4 fit (20), the 5th not
         small.get(t, make)
     assert list(small.values) == [b"[500]"] and small.held == 5
+
+
+_L = {"count": 2.0, "sum": 1.0, "sum_sq": 1.0, "min": 0.0, "max": 1.0}
+
+
+@pytest.mark.parametrize("change, accepted", [
+    # local block: signs, order, the √sum_sq range (0/1 masks), the mean within [min, max]
+    ({"local": {**_L, "count": -1.0}}, False),
+    ({"local": {**_L, "sum_sq": -1.0}}, False),
+    ({"kind": "norm", "local": {"sum_sq": 1.0, "replicated_sum_sq": -1.0}}, False),
+    ({"kind": "sum", "local": {"sum": 1.0, "min": 1.0, "max": 0.5}}, False),
+    ({"local": {**_L, "max": 1.012}}, False),  # √1·(1 + 2^-8) + 2^-7 = 1.01172
+    ({"local": {**_L, "max": 1.0117}}, True),
+    ({"local": {**_L, "min": -1.012}}, False),
+    ({"local": {**_L, "max": 1.012, "weighted": True}}, True),
+    ({"local": {**_L, "count": 2.5, "max": 1.012}}, True),  # a fractional count: a weighted mask
+    ({"local": {**_L, "min": 0.6}}, False),
+    ({"local": {**_L, "max": 0.4}}, False),
+    # Cauchy-Schwarz: below sum²/count within the dtype's rounding, beyond it, past 2^22 terms, overflow
+    ({"local": {**_L, "sum": 2.0, "sum_sq": 1.999999, "min": 1.0, "max": 1.0}}, True),
+    ({"local": {"count": 2.0, "sum": 2.0, "sum_sq": 1.9}}, False),
+    ({"local": {"count": 2.0, "sum": 2.0, "sum_sq": 1.9}, "dtype": "bfloat16"}, True),
+    ({"local": {"count": 2.0**23, "sum": 2.0**23, "sum_sq": 2.0**22}}, False),
+    ({"local": {"count": 2.0**23, "sum": 2.0**23, "sum_sq": 2.0**23 * 0.9999999}}, True),
+    ({"local": {"count": 1.0, "sum": 1e300, "sum_sq": 1e300}}, True),  # sum² overflows: no rule applies
+    ({"local": {"count": 5e-324, "sum": 1.0, "sum_sq": 1.0}}, True),
+    # the fields each kind requires, local and applied
+    ({"local": {"count": 2.0, "sum": 1.0}}, False),
+    ({"kind": "sum", "local": {"count": 2.0}}, False),
+    ({"kind": "norm", "local": {"count": 2.0, "sum": 1.0}}, False),
+    ({"applied": {"count": -1.0, "sum": 1.0, "sum_sq": 1.0}}, False),
+    ({"applied": {"count": 2.0, "sum": 1.0, "sum_sq": -1.0}}, False),
+    ({"applied": {"count": 2.0, "sum": 2.0, "sum_sq": 1.0}}, False),
+    ({"applied": {"count": 2.0, "sum": 1.0}}, False),
+    ({"applied": {"var": 1.0, "count": 2.0, "sum": 1.0}}, False),
+    ({"applied": {"mean": 1.0}}, True),
+    ({"applied": None}, True),
+    ({"kind": "sum", "local": {"sum": 1.0}, "applied": {"count": 2.0}}, False),
+    ({"kind": "sum", "local": {"sum": 1.0}, "applied": {"sum": 2.0}}, True),
+    ({"kind": "norm", "local": {"sum_sq": 1.0}, "applied": {"sum": 2.0}}, False),
+    ({"kind": "norm", "local": {"sum_sq": 1.0}, "applied": {"sum_sq": 2.0}}, True),
+    # the place in the world, groups, names, spec
+    ({"rank": 1}, False), ({"coords": {"dp": 1}}, False), ({"sizes": {"dp": 2}}, False), ({"microbatch": 1}, False),
+    ({"group_ranks": [0, 0]}, False), ({"group_ranks": [1]}, False), ({"topology": "unknown"}, False),
+    ({"world_size": 2, "rank": 1, "sizes": {"dp": 2}, "coords": {"dp": 0}, "order": "tp-cp-dp-pp"}, False),
+    ({"world_size": 2, "rank": 1, "sizes": {"dp": 2}, "coords": {"dp": 1}, "order": "tp-cp-dp-pp"}, True),
+    ({"run_id": "a/../b"}, False), ({"statistic": "a b"}, False), ({"spec": {"placement": {"pp": [3]}}}, False),
+])
+@pytest.mark.parametrize("where", [0, 1, 4])
+def test_each_batch_rule_agrees(change, accepted, where):
+    """The fast decoder checks the rules per batch (names, specs and groups per text, the
+    shape rules per distinct combination, the value rules as array tests): each rule, broken
+    or just kept, in one report among valid ones, is judged as pydantic judges it."""
+    reports = [dict(BASE, step=i, local=dict(_L)) for i in range(5)]
+    reports[where] = {**reports[where], **change}
+    body = json.dumps({"reports": reports}).encode()
+    fast = decode_report_batch(body)
+    slow, errors, _ = validate_report_batch(body, 10)
+    assert (slow is not None) == accepted, errors
+    assert (fast is not None) == accepted
+    if fast is not None:
+        assert canon(fast) == canon(slow)
+
+
+def test_shared_shapes_are_each_checked():
+    """Reports with an order share their shape checks: a rank whose coords break the
+    order among 64 ranks that keep it is still refused; group_ranks and spec texts
+    repeated or alternating are decoded once each and every report carries its own."""
+    from auditor import layout
+    sizes = {"dp": 8, "cp": 2, "tp": 2, "pp": 2}
+
+    def rep(rank, **kw):
+        return {**BASE, "world_size": 64, "rank": rank, "sizes": sizes, "order": "tp-cp-dp-pp",
+                "coords": layout.coords_of(rank, sizes, "tp-cp-dp-pp"), **kw}
+
+    groups = [list(range(0, 64, 2)), list(range(1, 64, 2))]
+    ok = [rep(r, step=s, group_ranks=groups[r % 2], spec={"reduce_over": ["dp"]} if r % 3 else None)
+          for s in range(2) for r in range(64)]
+    fast = decode_report_batch(json.dumps({"reports": ok}).encode())
+    slow, errors, _ = validate_report_batch(json.dumps({"reports": ok}).encode(), 10)
+    assert fast is not None and slow is not None and canon(fast) == canon(slow)
+    assert [r.group_ranks for r in fast] == [groups[r % 2] for _ in range(2) for r in range(64)]
+    bad = [dict(r) for r in ok]
+    bad[77] = {**bad[77], "coords": {**bad[77]["coords"], "dp": (bad[77]["coords"]["dp"] + 1) % 8}}
+    assert decode_report_batch(json.dumps({"reports": bad}).encode()) is None
+    bad = [dict(r) for r in ok]
+    bad[100] = {**bad[100], "group_ranks": [0, 2, 2]}
+    assert decode_report_batch(json.dumps({"reports": bad}).encode()) is None
