@@ -54,8 +54,8 @@ _AUDIT_FIELDS = operator.itemgetter(*(COLUMNS.index(f) for f in _REPORT_FIELDS))
 _GROUP_RANKS = _REPORT_FIELDS.index("group_ranks")
 _APPLIED_COLUMN = COLUMNS.index("applied")
 #: Columns of a ``reports`` row that :func:`elements` reads.
-_INT_COLUMNS = operator.itemgetter(*(COLUMNS.index(c) for c in ("dp", "cp", "tp", "pp", "microbatch", "rank")))
-_VALUE_COLUMNS = operator.itemgetter(*(COLUMNS.index(c) for c in batch.VALUE_FIELDS))
+_INT_INDEX = tuple(COLUMNS.index(c) for c in ("dp", "cp", "tp", "pp", "microbatch", "rank"))
+_VALUE_INDEX = tuple(COLUMNS.index(c) for c in batch.VALUE_FIELDS)
 _DTYPE, _NON_FINITE, _GROUP_RANKS_COLUMN = (COLUMNS.index(c) for c in ("dtype", "non_finite", "group_ranks"))
 #: Below this many rows a PostgreSQL batch is inserted with one ``INSERT ... RETURNING``.
 _PG_COPY_MIN_ROWS = 32
@@ -308,45 +308,64 @@ def _float_or_none(x: float | None) -> float | None:
     return None if x is None or not math.isfinite(x) else float(x)
 
 
+_LOCAL_VALUES = operator.attrgetter(*_LOCAL_FIELDS)
+_APPLIED_VALUES = operator.attrgetter(*_APPLIED_FIELDS)
+_COORDS = operator.attrgetter("dp", "cp", "tp", "pp", "edp", "ep", "etp")
+
+
 def report_row(r, series_id: int, now: float) -> tuple:
     """Flatten one wire report (anything with the attributes of
     :class:`auditor.schemas.Report`) into a ``reports`` row, a tuple in :data:`COLUMNS`
-    order (the ingest hot path: no dict per report). NaN becomes NULL (SQLite cannot store
-    NaN) and the names of all non-finite fields go to ``non_finite``."""
-    loc, app, c = r.local, r.applied, r.coords
-    vals = (loc.count, loc.sum, loc.sum_sq, loc.min, loc.max, loc.replicated_sum_sq) + (
-        _NO_APPLIED if app is None else (app.count, app.sum, app.sum_sq, app.mean, app.var))
+    order (the ingest hot path: no dict per report, the fields read by C-level getters).
+    NaN becomes NULL (SQLite cannot store NaN) and the names of all non-finite fields go to
+    ``non_finite``; a report whose class says ``values_finite`` (the fast decoder's: msgspec
+    reads no NaN or Infinity) is not searched for them."""
+    app = r.applied
+    loc = _LOCAL_VALUES(r.local)
+    applied = _NO_APPLIED if app is None else _APPLIED_VALUES(app)
     non_finite = None
-    try:  # one C-level pass for the common all-finite case
-        finite = math.isfinite(math.fsum([v for v in vals if v is not None]))
-    except (OverflowError, ValueError):  # overflow, or +Inf and -Inf together: field by field
-        finite = False
-    if not finite:
-        bad = [n for n, v in zip(_FLOAT_NAMES, vals) if v is not None and not math.isfinite(v)]
-        if bad:
-            non_finite = ",".join(bad)
-            vals = tuple(None if v is not None and math.isnan(v) else v for v in vals)
+    if not r.values_finite:
+        loc, applied, non_finite = _non_finite(loc, applied)
+    gr = r.group_ranks
     if r.topology == "unknown":  # no coordinates: store the rank (the audit groups by group_ranks)
-        return (series_id, r.step, r.microbatch, r.rank, r.rank, 0, 0, 0, 0, 0, 0, r.dtype, *vals[:6],
-                app is not None, *vals[6:], non_finite, compress_ranks_shared(r.group_ranks), now)
-    return (series_id, r.step, r.microbatch, r.rank, c.dp, c.cp, c.tp, c.pp, c.edp, c.ep, c.etp, r.dtype, *vals[:6],
-            app is not None, *vals[6:], non_finite,
-            compress_ranks_shared(r.group_ranks) if r.group_ranks is not None else None, now)
+        return (series_id, r.step, r.microbatch, r.rank, r.rank, 0, 0, 0, 0, 0, 0, r.dtype, *loc,
+                app is not None, *applied, non_finite, compress_ranks_shared(gr), now)
+    return (series_id, r.step, r.microbatch, r.rank, *_COORDS(r.coords), r.dtype, *loc,
+            app is not None, *applied, non_finite, None if gr is None else compress_ranks_shared(gr), now)
+
+
+def _non_finite(loc: tuple, applied: tuple) -> tuple[tuple, tuple, str | None]:
+    """``(loc, applied, names)`` of a report's local and applied values: NaN replaced by
+    None and the comma-separated column names of the non-finite ones (None if all finite)."""
+    vals = loc + applied
+    try:  # one C-level pass for the common all-finite case
+        if math.isfinite(math.fsum([v for v in vals if v is not None])):
+            return loc, applied, None
+    except (OverflowError, ValueError):  # overflow, or +Inf and -Inf together: field by field
+        pass
+    bad = [n for n, v in zip(_FLOAT_NAMES, vals) if v is not None and not math.isfinite(v)]
+    if not bad:
+        return loc, applied, None
+    vals = tuple(None if v is not None and math.isnan(v) else v for v in vals)
+    return vals[:len(loc)], vals[len(loc):], ",".join(bad)
 
 
 def elements(steps: Sequence[Sequence[tuple]]) -> batch.Elements:
     """The columns :func:`auditor.core.audit_clean` reads, of the ``reports`` rows
-    (:data:`COLUMNS` order) of several steps: ``steps[i]`` holds the rows of step ``i``."""
+    (:data:`COLUMNS` order) of several steps: ``steps[i]`` holds the rows of step ``i``.
+    The rows are transposed once (``zip``, in C) and the columns made arrays (``ints`` and
+    ``values`` are Fortran-ordered views of those columns; None becomes NaN)."""
     rows = [r for rs in steps for r in rs]
     n = len(rows)
+    cols = list(zip(*rows)) if n else [()] * len(COLUMNS)
     return batch.Elements(
         step=np.repeat(np.arange(len(steps), dtype=np.int64), [len(rs) for rs in steps]),
-        ints=np.array([_INT_COLUMNS(r) for r in rows], dtype=np.int64).reshape(n, 6),
-        values=np.array([_VALUE_COLUMNS(r) for r in rows], dtype=np.float64).reshape(n, len(batch.VALUE_FIELDS)),
-        applied=np.array([r[_APPLIED_COLUMN] for r in rows], dtype=bool).reshape(n),
-        dtype=[r[_DTYPE] for r in rows],
-        noted=np.array([r[_NON_FINITE] is not None for r in rows], dtype=bool).reshape(n),
-        group_ranks=[r[_GROUP_RANKS_COLUMN] for r in rows],
+        ints=np.array([cols[i] for i in _INT_INDEX], dtype=np.int64).reshape(len(_INT_INDEX), n).T,
+        values=np.array([cols[i] for i in _VALUE_INDEX], dtype=np.float64).reshape(len(_VALUE_INDEX), n).T,
+        applied=np.array(cols[_APPLIED_COLUMN], dtype=bool).reshape(n),
+        dtype=cols[_DTYPE],
+        noted=np.array([x is not None for x in cols[_NON_FINITE]], dtype=bool).reshape(n),
+        group_ranks=cols[_GROUP_RANKS_COLUMN],
     )
 
 
