@@ -407,7 +407,7 @@ class Service:
                 for row in (ordered if all_new else (rows[k] for k in sorted(inserted_keys))):
                     by_step[row[:2]].append(row)
                 todo: list[_Due] = []
-                for sk in fresh:
+                for sk in sorted(fresh):
                     info = by_id[sk[0]]
                     n = added[sk]
                     todo.append(_Due(info, topo_of[info.run_id],
@@ -426,7 +426,8 @@ class Service:
                     # audit the rows in hand instead of reading them back.
                     mine = by_step[(p.series_id, p.step)] if p.received == added[(p.series_id, p.step)] else None
                     todo.append(_Due(info, topo_of[info.run_id], p, previous, mine))
-                todo.sort(key=lambda d: (d.arrival.series_id, d.arrival.step))
+                if fresh and len(todo) > len(fresh):  # both kinds: key order
+                    todo.sort(key=lambda d: (d.arrival.series_id, d.arrival.step))
                 out.audited += self._audit_steps(conn, todo, now)
         self._runs.update(new_runs)
         self._series.update(new_series)

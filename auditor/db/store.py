@@ -15,6 +15,12 @@ sees ``received == expected``; that one audits the step in the same transaction.
 is written with ``UPDATE ... WHERE verdict IS NULL`` (:meth:`Store.record_verdicts`), so the
 sweep (missing reports after the grace period) and an ingest can never both record a
 verdict. On SQLite, write transactions are ``BEGIN IMMEDIATE`` and simply queue.
+
+A step whose every report one ingest transaction inserted (``Service._fresh_steps``) skips
+the upsert: no other transaction can have made its row, so it is audited with the rows in
+hand and its row INSERTed with the verdict (``ON CONFLICT DO NOTHING``; a row that exists
+after all sends the batch the general way). On PostgreSQL the step-row statements run once
+per batch over ``unnest`` arrays, not once per step.
 """
 
 from __future__ import annotations
@@ -654,7 +660,10 @@ class Store:
         touch: any transaction writing such a row must first insert one of the step's
         reports, and waits on this one's report keys before it can.
         """
-        order = sorted(range(len(items)), key=lambda i: (items[i].series_id, items[i].step))
+        keys = [(it.series_id, it.step) for it in items]
+        order = list(range(len(items)))
+        if any(keys[i] > keys[i + 1] for i in range(len(keys) - 1)):  # the service passes them in key order
+            order.sort(key=keys.__getitem__)
         won = [False] * len(items)
         if not order:
             return won
