@@ -255,3 +255,31 @@ def test_verdict_updates_find_the_step_row_by_its_key_on_sqlite(store):
             plan = [row[3] for row in raw.execute("EXPLAIN QUERY PLAN " + sql, [None] * sql.count("?"))]
             assert all("ix_step_audits_open" not in p and not p.startswith("SCAN") for p in plan), plan
             assert any("(series_id=? AND step=?)" in p or "(rowid=?)" in p for p in plan), plan
+
+
+def test_verdict_text_and_numbers_are_stored_as_given(store, run_id):
+    """Fault messages and evidence with quotes, backslashes, braces, commas, NULL, unicode
+    and newlines, NaN/Inf and tiny/huge σ figures and group values, in fresh and updated
+    step rows, read back as given (PostgreSQL takes them as array literals)."""
+    now = time.time()
+    nasty = 'a "quoted", {braced} \\ back\\slash NULL\nσ≈1e-7 \'single\''
+    with store.write() as conn:
+        store.ensure_run(conn, run_id, 2, (1, 2, 1, 1), now)
+        sid = store.ensure_series(conn, run_id, "adv", "moments", {}, now).id
+        store.count_arrivals(conn, {(sid, 0): 2}, {(sid, 0): 2}, now)
+        items = []
+        for st, fresh in ((0, False), (1, True)):
+            fault = core.Fault(core.FaultKind("group_mismatch"), nasty, [0, 1],
+                               {"text": nasty, "x": float("inf"), "y": [1e-300, None]})
+            groups = [core.GroupStat((0, 1), 0, [], 150.0, 1e-300, float("nan")),
+                      core.GroupStat((0, 2), 0, [], 2.0, -1e300, 0.1)]
+            v = core.StepVerdict("inconsistent", [fault], [], groups, 1e-7 * (st + 1), 1e300, None)
+            items.append(VerdictItem(sid, st, v, fresh=fresh, expected=2, received=2))
+        assert store.record_verdicts(conn, items, now) == [True, True]
+    with store.read() as conn:
+        for st in (0, 1):
+            row = store.step_row(conn, sid, st)
+            assert (row["cp_disagreement_sigma"], row["applied_error_sigma"]) == (1e-7 * (st + 1), 1e300)
+            assert row["groups"] == [[[0, 1], 0, 150.0, 1e-300, "nan"], [[0, 2], 0, 2.0, -1e300, 0.1]]
+            (f,) = store.step_faults(conn, sid, st)
+            assert (f["message"], f["evidence"]) == (nasty, {"text": nasty, "x": "inf", "y": [1e-300, None]})
