@@ -464,7 +464,8 @@ class Service:
         """Run the engine on one step (``history``: its lazy loader). Never raises: an
         exception of the engine (or findings that cannot be stored) becomes the verdict
         ``audit_error`` with the exception as the step's one fault, logged once; nothing else
-        of the batch is affected."""
+        of the batch is affected. (:class:`_StepRowExists` from the history loader's flush
+        is the batch's, not the step's: it passes.)"""
         try:
             v = core.audit_step(
                 rank_reports, topo.sizes, info.engine_spec,
@@ -474,6 +475,8 @@ class Service:
             json.dumps(json_safe([[[list(g.key), g.microbatch, g.count, g.mean, g.var] for g in v.groups],
                                   [f.evidence for f in v.faults]]), allow_nan=False)  # storable
             return v
+        except _StepRowExists:  # raised by the history loader's flush: the batch, not this step
+            raise
         except Exception as exc:  # noqa: BLE001 - contained to this step (verdict audit_error)
             log.exception("audit of %s/%s step %d raised; recorded as audit_error", info.run_id, info.statistic, step)
             message = (f"the audit engine raised {type(exc).__name__}: {str(exc)[:500]} — this step has no verdict; "
