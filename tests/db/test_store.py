@@ -67,6 +67,36 @@ def test_bulk_insert_is_all_or_nothing_and_reads_back_the_engine_input(store, ru
     assert got[1].group_ranks == (1,) and got[1].local_count == 85.0 and KEY == COLUMNS[:4]
 
 
+def test_bulk_insert_of_any_size_stores_each_row_once(store, run_id):
+    """Batches of 1, 17, 256, 529 (256 + 256 + 16 + 1) and 300 rows (SQLite inserts 256, 16
+    and then single rows per statement) are stored whole and read back equal, in every
+    chunk's place; a batch with one stored key, in a 256-row chunk or among the single rows
+    at its end, stores nothing and returns False."""
+    now = time.time()
+    with store.write() as conn:
+        store.ensure_run(conn, run_id, 2, (1, 2, 1, 1), now)
+        sid = store.ensure_series(conn, run_id, "adv", "moments", {}, now).id
+    step = 0
+    for n in (1, 17, 256, 529, 300):
+        rows = sorted(r for s in range(step, step + (n + 1) // 2) for r in _rows(run_id, sid, now, step=s))[:n]
+        rows = [(*r[:-3], f"{r[1]},{r[3]}", *r[-2:]) for r in rows]  # a distinct value per row (non_finite)
+        step += (n + 1) // 2
+        with store.write() as conn:
+            assert store.insert_all_new(conn, rows) is (store.dialect == "sqlite" or n >= 32)
+            if store.dialect == "postgresql" and n < 32:
+                assert store.insert_returning(conn, rows) == {r[:4] for r in rows}
+        with store.read() as conn:
+            stored = store.fetch_reports(conn, [r[:4] for r in rows])
+        assert {k: v[:-1] for k, v in stored.items()} == {r[:4]: r[:-1] for r in rows}, n
+    for at in (100, 299):  # in the first 256-row statement; the last single row
+        again = sorted(r for s in range(step, step + 150) for r in _rows(run_id, sid, now, step=s))
+        again[at] = (*again[at][:1], 1, *again[at][2:])  # step 1's key (either rank): stored above
+        with store.write() as conn:
+            assert store.insert_all_new(conn, again) is False
+        with store.read() as conn:
+            assert store.fetch_reports(conn, [r[:4] for r in again if r[1] >= step]) == {}
+
+
 def test_a_verdict_is_recorded_once_with_its_aggregates(store, run_id):
     """count_arrivals adds to the step row and returns it; record_verdicts writes the verdict
     only while the step is open (a second call is False and changes nothing); the series
