@@ -35,7 +35,7 @@ from auditor.schemas import parse_report_batch
 from auditor.service import ConflictError, LimitError, NotFound, Service
 from auditor.trainer.delivery import CONFIGURATION_ERRORS, DeliveryError, Outcome, deliver
 from auditor.offline_reader import BODY_HEAD, BODY_TAIL, Batch, local_batches, piped_batches
-from auditor.trainer.spool import SpoolReader, append_lines, dead_letter_path, read_offset, spool_files, write_offset
+from auditor.trainer.spool import MAX_LINE_BYTES, SpoolReader, append_lines, dead_letter_path, read_offset, spool_files, write_offset
 
 log = logging.getLogger("auditor.spool")
 _run_id = operator.attrgetter("run_id")
@@ -142,11 +142,20 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
             log.warning("%s: %d reports rejected, appended to %s: %s", files[i], len(lines), dead,
                         out.message[:300])
 
+    unread = _SkippedLines(files, "unread")
+
+    def name_unread() -> None:  # lines the reader skipped (too long: never sendable) or left (torn)
+        for i, start, n, why in reader.take_unread():
+            unread.add(i, start + n, _unread_message(n, why).replace("skipped", "not sent, left in the spool"),
+                       torn=why == "torn")
+            counts["rejected"] += why == "too_long"
+
     if on_progress:
         on_progress(reader.done_bytes(), total, 0)
     try:
         with httpx.Client(timeout=timeout, headers=headers) as http:
             for batch in read_ahead(reader.batches(batch_size)):
+                name_unread()
                 lines = [item[3] for item in batch]
                 source = {id(item[3]): item[1] for item in batch}
                 try:
@@ -170,6 +179,8 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
         for tmp in again.values():  # interrupted: the dead-letter files stay as they were
             tmp.unlink(missing_ok=True)
         raise
+    name_unread()
+    unread.summarise()
     for i, end in enumerate(reader.ends[:len(spools)]):  # trailing blank lines, files with nothing to send
         if end > written[i]:
             write_offset(files[i], url, end)
@@ -276,20 +287,23 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
         service = Service.from_engine(engine)
         stack.enter_context(_few_collections())
         run_ids: dict[str, None] = {}  # in order of appearance
-        invalid = _InvalidLines(files)
+        invalid = _SkippedLines(files, "invalid")
+        conflicting = _SkippedLines(files, "conflicting")
 
-        def ingest(batch: Sequence) -> None:
+        def ingest(reports: Sequence, lines: Sequence[int], where) -> None:
+            """Store ``reports`` (line ``lines[k]`` of the batch is ``reports[k]``); the service
+            stores nothing of a batch it refuses: bisect down to the refused reports."""
             try:
-                out = service.ingest(batch)
+                out = service.ingest(reports)
                 counts["stored"] += out.accepted
                 counts["duplicates"] += out.duplicates
-            except (ConflictError, LimitError):
-                if len(batch) == 1:
-                    counts["conflicting"] += 1
+            except (ConflictError, LimitError) as e:
+                if len(reports) == 1:
+                    conflicting.add(where[2 * lines[0]], where[2 * lines[0] + 1], f"conflicting report skipped: {e}")
                     return
-                half = len(batch) // 2  # the service stored nothing of it: bisect to the refused reports
-                ingest(batch[:half])
-                ingest(batch[half:])
+                half = len(reports) // 2
+                ingest(reports[:half], lines[:half], where)
+                ingest(reports[half:], lines[half:], where)
 
         if on_progress:
             on_progress(0, total, 0)
@@ -297,17 +311,22 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
             reader_process = (os.cpu_count() or 1) > 1 and total >= READER_PROCESS_BYTES
         with (piped_batches(files, batch_size) if reader_process else local_batches(files, batch_size)) as batches:
             for batch in batches:
-                counts["reports"] += len(batch)
-                reports = _decode(batch, invalid)
+                counts["reports"] += len(batch) + len(batch.unread)
+                for i, start, n, why in batch.unread:
+                    invalid.add(i, start + n, _unread_message(n, why), torn=why == "torn")
+                reports, lines = _decode(batch, invalid)
                 if run_id is not None:
-                    reports = [r for r in reports if r.run_id == run_id]
+                    keep = [k for k, r in enumerate(reports) if r.run_id == run_id]
+                    reports, lines = [reports[k] for k in keep], [lines[k] for k in keep]
                 run_ids.update(dict.fromkeys(map(_run_id, reports)))
                 if reports:
-                    ingest(reports)
+                    ingest(reports, lines, batch.where)
                 if on_progress:
                     on_progress(batch.done, total, counts["reports"])
         counts["invalid"] = invalid.total
+        counts["conflicting"] = conflicting.total
         invalid.summarise()
+        conflicting.summarise()
         now = time.time() + 1.0
         while service.sweep(grace_seconds=0.0, now=now):
             pass
@@ -346,28 +365,41 @@ def _few_collections() -> Iterator[None]:
         gc.unfreeze()
 
 
-def _decode(batch: Batch, invalid: "_InvalidLines") -> list:
+def _decode(batch: Batch, invalid: "_SkippedLines") -> tuple[list, Sequence[int]]:
     """The valid reports of a batch of spool lines, decoded as the body of one
-    ``POST /v1/reports`` would be; if that fails (some line is invalid), line by line, and
-    the invalid lines (file index and end offset in ``batch.where``) are handed to ``invalid``."""
+    ``POST /v1/reports`` would be, and the line (index in the batch) of each; if that fails
+    (some line is invalid), line by line, and the invalid lines (file index and end offset
+    in ``batch.where``) are handed to ``invalid``."""
+    if not len(batch):
+        return [], []
     reports, _errors, n = parse_report_batch(batch.body, 1)
     if reports is not None and n == len(batch):
-        return reports
-    good = []
+        return reports, range(n)
+    good, lines = [], []
     where = batch.where
     for k, line in enumerate(batch.lines()):
         one, errors, n = parse_report_batch(BODY_HEAD + line + BODY_TAIL, 1000)
         if one is not None and n == 1:
             good.extend(one)
+            lines.append(k)
         else:
-            invalid.add(where[2 * k], where[2 * k + 1],
-                        errors if n == 1 else [{"loc": (), "msg": f"{n} JSON values on one line", "type": "value_error"}])
-    return good
+            invalid.add(where[2 * k], where[2 * k + 1], "invalid report skipped: " + invalid_reason(
+                errors if n == 1 else [{"loc": (), "msg": f"{n} JSON values on one line", "type": "value_error"}]))
+    return good, lines
 
 
 #: Invalid lines of one spool file named one by one (the rest are counted): a file that is
 #: not a spool at all must not print one identical line per line.
 MAX_INVALID_LOGGED = 5
+
+
+def _unread_message(n: int, why: str) -> str:
+    """What :class:`~auditor.trainer.spool.SpoolReader` did with a line it did not read
+    (:data:`~auditor.trainer.spool.UnreadLine`: ``n`` bytes, ``why``)."""
+    if why == "too_long":
+        return (f"invalid report skipped: a line of {n:,} bytes, longer than {MAX_LINE_BYTES >> 20} MiB (the largest "
+                "request body the service takes)")
+    return f"last line not read: it has no newline ({n:,} bytes): torn by a crash, or still being written"
 
 
 def invalid_reason(errors: list[dict]) -> str:
@@ -390,30 +422,32 @@ def invalid_reason(errors: list[dict]) -> str:
     return f"{field or 'report'}: {e['msg']}{more}"
 
 
-class _InvalidLines:
-    """Counts invalid spool lines per file and logs the first :data:`MAX_INVALID_LOGGED` of
-    each as ``FILE:LINE: invalid report skipped: <reason>``; :meth:`summarise` logs how many
-    more each file had."""
+class _SkippedLines:
+    """Counts spool lines skipped for one cause (``what``: invalid, conflicting) per file and
+    logs the first :data:`MAX_INVALID_LOGGED` of each as ``FILE:LINE: <message>``;
+    :meth:`summarise` logs how many more each file had. Lines of one file must be added in
+    file order."""
 
-    def __init__(self, files: list[Path]):
-        self.files = files
+    def __init__(self, files: list[Path], what: str):
+        self.files, self.what = files, what
         self.per_file: dict[int, int] = defaultdict(int)
         self.numbers: dict[int, _LineNumbers] = {}
         self.total = 0
 
-    def add(self, i: int, end: int, errors: list[dict]) -> None:
-        """Line of file ``i`` ending at byte ``end`` is invalid, for ``errors``."""
+    def add(self, i: int, end: int, message: str, torn: bool = False) -> None:
+        """The line of file ``i`` ending at byte ``end`` (``torn``: the file ends inside it,
+        at ``end``) was skipped: log ``message`` with the file and line number."""
         self.total += 1
         self.per_file[i] += 1
         if self.per_file[i] <= MAX_INVALID_LOGGED:
             where = self.numbers.setdefault(i, _LineNumbers(self.files[i]))
-            log.warning("%s:%d: invalid report skipped: %s", self.files[i], where.line_before(end),
-                        invalid_reason(errors))
+            log.warning("%s:%d: %s", self.files[i], where.line_before(end) + torn, message)
 
     def summarise(self) -> None:
         for i, n in sorted(self.per_file.items()):
             if n > MAX_INVALID_LOGGED:
-                log.warning("%s: %d more invalid line(s) skipped (%d in all)", self.files[i], n - MAX_INVALID_LOGGED, n)
+                log.warning("%s: %d more %s line(s) skipped (%d in all)", self.files[i], n - MAX_INVALID_LOGGED,
+                            self.what, n)
 
 
 class _LineNumbers:

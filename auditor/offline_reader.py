@@ -51,19 +51,22 @@ class Batch:
     """One batch of spool lines: ``body`` (the request body of its lines, see
     :data:`BODY_HEAD`), ``where`` (int64; ``where[2k]``, ``where[2k + 1]``: file index and
     end offset of line ``k``), ``lengths`` (int64; bytes of each line), ``done`` (bytes of
-    the spools read so far), and :meth:`lines` (cut from the body on demand)."""
+    the spools read so far), ``unread`` (the lines the reader skipped or could not read since
+    the batch before: :data:`~auditor.trainer.spool.UnreadLine`), and :meth:`lines` (cut
+    from the body on demand). A batch may hold no line, only ``unread`` ones."""
 
-    __slots__ = ("body", "where", "lengths", "done")
+    __slots__ = ("body", "where", "lengths", "done", "unread")
 
-    def __init__(self, body: bytes, where: array, lengths: array, done: int):
+    def __init__(self, body: bytes, where: array, lengths: array, done: int, unread: list | None = None):
         self.body, self.where, self.lengths, self.done = body, where, lengths, done
+        self.unread = unread or []
 
     @classmethod
-    def of(cls, batch: list, done: int) -> Batch:
+    def of(cls, batch: list, done: int, unread: list | None = None) -> Batch:
         """From a list of :data:`~auditor.trainer.spool.MergedLine` of :meth:`SpoolReader.batches`."""
         lines = [item[3] for item in batch]
         where = array("q", [v for item in batch for v in (item[1], item[2])])
-        return cls(BODY_HEAD + b",".join(lines) + BODY_TAIL, where, array("q", map(len, lines)), done)
+        return cls(BODY_HEAD + b",".join(lines) + BODY_TAIL, where, array("q", map(len, lines)), done, unread)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -78,7 +81,9 @@ class Batch:
 
 def _batches(reader: SpoolReader, size: int) -> Iterator[Batch]:
     for batch in reader.batches(size):
-        yield Batch.of(batch, reader.done_bytes())
+        yield Batch.of(batch, reader.done_bytes(), reader.take_unread())
+    if unread := reader.take_unread():  # found after the last line (a torn last line)
+        yield Batch.of([], reader.done_bytes(), unread)
 
 
 @contextlib.contextmanager

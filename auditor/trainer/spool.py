@@ -334,6 +334,17 @@ def line_key(line: bytes) -> tuple[bytes, int, bytes] | None:
 #: One line of a merged spool: ``(key, file index, offset just past the line, line)``.
 MergedLine = tuple[tuple[bytes, int, bytes], int, int, bytes]
 
+#: The longest spool line :class:`SpoolReader` reads, in bytes: the service's default
+#: request body limit (``AUDITOR_MAX_BODY_BYTES``, 16 MiB), so a longer line could never be
+#: delivered. A longer line is skipped without being held in memory.
+MAX_LINE_BYTES = 16 << 20
+
+#: A spool line :class:`SpoolReader` did not read: ``(file index, offset where the line
+#: starts, its bytes, reason)``; reason ``"too_long"`` (over :data:`MAX_LINE_BYTES`, skipped)
+#: or ``"torn"`` (the file ends inside it, no newline: still being written, or torn by a
+#: crash; left unread).
+UnreadLine = tuple[int, int, int, str]
+
 
 class SpoolReader:
     """The lines of several spool files as one stream, each file read line by line from its
@@ -351,10 +362,12 @@ class SpoolReader:
     before it in its file and travels with it.
 
     Memory: one buffered line per file (the merge's heads) plus what the consumer holds;
-    never a whole file. ``ends[i]`` is the offset of file ``i`` up to which lines were read
-    (the merge's head of that file included), trailing blank lines included once the file is
-    exhausted (what an import then records as delivered); a torn last line (no newline) is
-    never read.
+    never a whole file, nor a whole line longer than :data:`MAX_LINE_BYTES` (skipped).
+    ``ends[i]`` is the offset of file ``i`` up to which lines were read (the merge's head of
+    that file included), trailing blank lines included once the file is exhausted (what an
+    import then records as delivered); a torn last line (no newline) is never read. Both
+    kinds of unread line are listed in :attr:`unread` (:data:`UnreadLine`), for the caller
+    to name (:meth:`take_unread`).
 
     Parameters
     ----------
@@ -369,16 +382,38 @@ class SpoolReader:
         self.starts = list(starts) if starts is not None else [0] * len(self.paths)
         self.ends = list(self.starts)
         self.sizes = [p.stat().st_size for p in self.paths]
+        self.unread: list[UnreadLine] = []
+
+    def take_unread(self) -> list[UnreadLine]:
+        """The lines found unread since the last call (see the class), in the order met."""
+        out, self.unread = self.unread, []
+        return out
 
     def _file(self, i: int) -> Iterator[MergedLine]:
+        try:
+            yield from self._lines_of(i)
+        except OSError as e:  # a read error names no file: name it
+            if e.filename is None:
+                raise type(e)(e.errno, e.strerror or str(e), str(self.paths[i])) from e
+            raise
+
+    def _lines_of(self, i: int) -> Iterator[MergedLine]:
         pos = self.starts[i]
         ends = self.ends
         key = NO_KEY
         with open(self.paths[i], "rb") as f:
             f.seek(pos)
-            for line in f:
+            while line := f.readline(MAX_LINE_BYTES + 1):
                 if line[-1:] != b"\n":
-                    break  # torn or still being written
+                    n = len(line)
+                    while line[-1:] != b"\n" and (line := f.readline(1 << 20)):
+                        n += len(line)  # longer than MAX_LINE_BYTES: skip to its end, holding 1 MiB at most
+                    self.unread.append((i, pos, n, "torn" if line[-1:] != b"\n" else "too_long"))
+                    if line[-1:] != b"\n":
+                        break  # torn or still being written: not read, the offset stays before it
+                    pos += n
+                    ends[i] = pos
+                    continue
                 pos += len(line)
                 body = line.strip()
                 if body:

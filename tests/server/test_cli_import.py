@@ -152,3 +152,27 @@ def test_a_poison_report_is_dead_lettered_named_and_retried_on_request(flaky, tm
     assert out.returncode == 0, out.stdout + out.stderr
     assert "retried 1 dead-lettered report(s) from 1 file(s): all delivered" in out.stdout
     assert not dead.exists() and sorted(r["step"] for r in flaky.stored) == list(range(40))
+
+
+@pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
+def test_lines_it_cannot_send_are_named_and_a_torn_line_waits(live_server, tmp_path, run_id):
+    """A line longer than the 16 MiB body the service takes is never read whole nor sent:
+    named by file and line, counted rejected (exit 1), left in the spool; a torn last line is
+    named and not sent, and the sidecar stops before it, so the next import sends it once
+    the trainer has finished writing it."""
+    from auditor.trainer.spool import MAX_LINE_BYTES
+
+    d, path, reports = _spool(tmp_path, run_id, steps=2)
+    last = json.dumps(dict(reference_reports(run_id, buggy=False, step=2)[0])) + "\n"
+    with open(path, "a") as f:
+        f.write('{"run_id":"x","pad":"' + "x" * MAX_LINE_BYTES + '"}\n')
+        f.write(last[:30])
+    out = auditor("import", str(d), "--url", live_server.url)
+    assert out.returncode == 1 and "imported 4 new report(s) from 1 file(s); 1 rejected" in out.stdout, out
+    assert f"{path}:5: invalid report not sent, left in the spool: a line of {MAX_LINE_BYTES + 24:,} bytes" in out.stderr
+    assert f"{path}:6: last line not read: it has no newline (30 bytes)" in out.stderr
+    assert read_offset(path, live_server.url) == path.stat().st_size - 30
+    with open(path, "a") as f:
+        f.write(last[30:])
+    out = auditor("import", str(d), "--url", live_server.url)
+    assert out.returncode == 0 and "imported 1 new report(s) from 1 file(s); 0 rejected" in out.stdout, out

@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import pty
+import re
 import signal
 import subprocess
 import sys
@@ -326,3 +327,35 @@ def test_read_ahead_hands_over_errors_and_stops_with_its_consumer():
     assert [t.name for t in threading.enumerate()].count("spool-reader") == 1
     it.close()
     assert "spool-reader" not in [t.name for t in threading.enumerate()]
+
+
+def test_lines_it_cannot_store_are_named_by_file_and_line(tmp_path, caplog):
+    """``auditor audit`` names every line it skips, in both ways of reading: a report that
+    contradicts one stored first (another applied sum; another topology) with what differs
+    (the stored one stays), a line longer than the 16 MiB the service would take (skipped
+    without being held in memory), and a torn last line (no newline). The rest is audited:
+    the reference step 0 consistent, step 1 the CP bug (0.433155 σ)."""
+    from auditor.trainer.spool import MAX_LINE_BYTES
+
+    reports = [r for s in range(2) for r in reference_reports("skips", buggy=s == 1, step=s)]
+    rank0, rank1 = _write_rank_files(tmp_path / "spool", reports)
+    changed = dict(reports[1], applied=dict(reports[1]["applied"], sum=99.0))
+    resized = dict(reports[3], world_size=4, sizes=dict(reports[3]["sizes"], dp=2))
+    with open(rank1, "a") as f:
+        f.write(json.dumps(changed) + "\n" + json.dumps(resized) + "\n")
+        f.write('{"run_id":"skips","pad":"' + "x" * MAX_LINE_BYTES + '"}\n')
+        f.write(json.dumps(reports[1])[:40])  # torn by a crash
+    results = []
+    for reader_process in (False, True):
+        caplog.clear()
+        (report,), counts = audit_offline([tmp_path / "spool"], reader_process=reader_process)
+        (s,) = report["statistics"]
+        results.append((counts, s["steps_consistent"], s["steps_inconsistent"], _r6(s["cp_disagreement_sigma"])))
+        text = caplog.text
+        line = {int(m[0]): m[1] for m in re.findall(rf"{re.escape(str(rank1))}:(\d+): (.*)", text)}
+        assert line[3].startswith("conflicting report skipped: ") and "applied.sum; the stored report stays" in line[3]
+        assert line[4].startswith("conflicting report skipped: ") and "{'world_size': 4, 'sizes'" in line[4]
+        assert line[5].startswith(f"invalid report skipped: a line of {MAX_LINE_BYTES + 28:,} bytes, longer than 16 MiB")
+        assert line[6] == "last line not read: it has no newline (40 bytes): torn by a crash, or still being written"
+    assert results[0] == results[1] == (
+        {"files": 2, "reports": 8, "stored": 4, "duplicates": 0, "invalid": 2, "conflicting": 2}, 1, 1, 0.433155)
