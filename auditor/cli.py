@@ -90,6 +90,8 @@ def _errors_as_exit_2(fn):
             msg = str(e)
         except (ReaderError, httpx.HTTPError, httpx.InvalidURL) as e:
             msg = http_error_message(e)
+        except OSError as e:  # a file that cannot be read or written: permissions, I/O error, disk full
+            msg = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else f"{type(e).__name__}: {e}"
         except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ModuleNotFoundError) as e:
             msg = f"bad database URL: {e}"
         except sa.exc.OperationalError as e:

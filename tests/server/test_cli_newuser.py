@@ -93,3 +93,13 @@ def test_audit_names_file_line_and_field_of_bad_lines(tmp_path):
     assert warnings[0].startswith(f"{spool}:1: invalid report skipped: not JSON")
     assert warnings[2].startswith(f"{spool}:3: invalid report skipped: dtype: ")
     assert f"{spool}: 25 more invalid line(s) skipped (30 in all)" in out.stderr
+
+
+def test_audit_of_a_spool_that_cannot_be_read_names_it_in_one_line(tmp_path):
+    """A spool whose reading fails (here an I/O error: /proc/self/mem read at offset 0; a
+    permission error takes the same path) is one line naming the file and what failed,
+    exit 2, no traceback."""
+    spool = tmp_path / "rank0.jsonl"
+    spool.symlink_to("/proc/self/mem")
+    out = auditor("audit", str(spool))
+    assert (out.returncode, out.stderr.strip()) == (2, f"error: Input/output error: {spool}")
