@@ -49,7 +49,7 @@ from typing import Any
 
 import httpx
 
-from auditor.trainer.delivery import MAX_BACKOFF, Outcome, deliver, encode
+from auditor.trainer.delivery import CONFIGURATION_ERRORS, MAX_BACKOFF, Outcome, deliver, encode
 from auditor.trainer.settings import read_settings, valid_number, warn_once
 from auditor.trainer.spool import Spool, append_lines, dead_letter_path, default_spool_dir, default_spool_name
 
@@ -397,7 +397,9 @@ class AuditorClient:
         def on_retry(out: Outcome, failures: int) -> None:
             if self._down_since is None:
                 self._down_since = time.monotonic()
-                log.warning("auditor client: service unavailable (%s); retrying, spilling to %s after %.1fs",
+                what = ("the service refuses this client's configuration, check AUDITOR_URL and AUDITOR_TOKEN"
+                        if out.status in CONFIGURATION_ERRORS else "service unavailable")
+                log.warning("auditor client: %s (%s); retrying, spilling to %s after %.1fs", what,
                             out.message, self.spool.path if self.spool else "nowhere", self.spool_after)
             with self._lock:
                 self.stats["retries"] += 1

@@ -135,6 +135,21 @@ def test_transient_failures_are_retried(server):
     client.close()
 
 
+def test_a_wrong_token_is_said_to_be_a_configuration_error_and_retried(server, caplog):
+    """A 401 (wrong AUDITOR_TOKEN) is not called "service unavailable": the warning says to
+    check AUDITOR_URL and AUDITOR_TOKEN; the reports are kept and retried (an operator may
+    fix the token on the service side), and sent once it answers 200."""
+    server.script = [(401, {}, {"type": "urn:auditor:problem:unauthorized", "status": 401, "detail": "bad token"})]
+    client = AuditorClient(server.url, token="wrong")
+    for r in _reports(2):
+        client.report(r)
+    assert client.flush(timeout=10)
+    assert "the service refuses this client's configuration, check AUDITOR_URL and AUDITOR_TOKEN" in caplog.text
+    assert "service unavailable" not in caplog.text
+    assert client.stats["retries"] == 1 and client.stats["sent"] == 2
+    client.close()
+
+
 def test_409_drops_named_reports_and_resends_the_rest(server):
     """A 409 naming indices 1 and 3 rejects those two; the other three are resent and sent."""
     body = {"type": "urn:auditor:problem:conflicting_report", "title": "t", "status": 409, "detail": "differs",
