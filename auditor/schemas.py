@@ -821,7 +821,9 @@ _SHAPE = operator.attrgetter("world_size", "rank", "microbatch", "num_microbatch
 _LOCAL_VALUES = operator.attrgetter("count", "sum", "sum_sq", "min", "max", "replicated_sum_sq", "weighted")
 _APPLIED_VALUES = operator.attrgetter("count", "sum", "sum_sq", "mean")
 _NO_APPLIED_VALUES = (0.0, 0.0, 0.0, 0.0)
-_NAN = math.nan
+#: Below this many reports a batch's rules are checked report by report (~2.5 µs each)
+#: rather than by the array tests (~40 µs a batch, then ~1 µs a report).
+_BATCH_RULES_MIN = 32
 
 
 def _batch_holds(reports: list[FastReport]) -> bool:
@@ -874,6 +876,15 @@ def _batch_holds(reports: list[FastReport]) -> bool:
                     if gr is not None:
                         facts[id(gr)] = f
                 reports[i].group_ranks = ranks[i] = gr
+
+    if n < _BATCH_RULES_MIN:  # the array tests cost ~40 µs a batch: each report by the exact rules
+        for r in reports:
+            _local_rules(r.local)
+            if r.applied is not None:
+                _applied_rules(r.applied)
+            _report_rules(r, None if r.spec is None else cores[id(r.spec)],
+                          None if r.group_ranks is None else facts[id(r.group_ranks)])
+        return True
 
     # The shape rules: with an order, a spec or groups (the extended rules, ~0.8 µs a
     # report) once per distinct combination of what they read; specs and ranks hold

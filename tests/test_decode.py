@@ -202,6 +202,9 @@ def bodies(draw) -> bytes:
         for _ in range(draw(st.sampled_from([0, 0, 0, 0, 0, 0, 1, 1, 2, 3]))):
             r = draw(mutated(r))
         reports.append(r)
+    if draw(st.booleans()):  # among valid reports, past the size where the rules are array tests
+        at = draw(st.integers(0, schemas._BATCH_RULES_MIN))
+        reports = [BASE] * at + reports + [BASE] * (schemas._BATCH_RULES_MIN - at)
     body: object = {"reports": reports}
     envelope = draw(st.integers(0, 19))
     if envelope == 0:
@@ -351,12 +354,13 @@ _L = {"count": 2.0, "sum": 1.0, "sum_sq": 1.0, "min": 0.0, "max": 1.0}
     ({"world_size": 2, "rank": 1, "sizes": {"dp": 2}, "coords": {"dp": 1}, "order": "tp-cp-dp-pp"}, True),
     ({"run_id": "a/../b"}, False), ({"statistic": "a b"}, False), ({"spec": {"placement": {"pp": [3]}}}, False),
 ])
-@pytest.mark.parametrize("where", [0, 1, 4])
-def test_each_batch_rule_agrees(change, accepted, where):
+@pytest.mark.parametrize("size, where", [(5, 1), (40, 0), (40, 17), (40, 39)])
+def test_each_batch_rule_agrees(change, accepted, size, where):
     """The fast decoder checks the rules per batch (names, specs and groups per text, the
-    shape rules per distinct combination, the value rules as array tests): each rule, broken
-    or just kept, in one report among valid ones, is judged as pydantic judges it."""
-    reports = [dict(BASE, step=i, local=dict(_L)) for i in range(5)]
+    shape rules per distinct combination, the value rules as array tests; report by report
+    below ``_BATCH_RULES_MIN``): each rule, broken or just kept, in one report among valid
+    ones, is judged as pydantic judges it."""
+    reports = [dict(BASE, step=i, local=dict(_L)) for i in range(size)]
     reports[where] = {**reports[where], **change}
     body = json.dumps({"reports": reports}).encode()
     fast = decode_report_batch(body)
