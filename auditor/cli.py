@@ -51,6 +51,15 @@ ReadToken = typer.Option(
     help="Bearer token for a service that requires one (env AUDITOR_READ_TOKEN, else AUDITOR_TOKEN).",
 )
 
+AllowIncomplete = typer.Option(
+    False, "--allow-incomplete",
+    help="Pass a run whose steps were audited with reports missing (a job known to lose ranks); an inconsistent "
+         "step still fails.")
+AllowRefused = typer.Option(
+    False, "--allow-refused",
+    help="Pass a run although reports contradicting its stored ones were refused (409: the run id was reused, or "
+         "a rank re-sent different values).")
+
 
 class Format(str, Enum):
     table = "table"
@@ -459,28 +468,28 @@ def check(
     database_url: Optional[str] = DatabaseUrl,
     min_steps: int = typer.Option(0, min=0, help="Also fail when fewer steps than this were audited "
                                                   "(a CI job whose trainer reported nothing)."),
+    allow_incomplete: bool = AllowIncomplete,
+    allow_refused: bool = AllowRefused,
     token: Optional[str] = ReadToken,
     timeout: float = Timeout,
 ) -> None:
-    """For the CI job of a training framework: exit 1 if any audited step of RUN_ID is
-    inconsistent (or fewer than --min-steps were audited), 0 otherwise, 2 if the run, the
-    service or the database cannot be found — or if no RUN_ID is given and it cannot tell
-    which run is meant (several runs and no $AUDITOR_RUN_ID)."""
+    """For the CI job of a training framework: exit 1 if RUN_ID is inconsistent (a step
+    inconsistent, or one the engine could not audit), incomplete (a step audited with
+    reports missing; --allow-incomplete accepts that), had reports refused for contradicting
+    stored ones (a reused run id; --allow-refused), or fewer than --min-steps steps were
+    audited; 0 otherwise; 2 if the run, the service or the database cannot be found — or if
+    no RUN_ID is given and it cannot tell which run is meant (several runs and no
+    $AUDITOR_RUN_ID). The status is the one every surface shows (auditor.status)."""
+    from auditor import status
+
     run_id = _which_run(run_id, url, database_url, token, timeout)
-    data = _fetch_report(run_id, url, database_url, bad_steps=0, token=token, timeout=timeout)
-    bad = [s for s in data["statistics"] if s["steps_inconsistent"] or s.get("steps_audit_error")]
-    audited = sum(s["steps_audited"] for s in data["statistics"])
-    if bad:
-        detail = ", ".join(f"{s['statistic']}: {s['steps_inconsistent']} step(s) ({', '.join(sorted(s['faults']))})"
-                           + (f", {s['steps_audit_error']} step(s) the engine could not audit"
-                              if s.get("steps_audit_error") else "")
-                           for s in bad)
-        typer.echo(f"{run_id}: INCONSISTENT — {detail}")
+    data = _fetch_report(run_id, url, database_url, bad_steps=20, token=token, timeout=timeout)
+    passed, lines = status.check(data, allow_incomplete=allow_incomplete, allow_refused=allow_refused,
+                                 min_steps=min_steps)
+    for line in lines:
+        typer.echo(line)
+    if not passed:
         raise typer.Exit(1)
-    if audited < min_steps:
-        typer.echo(f"{run_id}: only {audited} step(s) audited, fewer than --min-steps {min_steps}")
-        raise typer.Exit(1)
-    typer.echo(f"{run_id}: consistent ({audited} step(s) audited)")
 
 
 def _which_run(run_id: str | None, url: str | None, database_url: str | None, token: str | None = None,
@@ -505,6 +514,10 @@ def _which_run(run_id: str | None, url: str | None, database_url: str | None, to
     names = ", ".join(r["run_id"] for r in runs[:5]) + (f", … ({len(runs)} runs)" if len(runs) > 5 else "")
     raise UsageError(f"which run? {len(runs)} runs are stored ({names}); pass RUN_ID or set AUDITOR_RUN_ID")
 
+
+#: How ``auditor runs`` and the report header print each status (auditor.status).
+_STATUS_STYLE = {"inconsistent": "[red bold]INCONSISTENT[/]", "incomplete": "[yellow bold]INCOMPLETE[/]",
+                 "consistent": "[green]consistent[/]", "pending": "no step audited yet"}
 
 runs_app = typer.Typer(help="Runs: list them (no subcommand) or delete one.", invoke_without_command=True)
 app.add_typer(runs_app, name="runs")
@@ -541,14 +554,19 @@ def runs(ctx: typer.Context, url: Optional[str] = ServiceUrl, database_url: Opti
 
     from rich.table import Column
 
-    t = Table("run", "world", Column("dp×cp×tp×pp", no_wrap=True), "statistics", "steps audited", "inconsistent")
+    from auditor import status
+
+    t = Table("run", "status", "world", Column("dp×cp×tp×pp", no_wrap=True), "statistics", "steps audited",
+              "inconsistent", "incomplete", "refused")
     for r in data:
         s = r["sizes"]
         # an unknown topology's sizes are placeholders of 1, not a 1×1×1×1 layout (as on the run page)
         sizes = (f"unknown (world {r['world_size']})" if r.get("topology") == "unknown"
                  else f"{s['dp']}×{s['cp']}×{s['tp']}×{s['pp']}")
-        t.add_row(r["run_id"], str(r["world_size"]), sizes,
-                  ", ".join(r["statistics"]), str(r["steps_audited"]), str(r["steps_inconsistent"]))
+        state = status.status_of(r)
+        t.add_row(r["run_id"], _STATUS_STYLE.get(state, state), str(r["world_size"]), sizes,
+                  ", ".join(r["statistics"]), str(r["steps_audited"]), str(r["steps_inconsistent"]),
+                  str(r.get("steps_incomplete", "—")), str(r.get("refused_reports", "—")))
     _console().print(t)
 
 
@@ -711,7 +729,10 @@ def audit_spools(
     bad_steps: int = typer.Option(20, help="Bad steps shown per statistic."),
     keep_database: Optional[str] = typer.Option(
         None, "--database-url", help="Store into this database instead of a temporary SQLite file."),
-    check: bool = typer.Option(False, "--check", help="Exit 1 if any audited run is inconsistent."),
+    check: bool = typer.Option(False, "--check", help="Exit 1 unless every audited run passes `auditor check`: "
+                                                      "no inconsistent or incomplete step, no refused report."),
+    allow_incomplete: bool = AllowIncomplete,
+    allow_refused: bool = AllowRefused,
     batch_size: int = typer.Option(10_000, min=1, max=100_000,
                                    help="Reports stored and audited per transaction (cut between steps); "
                                         "memory grows with it, not with the spools."),
@@ -739,5 +760,14 @@ def audit_spools(
             render_report(data, console)
     if not reports:
         raise UsageError("no valid reports in the spools" + (f" for run {run_id!r}" if run_id else ""))
-    if check and any(not r["consistent"] for r in reports):
-        raise typer.Exit(1)
+    if check:
+        from auditor import status
+
+        failed = False
+        for data in reports:
+            passed, lines = status.check(data, allow_incomplete=allow_incomplete, allow_refused=allow_refused)
+            for line in lines:
+                typer.echo(line, err=format is Format.json)  # JSON on stdout stays parseable
+            failed |= not passed
+        if failed:
+            raise typer.Exit(1)

@@ -126,13 +126,16 @@ class Audited:
             problems.append(f"auditor: run {run_id!r} was expected to be inconsistent but never reported")
         for run in runs:
             if run.run_id in self.expected_bad:
-                if run.consistent:
+                if run.status != "inconsistent":
                     problems.append(f"auditor: run {run.run_id!r} was expected to be inconsistent, but every "
                                     f"audited step ({run.steps_audited}) is consistent")
                 continue
             report = self.report(run.run_id)
-            if not report.consistent or any(s.steps_incomplete for s in report.statistics):
-                problems.append(diagnosis(report))
+            passed, lines = report.check()  # the status every surface shows (auditor.status)
+            if not passed:
+                if report.status in ("inconsistent", "incomplete"):
+                    problems.append(diagnosis(report))
+                problems.extend(f"auditor: {line}" for line in lines if "REFUSED" in line)
         if problems:
             pytest.fail("\n".join(problems), pytrace=False)
 
@@ -145,7 +148,7 @@ def diagnosis(report) -> str:
     to :data:`MAX_STEPS_QUOTED` bad steps."""
     from auditor.web.plots import primary_fault
 
-    state = "INCONSISTENT" if not report.consistent else "INCOMPLETE"
+    state = report.status.upper()
     bad = [s for s in report.statistics if s.steps_inconsistent or s.steps_incomplete]
     head = f"auditor: run {report.run_id!r} is {state}"
     first = next((s for s in bad if s.bad_steps), None)

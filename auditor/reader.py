@@ -33,6 +33,9 @@ from urllib.parse import quote
 
 import httpx
 
+from auditor.status import check as check_report
+from auditor.status import status_of
+
 __all__ = ["Reader", "ReaderError", "NotFoundError", "Run", "Report", "StatisticReport", "StepSummary",
            "StepDetail", "RankRow", "Fault"]
 
@@ -49,6 +52,17 @@ class ReaderError(Exception):
 
 class NotFoundError(ReaderError):
     """404: no such run, statistic or step."""
+
+
+def _raw(obj: Any) -> Any:
+    """A reader dataclass back to its JSON (``extra`` merged in)."""
+    if dataclasses.is_dataclass(obj):
+        out = {f.name: _raw(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.name != "extra"}
+        out.update(getattr(obj, "extra", {}) or {})
+        return out
+    if isinstance(obj, list):
+        return [_raw(x) for x in obj]
+    return obj
 
 
 def _build(cls, data: Mapping[str, Any], **convert):
@@ -72,11 +86,16 @@ class Run:
     steps_audited: int
     steps_inconsistent: int
     consistent: bool
+    #: ``inconsistent``, ``incomplete``, ``consistent`` or ``pending`` (:mod:`auditor.status`);
+    #: derived from the counts when an older service sends none
+    status: str = ""
+    steps_incomplete: int = 0
+    refused_reports: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "Run":
-        return _build(cls, data)
+        return _build(cls, {**data, "status": status_of(data)})
 
 
 @dataclass(frozen=True)
@@ -193,11 +212,20 @@ class StatisticReport:
     worst_cp_disagreement_step: int | None = None
     worst_applied_error_sigma: float | None = None
     worst_applied_error_step: int | None = None
+    #: ``inconsistent``, ``incomplete``, ``consistent`` or ``pending`` (:mod:`auditor.status`)
+    status: str = ""
+    steps_audit_error: int = 0
+    refused_reports: int = 0
+    refused_first_step: int | None = None
+    refused_last_step: int | None = None
+    refused_at: float | None = None
+    refused_kind: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "StatisticReport":
-        return _build(cls, data, bad_steps=lambda v: [StepDetail.from_json(s) for s in v])
+        return _build(cls, {**data, "status": status_of(data)},
+                      bad_steps=lambda v: [StepDetail.from_json(s) for s in v])
 
 
 @dataclass(frozen=True)
@@ -212,11 +240,28 @@ class Report:
     created_at: float | None = None
     last_activity: float | None = None
     page: str | None = None
+    #: ``inconsistent``, ``incomplete``, ``consistent`` or ``pending`` (:mod:`auditor.status`)
+    status: str = ""
+    #: reports refused (409) for contradicting the run's stored ones (a reused run id)
+    refused_reports: int = 0
+    topology: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "Report":
-        return _build(cls, data, statistics=lambda v: [StatisticReport.from_json(s) for s in v])
+        return _build(cls, {**data, "status": status_of(data)},
+                      statistics=lambda v: [StatisticReport.from_json(s) for s in v])
+
+    def check(self, *, allow_incomplete: bool = False, allow_refused: bool = False,
+              min_steps: int = 0) -> tuple[bool, list[str]]:
+        """``auditor check`` of this report: ``(passed, lines)`` (:func:`auditor.status.check`)."""
+        return check_report(self.raw, allow_incomplete=allow_incomplete, allow_refused=allow_refused,
+                            min_steps=min_steps)
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        """The report as JSON again (known fields and ``extra``)."""
+        return _raw(self)
 
     def statistic(self, name: str) -> StatisticReport:
         """The report of statistic ``name``; ``KeyError`` if the run has none by that name."""
@@ -321,7 +366,9 @@ class Reader:
 
     def runs(self, *, status: str | None = None, page_size: int = 100) -> Iterator[Run]:
         """Every run, newest first (``GET /v1/runs``, following its cursor).
-        ``status``: ``inconsistent`` (some step inconsistent) or ``consistent``."""
+        ``status``: ``inconsistent`` (some step inconsistent or audit_error), ``incomplete``
+        (none, but some step audited with reports missing), ``consistent`` (every audited
+        step consistent) or ``pending`` (no step audited yet) — :mod:`auditor.status`."""
         return (Run.from_json(r) for r in self.runs_json(status=status, page_size=page_size))
 
     def runs_json(self, *, status: str | None = None, page_size: int = 100) -> Iterator[dict]:

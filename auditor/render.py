@@ -11,7 +11,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from auditor import status as statuses
 from auditor.web import fixed
+
+#: The header's word for each run status (:mod:`auditor.status`).
+STATUS_TEXT = {"inconsistent": "[red bold]INCONSISTENT[/]", "incomplete": "[yellow bold]INCOMPLETE[/]",
+               "consistent": "[green]consistent[/]", "pending": "[yellow]no step audited yet[/]"}
 
 #: Bad steps shown per statistic, and rank rows shown per bad step, by default.
 MAX_STEPS = 5
@@ -31,7 +36,7 @@ def render_report(report: dict[str, Any], console: Console, *, max_steps: int = 
     max_steps, max_ranks:
         Bad steps per statistic and rank rows per bad step to show; the rest is counted.
     """
-    verdict = "[green]consistent[/]" if report.get("consistent") else "[red bold]INCONSISTENT[/]"
+    verdict = STATUS_TEXT[statuses.status_of(report)]
     sizes = dict(report.get("sizes") or {})
     if report.get("topology") == "unknown":  # placeholder sizes of 1, not a 1×1×1×1 layout
         sizes = {}
@@ -45,6 +50,11 @@ def render_report(report: dict[str, Any], console: Console, *, max_steps: int = 
         + " ".join(f"{k}={v}" for k, v in sizes.items()) + extra
     )
     statistics = report.get("statistics") or []
+    refused = statuses.refused_line(report)
+    if refused is not None:
+        console.print(f"[red bold]{refused}[/]", highlight=False)
+    if statuses.status_of(report) == "incomplete":
+        console.print(f"[yellow bold]incomplete:[/] {statuses.incomplete_line(report)}", highlight=False)
     if not statistics:
         console.print("  no audited statistics yet")
         return

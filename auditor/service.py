@@ -29,11 +29,13 @@ import numpy as np
 import sqlalchemy as sa
 
 from auditor import core, layout
+from auditor import status as statuses
 from auditor.core import DIMS, EXPERT_DIMS, REPLACEABLE, RankReport
 from auditor.db.store import (
     COLUMNS, COMPARED, Arrival, RunRow, SeriesRow, Store, VerdictItem, elements, json_safe, rank_report, report_row,
 )
 from auditor.schemas import DEFAULT_SPECS, Report, RunRegistration, StatisticSpec
+from auditor.status import STATUSES
 
 log = logging.getLogger("auditor.service")
 
@@ -46,9 +48,12 @@ class ConflictError(Exception):
     offending report.
     """
 
-    def __init__(self, error: str, message: str, conflicts: list[dict]):
+    def __init__(self, error: str, message: str, conflicts: list[dict], against_stored: bool = True):
         super().__init__(message)
         self.error, self.message, self.conflicts = error, message, conflicts
+        #: False when the batch contradicts only itself (two of its reports, or a placement):
+        #: nothing stored was contradicted, so the refusal is not counted against a series
+        self.against_stored = against_stored
 
 
 class NotFound(Exception):
@@ -220,10 +225,13 @@ class Service:
         return self.get_run(run_id)
 
     def _ensure_run(self, conn: sa.Connection, run_id: str, topo: Topology, now: float, index: int | None,
-                    stored: Topology | None = None) -> float | None:
+                    stored: Topology | None = None, first: int | None = None) -> float | None:
         """Create the run with ``topo`` unless it exists; raise :class:`ConflictError` if it
         is stored (or ``stored``, its topology as this transaction knows it) with another
-        topology. Returns the run's ``created_at`` when it was read from the database."""
+        topology. ``first``: the index of the report of this batch that created the run in
+        this transaction (the run did not exist before): a conflict is then between the
+        batch's own reports, and the 409 says so. Returns the run's ``created_at`` when it
+        was read from the database."""
         born = None
         if stored is None:
             row = self.store.ensure_run(conn, run_id, topo.world_size, topo.sizes, now, topo.expert, topo.order,
@@ -231,10 +239,20 @@ class Service:
             stored, born = Topology.of_row(row), row.created_at
         if stored != topo:
             field_ = "topology" if stored.known != topo.known else "order" if stored.order != topo.order else "sizes"
+            where = [{"index": index, "field": field_}] if index is not None else []
+            if first is not None:
+                raise ConflictError(
+                    "topology_conflict",
+                    f"reports[{first}] and reports[{index}] of this batch disagree on the topology of the new run "
+                    f"{run_id!r}: {stored.describe()} against {topo.describe()}; every report of a run must give "
+                    "the same topology (world_size, sizes, order, topology); nothing of this batch was stored",
+                    [{**w, "other_index": first} for w in where], against_stored=False,
+                )
             raise ConflictError(
                 "topology_conflict",
-                f"run {run_id!r} was registered with {stored.describe()}; this report says {topo.describe()}",
-                [{"index": index, "field": field_}] if index is not None else [],
+                f"run {run_id!r} was registered with {stored.describe()}; this report says {topo.describe()}; "
+                "nothing of this batch was stored",
+                where,
             )
         return born
 
@@ -272,17 +290,56 @@ class Service:
                                      f"(AUDITOR_MAX_STATISTICS_PER_RUN={limit}); {statistic!r} was not added")
 
     # ------------------------------------------------------------------------- ingest
-    def ingest(self, batch: Sequence[Report], now: float | None = None) -> IngestOutcome:
+    def ingest(self, batch: Sequence[Report], now: float | None = None, record_refused: bool = True) -> IngestOutcome:
         """Store a validated batch in one transaction and audit the steps it completes
         (:meth:`_ingest`). A foreign-key violation means a cached run or series was deleted
         meanwhile (``DELETE /v1/runs``, retention, maybe on another replica): the caches are
         dropped and the batch is tried once more. A step completed in hand whose step row
         existed after all (:meth:`_fresh_steps`) rolls the batch back; it is ingested again
-        without completing steps in hand."""
+        without completing steps in hand.
+
+        A :class:`ConflictError` (409) stores nothing of the batch; after its rollback, the
+        reports that contradicted a stored series are counted against it in a small write
+        transaction of their own (:meth:`_record_refused`; ``record_refused=False``: not,
+        e.g. while ``auditor audit`` bisects a batch), so the report can say that a run id
+        was reused or a rank re-sent different values. The ConflictError is raised either way."""
         try:
-            return self._ingest_retrying(batch, now, in_hand=True)
-        except _StepRowExists:
-            return self._ingest_retrying(batch, now, in_hand=False)
+            try:
+                return self._ingest_retrying(batch, now, in_hand=True)
+            except _StepRowExists:
+                return self._ingest_retrying(batch, now, in_hand=False)
+        except ConflictError as exc:
+            if record_refused and exc.against_stored:
+                self._record_refused(exc, batch, time.time() if now is None else now)
+            raise
+
+    def _record_refused(self, exc: ConflictError, batch: Sequence[Report], now: float) -> None:
+        """Count the reports ``exc`` refused per series (``series.refused_*``): the reports
+        its ``conflicts`` name, or for a topology (spec) conflict every report of the batch
+        of that run (statistic). Never raises: a failure is logged, the 409 stays a 409."""
+        try:
+            picked: list[Report] = []
+            for c in exc.conflicts:
+                i = c.get("index")
+                if i is None or not 0 <= i < len(batch) or "other_index" in c:
+                    continue  # a registration, or two reports of this batch: nothing stored contradicted
+                r = batch[i]
+                if exc.error == "topology_conflict":
+                    picked.extend(x for x in batch if x.run_id == r.run_id)
+                elif exc.error == "spec_conflict":
+                    picked.extend(x for x in batch if (x.run_id, x.statistic) == (r.run_id, r.statistic))
+                else:
+                    picked.append(r)
+            per: dict[tuple[str, str], list[int]] = defaultdict(list)
+            for r in {id(r): r for r in picked}.values():
+                per[(r.run_id, r.statistic)].append(r.step)
+            if not per:
+                return
+            rows = [(rid, st, len(steps), min(steps), max(steps), exc.error) for (rid, st), steps in per.items()]
+            with self.store.write() as conn:
+                self.store.record_refused(conn, rows, now)
+        except Exception:  # noqa: BLE001 - counting must never turn the 409 into a 500
+            log.exception("could not count the reports refused by a %s", exc.error)
 
     def _ingest_retrying(self, batch: Sequence[Report], now: float | None, in_hand: bool) -> IngestOutcome:
         try:
@@ -307,7 +364,7 @@ class Service:
         now = time.time() if now is None else now
         store = self.store
         out = IngestOutcome()
-        new_runs: dict[str, tuple[Topology, float]] = {}
+        new_runs: dict[str, tuple[Topology, float | None, int]] = {}  # (topology, created_at, first index)
         new_series: dict[tuple[str, str], SeriesInfo] = {}
         with store.write() as conn:
             cached = {rid: c for rid in {r.run_id for r in batch} if (c := self._runs.get(rid)) is not None}
@@ -327,9 +384,11 @@ class Service:
                 last = same
                 topo = Topology.of(r.world_size, sz, r.order, r.topology)
                 if topo_of.get(r.run_id) != topo:  # creates it, or raises
-                    born = self._ensure_run(conn, r.run_id, topo, now, i, topo_of.get(r.run_id))
+                    made = new_runs.get(r.run_id)  # created by an earlier report of this batch?
+                    born = self._ensure_run(conn, r.run_id, topo, now, i, topo_of.get(r.run_id),
+                                            first=made[2] if made is not None and made[1] == now else None)
                     topo_of[r.run_id] = topo
-                    new_runs[r.run_id] = (topo, born)
+                    new_runs[r.run_id] = (topo, born, i)
                 skey = (r.run_id, r.statistic)
                 info = series_of.get(skey)
                 if info is None or info.kind != r.kind or (r.spec is not None and r.spec != info.spec):
@@ -365,7 +424,7 @@ class Service:
                 sk = key[:2]
                 n = pl[0] * r.num_microbatches  # placed ranks × microbatches (expected_reports without placement)
                 if expected.setdefault(sk, n) != n:
-                    raise _microbatch_conflict(i, r, expected[sk] // pl[0])
+                    raise _microbatch_conflict(i, r, expected[sk] // pl[0], against_stored=False)
 
             # Key order: concurrent transactions take index locks in one order (no deadlocks).
             ordered = [rows[k] for k in sorted(rows)]
@@ -429,7 +488,7 @@ class Service:
                 if fresh and len(todo) > len(fresh):  # both kinds: key order
                     todo.sort(key=lambda d: (d.arrival.series_id, d.arrival.step))
                 out.audited += self._audit_steps(conn, todo, now)
-        self._runs.update(new_runs)
+        self._runs.update({rid: (t, born) for rid, (t, born, _) in new_runs.items()})
         self._series.update(new_series)
         return out
 
@@ -717,12 +776,12 @@ class Service:
         page at a time (``GET /v1/runs``).
 
         ``after``: (created_at, run_id) of the last run of the previous page; ``status``:
-        ``inconsistent`` or ``consistent``. Returns (runs, the key to pass as ``after`` for
-        the next page, or None on the last page)."""
-        if status not in (None, "consistent", "inconsistent"):
-            raise ValueError(f"status must be 'consistent' or 'inconsistent', got {status!r}")
+        ``inconsistent``, ``incomplete``, ``consistent`` or ``pending`` (:mod:`auditor.status`).
+        Returns (runs, the key to pass as ``after`` for the next page, or None on the last page)."""
+        if status is not None and status not in STATUSES:
+            raise ValueError(f"status must be one of {', '.join(STATUSES)}; got {status!r}")
         with self.store.read() as conn:
-            run_rows = self.store.runs(conn, None if limit is None else limit + 1, after, status)
+            run_rows = self.store.runs_of_status(conn, None if limit is None else limit + 1, after, status)
             more = limit is not None and len(run_rows) > limit
             run_rows = run_rows[:limit] if limit is not None else run_rows
             srows = self.store.series_rows(conn, [r["run_id"] for r in run_rows]) if run_rows else []
@@ -758,9 +817,12 @@ class Service:
                 out["statistics"].append(self._series_report(conn, s, run, bad_steps_limit))
         if statistic is not None and not out["statistics"]:
             raise NotFound(f"{run_id}/{statistic}")
-        # an audit_error is no evidence of consistency: never report such a run consistent
-        out["consistent"] = all(s["steps_inconsistent"] == 0 and s["steps_audit_error"] == 0
-                                for s in out["statistics"])
+        # one definition (auditor.status): an audit_error or an incomplete step is no
+        # evidence of consistency; `consistent` is true only when the status is consistent
+        out["status"] = statuses.combine(s["status"] for s in out["statistics"])
+        out["consistent"] = statuses.is_consistent(out["status"])
+        out["steps_incomplete"] = sum(s["steps_incomplete"] for s in out["statistics"])
+        out["refused_reports"] = sum(s["refused_reports"] for s in out["statistics"])
         return out
 
     def _series_report(self, conn: sa.Connection, s, run: dict, limit: int) -> dict:
@@ -771,8 +833,14 @@ class Service:
         info = SeriesInfo.of(SeriesRow(s["id"], s["run_id"], s["statistic"], s["kind"], s["spec"]))
         topo = Topology.of_summary(run)
         audited = sum(s[f"steps_{v}"] for v in core.VERDICTS)
+        # a CP σ of steps audited with reports missing measures only the CP groups whose
+        # peers all arrived: with no complete step, there is no CP figure to show
+        complete = s["steps_consistent"] + s["steps_inconsistent"] + s["steps_audit_error"]
+        cp = {k: (s[k] if complete else None) for k in ("cp_disagreement_sigma", "worst_cp_disagreement_sigma",
+                                                          "worst_cp_disagreement_step")}
         return {
             "statistic": s["statistic"], "kind": s["kind"], "spec": s["spec"],
+            "status": statuses.statistic_status(s),
             "steps_audited": audited, "steps_consistent": s["steps_consistent"],
             "steps_inconsistent": s["steps_inconsistent"], "steps_incomplete": s["steps_incomplete"],
             "steps_audit_error": s["steps_audit_error"],
@@ -782,15 +850,19 @@ class Service:
             "first_bad_step": s["first_bad_step"], "last_bad_step": s["last_bad_step"],
             "last_audited_step": s["last_audited_step"],
             "faults": fault_counts,
-            "cp_disagreement_sigma": s["cp_disagreement_sigma"], "applied_error_sigma": s["applied_error_sigma"],
-            "worst_cp_disagreement_sigma": s["worst_cp_disagreement_sigma"],
-            "worst_cp_disagreement_step": s["worst_cp_disagreement_step"],
+            "cp_disagreement_sigma": cp["cp_disagreement_sigma"], "applied_error_sigma": s["applied_error_sigma"],
+            "worst_cp_disagreement_sigma": cp["worst_cp_disagreement_sigma"],
+            "worst_cp_disagreement_step": cp["worst_cp_disagreement_step"],
             "worst_applied_error_sigma": s["worst_applied_error_sigma"],
             "worst_applied_error_step": s["worst_applied_error_step"],
             "ranks_behind": s["ranks_behind"], "progress": s["progress"],
             "bad_steps": [self._step_detail(conn, info, topo, row) for row in bad_rows],
             "bad_steps_shown": len(bad_rows),
             "bad_steps_total": s["steps_inconsistent"] + s["steps_incomplete"] + s["steps_audit_error"],
+            # reports refused (409) for contradicting this statistic's stored ones
+            "refused_reports": s["refused_reports"], "refused_first_step": s["refused_first_step"],
+            "refused_last_step": s["refused_last_step"], "refused_at": s["refused_at"],
+            "refused_kind": s["refused_kind"],
         }
 
     def _step_detail(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, row) -> dict:
@@ -808,7 +880,7 @@ class Service:
             "step": row["step"], "verdict": row["verdict"], "audited_at": row["audited_at"],
             "previous_verdict": row["previous_verdict"], "verdict_changed_at": row["verdict_changed_at"],
             "reports": row["received"], "expected": row["expected"],
-            "cp_disagreement_sigma": row["cp_disagreement_sigma"],
+            "cp_disagreement_sigma": _cp_sigma(row["verdict"], row["cp_disagreement_sigma"]),
             "applied_error_sigma": row["applied_error_sigma"],
             "faults": [
                 {"kind": f["kind"], "message": f["message"], "ranks": list(core.expand_ranks(f["ranks"]) or ()),
@@ -841,7 +913,7 @@ class Service:
             "run_id": run_id, "statistic": statistic, "kind": found[0]["kind"],
             "steps": [{
                 "step": r["step"], "verdict": r["verdict"] or "pending", "reports": r["received"],
-                "expected": r["expected"], "cp_disagreement_sigma": r["cp_disagreement_sigma"],
+                "expected": r["expected"], "cp_disagreement_sigma": _cp_sigma(r["verdict"], r["cp_disagreement_sigma"]),
                 "applied_error_sigma": r["applied_error_sigma"], "tolerance_sigma": r["tolerance_sigma"],
                 "fault_kinds": r["fault_kinds"].split(",") if r["fault_kinds"] else [], "audited_at": r["audited_at"],
             } for r in rows],
@@ -918,10 +990,18 @@ class PageReads:
         return self.service.step(run_id, statistic, step)
 
 
+def _cp_sigma(verdict: str | None, sigma: float | None) -> float | None:
+    """A step's CP-disagreement σ as shown: none for a step audited ``incomplete`` (a CP
+    peer's report is missing, so the figure covers only the groups that all arrived and
+    would read as a measured 0)."""
+    return None if verdict == "incomplete" else sigma
+
+
 def _run_summary(r, srows) -> dict:
     audited = sum(s[f"steps_{v}"] for s in srows for v in core.VERDICTS)
     bad = sum(s["steps_inconsistent"] for s in srows)
     errors = sum(s["steps_audit_error"] for s in srows)
+    state = statuses.run_status(srows)
     expert = (r["edp"], r["ep"], r["etp"], r["pp"]) if r["edp"] is not None else None
     topo = Topology(r["world_size"], tuple(r[d] for d in DIMS), expert, r["rank_order"], r["topology"] != "unknown")
     return {
@@ -929,7 +1009,9 @@ def _run_summary(r, srows) -> dict:
         "last_activity": max((s["updated_at"] for s in srows), default=r["created_at"]),
         "statistics": sorted(s["statistic"] for s in srows),
         "steps_audited": audited, "steps_inconsistent": bad, "steps_audit_error": errors,
-        "consistent": bad == 0 and errors == 0,
+        "steps_incomplete": sum(s["steps_incomplete"] for s in srows),
+        "refused_reports": sum(s["refused_reports"] for s in srows),
+        "status": state, "consistent": statuses.is_consistent(state),
     }
 
 
@@ -949,10 +1031,11 @@ def _check_placed(i: int, r: Report, allowed: dict[str, set[int]]) -> None:
                 "was stored",
                 [{"index": i, "run_id": r.run_id, "statistic": r.statistic, "step": r.step, "rank": r.rank,
                   "coords": {d: c}, "fields": [f"coords.{d}"]}],
+                against_stored=False,
             )
 
 
-def _microbatch_conflict(i: int, r: Report, other: int) -> ConflictError:
+def _microbatch_conflict(i: int, r: Report, other: int, against_stored: bool = True) -> ConflictError:
     return ConflictError(
         "conflicting_report",
         f"reports[{i}] (step {r.step}, rank {r.rank}) says num_microbatches={r.num_microbatches}, but other "
@@ -960,6 +1043,7 @@ def _microbatch_conflict(i: int, r: Report, other: int) -> ConflictError:
         "nothing of this batch was stored",
         [{"index": i, "run_id": r.run_id, "statistic": r.statistic, "step": r.step,
           "microbatch": r.microbatch, "rank": r.rank, "fields": ["num_microbatches"]}],
+        against_stored,
     )
 
 
@@ -986,7 +1070,7 @@ def _conflict(clashes: list[tuple[int, tuple, tuple, tuple]], batch: Sequence[Re
                    f"step, microbatch, rank), e.g. reports[{first['index']}] (step {first['step']}, rank "
                    f"{first['rank']}) differs in {', '.join(first['fields'])}; the stored report stays, "
                    "nothing of this batch was stored")
-    return ConflictError("conflicting_report", message, conflicts)
+    return ConflictError("conflicting_report", message, conflicts, against_stored=within is None)
 
 
 #: ``reports`` column → the wire field it stores (409 bodies name wire fields).

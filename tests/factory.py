@@ -51,3 +51,28 @@ def reference_reports(run_id: str, *, buggy: bool, step: int = 0, statistic: str
 
 def whitened(value: float, mean: float, var: float) -> float:
     return (value - mean) / math.sqrt(var + stats.WHITEN_EPSILON)
+
+
+def world_reports(run_id: str, *, step: int = 0, dp: int = 2, cp: int = 2, skip_ranks=(),
+                  statistic: str = "advantages", scale: float = 1.0) -> list[dict]:
+    """Reports of a correct dp×cp world (rank = dp_index·cp + cp_index, Megatron's default
+    order with tp = pp = 1): each rank's local moments from the reference token counts of
+    its CP rank (the first count grown by 4 per DP index, values × ``scale``), every rank
+    whitening over the whole dp×cp group (the fix). ``skip_ranks``: ranks whose reports are
+    left out (they never arrive)."""
+    loc = {}
+    for d in range(dp):
+        for c in range(cp):
+            counts = list(REFERENCE_TOKENS[c % 2])
+            counts[0] += 4 * d
+            vals = [a * scale for a in ADVANTAGES]
+            present = [a for a, n in zip(vals, counts) if n]
+            loc[d * cp + c] = {"count": float(sum(counts)), "sum": sum(n * a for n, a in zip(counts, vals)),
+                               "sum_sq": sum(n * a * a for n, a in zip(counts, vals)),
+                               "min": min(present), "max": max(present)}
+    glob = total(*loc.values())
+    return [{
+        "run_id": run_id, "statistic": statistic, "step": step, "rank": r, "world_size": dp * cp,
+        "coords": {"dp": r // cp, "cp": r % cp, "tp": 0, "pp": 0}, "sizes": {"dp": dp, "cp": cp, "tp": 1, "pp": 1},
+        "local": loc[r], "applied": applied(glob), "group_ranks": list(range(dp * cp)), "dtype": "float32",
+    } for r in sorted(loc) if r not in skip_ranks]

@@ -44,6 +44,7 @@ from auditor.core import (
 )
 from auditor.db.engine import write_begin
 from auditor.db.tables import faults, reports, runs, series, series_faults, step_audits
+from auditor.status import STATUSES
 
 KEY = ("series_id", "step", "microbatch", "rank")
 #: Column order of ``reports`` (and of the tuples :func:`report_row` builds). The key comes
@@ -992,6 +993,58 @@ class Store:
         if limit is not None:
             q = q.limit(limit)
         return conn.execute(q).mappings().all()
+
+    def runs_of_status(self, conn: sa.Connection, limit: int | None = None, after: tuple[float, str] | None = None,
+                       status: str | None = None) -> list[Mapping]:
+        """:meth:`runs`, filtered by the status :mod:`auditor.status` defines, in SQL over
+        the per-series aggregates: ``inconsistent`` (some series has an inconsistent or
+        audit_error step), ``incomplete`` (none, but some step audited incomplete),
+        ``consistent`` (neither, and some step audited) or ``pending`` (no step audited).
+        Raises ``ValueError`` for any other ``status``."""
+        if status is None:
+            return self.runs(conn, limit, after)
+        if status not in STATUSES:
+            raise ValueError(f"status must be one of {', '.join(STATUSES)}; got {status!r}")
+        c = series.c
+
+        def some(cond):
+            return sa.exists().where(c.run_id == runs.c.run_id, cond)
+
+        bad = some(sa.or_(c.steps_inconsistent > 0, c.steps_audit_error > 0))
+        incomplete = some(c.steps_incomplete > 0)
+        ok = some(c.steps_consistent > 0)
+        cond = {"inconsistent": bad, "incomplete": sa.and_(~bad, incomplete),
+                "consistent": sa.and_(~bad, ~incomplete, ok),
+                "pending": sa.and_(~bad, ~incomplete, ~ok)}[status]
+        q = sa.select(runs).where(cond).order_by(runs.c.created_at.desc(), runs.c.run_id.desc())
+        if after is not None:
+            q = q.where(sa.or_(runs.c.created_at < after[0],
+                               sa.and_(runs.c.created_at == after[0], runs.c.run_id < after[1])))
+        if limit is not None:
+            q = q.limit(limit)
+        return conn.execute(q).mappings().all()
+
+    def record_refused(self, conn: sa.Connection, refused: Sequence[tuple[str, str, int, int, int, str]],
+                       now: float) -> int:
+        """Count reports a 409 refused against the series they contradicted: per
+        ``(run_id, statistic, n, first_step, last_step, kind)`` add ``n`` to
+        ``refused_reports``, widen ``refused_first_step``/``refused_last_step`` to the
+        steps, set ``refused_at`` to ``now`` (Unix seconds) and ``refused_kind``. A series
+        that does not exist is skipped (nothing of a refused batch is stored, so a new
+        run's series never is). Returns the number of series updated. One UPDATE per
+        series, in (run_id, statistic) order (the lock order of concurrent writers)."""
+        c = series.c
+        done = 0
+        for run_id, statistic, n, lo, hi, kind in sorted(refused):
+            done += conn.execute(series.update().where(c.run_id == run_id, c.statistic == statistic).values(
+                refused_reports=c.refused_reports + n,
+                refused_first_step=sa.case((c.refused_first_step.is_(None), lo), (c.refused_first_step > lo, lo),
+                                           else_=c.refused_first_step),
+                refused_last_step=sa.case((c.refused_last_step.is_(None), hi), (c.refused_last_step < hi, hi),
+                                          else_=c.refused_last_step),
+                refused_at=now, refused_kind=kind[:32],
+            )).rowcount
+        return done
 
     def run(self, conn: sa.Connection, run_id: str) -> Mapping | None:
         """The run row of ``run_id``, or None."""

@@ -74,6 +74,14 @@ series = sa.Table(
     # reached which step, as of the last step audited incomplete (NULL/0 once in step again)
     sa.Column("ranks_behind", sa.Integer),
     sa.Column("progress", sa.JSON),
+    # reports refused with a 409 because they contradicted what this series stores (the run id
+    # reused by another run, a rank re-sending different values): how many, their steps, when
+    # the last was refused and its conflict kind (conflicting_report, coordinate_conflict, ...)
+    sa.Column("refused_reports", BigInt, nullable=False, server_default="0"),
+    sa.Column("refused_first_step", BigInt),
+    sa.Column("refused_last_step", BigInt),
+    sa.Column("refused_at", sa.Float),
+    sa.Column("refused_kind", sa.String(32)),
     sa.UniqueConstraint("run_id", "statistic"),
     sa.Index("ix_series_updated_at", "updated_at"),
 )

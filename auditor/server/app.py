@@ -577,11 +577,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         request: Request,
         limit: int = Query(100, ge=1, le=1000, description="Runs per page."),
         cursor: str | None = Query(None, max_length=1024, description="`next_cursor` of the previous page."),
-        status: Literal["consistent", "inconsistent"] | None = Query(
-            None, description="Only runs with (inconsistent) or without (consistent) an inconsistent step."),
+        status: Literal["inconsistent", "incomplete", "consistent", "pending"] | None = Query(
+            None, description="Only runs of this status: inconsistent (some step inconsistent or audit_error), "
+                              "incomplete (none, but some step audited with reports missing), consistent (every "
+                              "audited step consistent) or pending (no step audited yet)."),
     ):
         """Runs, newest first: ``{"runs": [{run_id, world_size, sizes, created_at,
-        last_activity, statistics, steps_audited, steps_inconsistent, consistent}],
+        last_activity, statistics, steps_audited, steps_inconsistent, steps_incomplete,
+        refused_reports, status, consistent}],
         "next_cursor": str | null}``. Pass ``next_cursor`` back as ``cursor`` for the next
         page (opaque; null on the last page). Times are Unix seconds."""
         s = svc_of(request)
@@ -716,7 +719,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def runs_page(
         request: Request,
         cursor: str | None = Query(None, max_length=1024),
-        status: Literal["consistent", "inconsistent"] | None = None,
+        status: Literal["inconsistent", "incomplete", "consistent", "pending"] | None = None,
     ) -> HTMLResponse:
         s = svc_of(request)
         after = decode_cursor(cursor, lambda v: (float(v[0]), str(v[1])))

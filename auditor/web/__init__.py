@@ -18,6 +18,7 @@ from typing import Any, Iterable, Mapping, Protocol, Sequence
 
 import jinja2
 
+from auditor import status as statuses
 from auditor.web import plots
 
 STATIC_DIR = Path(__file__).parent / "static"
@@ -48,6 +49,10 @@ def environment() -> jinja2.Environment:
     env.filters["sigma"] = _sigma
     env.globals["fault_colour"] = plots.fault_colour
     env.globals["topology_text"] = topology_text
+    env.globals["status_of"] = statuses.status_of
+    env.globals["refused_line"] = statuses.refused_line
+    env.globals["incomplete_line"] = statuses.incomplete_line
+    env.globals["unknown_topology_caveat"] = statuses.UNKNOWN_TOPOLOGY_CAVEAT
     return env
 
 

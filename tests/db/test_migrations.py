@@ -124,7 +124,8 @@ def test_0003_backfill_lets_old_late_completed_steps_be_re_audited(fresh_databas
     upgrade(fresh_database_url)
     engine = make_engine(fresh_database_url)
     service = Service.from_engine(engine)
-    assert service.report("old-run")["consistent"] is True  # the old false "consistent"
+    old = service.report("old-run")  # audited incomplete: never "consistent" (auditor.status)
+    assert (old["status"], old["consistent"]) == ("incomplete", False)
     assert service.sweep(grace_seconds=60.0) == 1 and service.sweep(grace_seconds=60.0) == 0
     rep = service.report("old-run")
     (s,) = rep["statistics"]

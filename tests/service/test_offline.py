@@ -86,8 +86,8 @@ def test_audit_streams_a_large_spool_holding_one_batch(tmp_path, run_id, monkeyp
 
     ingest = Service.ingest
 
-    def counting_ingest(self, batch, now=None):
-        out = ingest(self, batch, now)
+    def counting_ingest(self, batch, now=None, **kw):
+        out = ingest(self, batch, now, **kw)
         held["ingested"] += len(batch)
         held["batches"] += 1
         held["largest"] = max(held["largest"], len(batch))

@@ -1,0 +1,199 @@
+"""The one definition of a run's (and a statistic's) status, for every surface that shows it.
+
+The report JSON (``status`` and the boolean ``consistent``), ``auditor report`` (table,
+markdown, HTML), ``auditor check`` and ``auditor audit --check``, ``auditor runs``, the run
+list and its ``?status=`` filter, the run page, :class:`auditor.Reader` and the pytest
+plugin all decide "consistent" here, from the per-statistic step counts. Standard library
+only: the pages and the read client (leaves) import it as well as the service and the store.
+
+Status, worst first:
+
+``inconsistent``
+    some step is ``inconsistent`` or ``audit_error`` (the engine could not judge it: no
+    evidence of consistency).
+``incomplete``
+    no such step, but some step was audited while reports were missing (``missing_report``):
+    the missing ranks' values were never checked.
+``consistent``
+    every audited step is consistent.
+``pending``
+    no step audited yet (reports may still be arriving).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Mapping
+
+#: Every status, worst first.
+STATUSES = ("inconsistent", "incomplete", "consistent", "pending")
+#: The ``?status=`` values of ``GET /v1/runs`` and the run list.
+FILTERS = STATUSES
+
+
+def statistic_status(counts: Mapping[str, Any]) -> str:
+    """The status of one statistic from its step counts (a ``series`` row or a statistic
+    of the report JSON: ``steps_consistent``, ``steps_inconsistent``, ``steps_incomplete``,
+    ``steps_audit_error``; a missing or null count is 0). Raises nothing."""
+    def n(key: str) -> int:
+        return int(counts.get(key) or 0)
+
+    if n("steps_inconsistent") or n("steps_audit_error"):
+        return "inconsistent"
+    if n("steps_incomplete"):
+        return "incomplete"
+    if n("steps_consistent"):
+        return "consistent"
+    return "pending"
+
+
+def combine(statuses: Iterable[str]) -> str:
+    """The status of a run from its statistics' statuses: the worst of them, except that
+    ``pending`` statistics do not hide the others' consistency (a run whose audited steps are
+    all consistent is ``consistent``); ``pending`` when nothing was audited."""
+    seen = set(statuses)
+    for s in STATUSES:
+        if s in seen:
+            return s
+    return "pending"
+
+
+def run_status(statistics: Iterable[Mapping[str, Any]]) -> str:
+    """The status of a run from its statistics' step counts (series rows or the report's
+    ``statistics``): :func:`combine` of :func:`statistic_status`."""
+    return combine(statistic_status(s) for s in statistics)
+
+
+def is_consistent(status: str) -> bool:
+    """The report's boolean ``consistent``: true only for status ``consistent``."""
+    return status == "consistent"
+
+
+def status_of(document: Mapping[str, Any]) -> str:
+    """The status of a report, run summary or statistic JSON document: its ``status`` when
+    the service sent one, else derived from its step counts (``statistics`` of a report, or
+    the counts themselves) — for documents of services older than this field."""
+    s = document.get("status")
+    if isinstance(s, str) and s in STATUSES:
+        return s
+    if isinstance(document.get("statistics"), list) and document["statistics"] and isinstance(
+            document["statistics"][0], Mapping):
+        return run_status(document["statistics"])
+    if "steps_consistent" in document:
+        return statistic_status(document)
+    return "consistent" if document.get("consistent") else "inconsistent"
+
+
+def _ranks_text(ranks: Iterable[int]) -> str:
+    """Sorted ranks as ranges: ``0,2-3``."""
+    rs = sorted(set(ranks))
+    parts: list[str] = []
+    i = 0
+    while i < len(rs):
+        j = i
+        while j + 1 < len(rs) and rs[j + 1] == rs[j] + 1:
+            j += 1
+        parts.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def _span(lo: Any, hi: Any) -> str:
+    return f"{lo}" if lo == hi else f"{lo}–{hi}"
+
+
+def incomplete_line(report: Mapping[str, Any]) -> str:
+    """What is incomplete in a report, in one line: how many steps were audited with
+    reports missing, per statistic, and which ranks' reports were missing (from the
+    ``missing_report`` faults of the report's ``bad_steps``, which list up to its
+    ``bad_steps`` limit of steps)."""
+    parts, missing = [], set()
+    total = 0
+    for s in report.get("statistics") or []:
+        n = int(s.get("steps_incomplete") or 0)
+        if not n:
+            continue
+        total += n
+        parts.append(f"{s.get('statistic')} {n} of {s.get('steps_audited')}")
+        for step in s.get("bad_steps") or []:
+            for f in step.get("faults") or []:
+                if f.get("kind") == "missing_report":
+                    missing.update(f.get("ranks") or [])
+    who = f"rank{'s' if len(missing) != 1 else ''} {_ranks_text(missing)} never reported" if missing else (
+        "the missing ranks are listed in the report's bad steps")
+    return (f"{total} step(s) audited with reports missing ({', '.join(parts)}); {who}: their values were "
+            "never checked")
+
+
+def refused_line(report: Mapping[str, Any]) -> str | None:
+    """The refused-reports warning of a report (None if no report was refused): ``N
+    reports conflicting with stored ones were refused, steps a–b: the run id was reused or a
+    rank re-sent different values``, with the statistics and the last conflict kind."""
+    stats = [s for s in report.get("statistics") or [] if s.get("refused_reports")]
+    if not stats:
+        return None
+    n = sum(int(s["refused_reports"]) for s in stats)
+    lo = min(s["refused_first_step"] for s in stats if s.get("refused_first_step") is not None)
+    hi = max(s["refused_last_step"] for s in stats if s.get("refused_last_step") is not None)
+    kinds = sorted({s.get("refused_kind") for s in stats if s.get("refused_kind")})
+    names = ", ".join(f"{s['statistic']} {s['refused_reports']}" for s in stats)
+    return (f"{n} report(s) conflicting with stored ones were refused, steps {_span(lo, hi)} ({names}; "
+            f"{', '.join(kinds) or 'conflict'}): the run id was reused or a rank re-sent different values")
+
+
+#: The caveat for a run whose ranks declared no topology.
+UNKNOWN_TOPOLOGY_CAVEAT = ("note: topology unknown — each rank was judged only against the group it reduced over, "
+                           "so a reduction over the wrong CP/DP group cannot be detected; set AUDITOR_TOPOLOGY "
+                           "(e.g. dp=4,cp=2) or call auditor.set_topology(...) on every rank")
+
+
+def check(report: Mapping[str, Any], *, allow_incomplete: bool = False, allow_refused: bool = False,
+          min_steps: int = 0) -> tuple[bool, list[str]]:
+    """The CI check of one run's report JSON (``auditor check``, ``auditor audit --check``,
+    the pytest plugin): ``(passed, lines)``. Fails when the status is ``inconsistent``;
+    ``incomplete`` (unless ``allow_incomplete``: runs known to lose ranks); reports were
+    refused for contradicting stored ones (unless ``allow_refused``); or fewer than
+    ``min_steps`` steps were audited. ``lines`` say why, one per finding, the first naming
+    the run and its status; a run of unknown topology adds the caveat (it changes nothing
+    of ``passed``)."""
+    run_id = report.get("run_id")
+    stats = report.get("statistics") or []
+    state = status_of(report)
+    audited = sum(int(s.get("steps_audited") or 0) for s in stats)
+    lines: list[str] = []
+    passed = True
+    if state == "inconsistent":
+        bad = [s for s in stats if s.get("steps_inconsistent") or s.get("steps_audit_error")]
+        detail = ", ".join(
+            f"{s['statistic']}: {s.get('steps_inconsistent') or 0} step(s) "
+            f"({', '.join(sorted(k for k in (s.get('faults') or {}) if k != 'missing_report'))})"
+            + (f", {s['steps_audit_error']} step(s) the engine could not audit" if s.get("steps_audit_error") else "")
+            for s in bad)
+        lines.append(f"{run_id}: INCONSISTENT — {detail}")
+        passed = False
+        if any(s.get("steps_incomplete") for s in stats):
+            lines.append(f"{run_id}: also incomplete — {incomplete_line(report)}")
+    elif state == "incomplete":
+        if allow_incomplete:
+            lines.append(f"{run_id}: incomplete, allowed by --allow-incomplete ({audited} step(s) audited) — "
+                         f"{incomplete_line(report)}")
+        else:
+            lines.append(f"{run_id}: INCOMPLETE — {incomplete_line(report)}; pass --allow-incomplete for a run "
+                         "known to lose ranks")
+            passed = False
+    elif state == "pending":
+        lines.append(f"{run_id}: no step audited yet (0 step(s) audited)")
+    else:
+        lines.append(f"{run_id}: consistent ({audited} step(s) audited)")
+    refused = refused_line(report)
+    if refused is not None:
+        if allow_refused:
+            lines.append(f"{run_id}: {refused} (allowed by --allow-refused)")
+        else:
+            lines.append(f"{run_id}: REFUSED REPORTS — {refused}; pass --allow-refused to accept that")
+            passed = False
+    if audited < min_steps:
+        lines.append(f"{run_id}: only {audited} step(s) audited, fewer than --min-steps {min_steps}")
+        passed = False
+    if report.get("topology") == "unknown":
+        lines.append(f"{run_id}: {UNKNOWN_TOPOLOGY_CAVEAT}")
+    return passed, lines

@@ -1,0 +1,185 @@
+"""One status for a run and a statistic (auditor.status), on SQLite and PostgreSQL: runs
+whose steps were audited with reports missing are ``incomplete``, never "consistent"; reports
+a 409 refused for contradicting stored ones are counted per series and fail the check; a run
+of unknown topology gets the caveat; a new run's batch that disagrees with itself is worded
+as such."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from factory import world_reports
+
+from auditor import status
+from auditor.schemas import Report
+from auditor.service import ConflictError, NotFound
+
+
+def batch(run_id: str, steps=range(1), **kw) -> list[Report]:
+    return [Report.model_validate(r) for s in steps for r in world_reports(run_id, step=s, **kw)]
+
+
+def test_a_run_missing_a_rank_is_incomplete_everywhere(service, run_id):
+    """dp=2×cp=2, rank 1's reports never arrive, 6 steps swept: status incomplete (not
+    consistent) in the report, the statistic and the run summary; the ?status= filters put it
+    under incomplete only; the check fails naming 6 steps and rank 1, and passes with
+    allow_incomplete; no CP σ is shown (a CP peer is missing), not 0."""
+    for s in range(6):
+        service.ingest(batch(run_id, [s], skip_ranks=(1,)))
+    assert service.sweep(grace_seconds=0.0, now=time.time() + 1) >= 6
+    rep = service.report(run_id)
+    (st,) = rep["statistics"]
+    assert (rep["status"], rep["consistent"], st["status"]) == ("incomplete", False, "incomplete")
+    assert (st["steps_consistent"], st["steps_inconsistent"], st["steps_incomplete"]) == (0, 0, 6)
+    assert st["faults"] == {"missing_report": 6}
+    assert (st["cp_disagreement_sigma"], st["worst_cp_disagreement_sigma"], st["worst_cp_disagreement_step"]) == (
+        None, None, None)
+    assert [d["cp_disagreement_sigma"] for d in st["bad_steps"]] == [None] * 6
+    assert [s["cp_disagreement_sigma"] for s in service.steps(run_id, "advantages")["steps"]] == [None] * 6
+    run = service.get_run(run_id)
+    assert (run["status"], run["consistent"], run["steps_incomplete"], run["refused_reports"]) == (
+        "incomplete", False, 6, 0)
+    assert run_id in {r["run_id"] for r in service.list_runs("incomplete")}
+    for other in ("consistent", "inconsistent", "pending"):
+        assert run_id not in {r["run_id"] for r in service.list_runs(other)}, other
+    passed, lines = status.check(rep, min_steps=6)
+    assert passed is False
+    assert lines == [f"{run_id}: INCOMPLETE — 6 step(s) audited with reports missing (advantages 6 of 6); rank 1 "
+                     "never reported: their values were never checked; pass --allow-incomplete for a run known to "
+                     "lose ranks"]
+    passed, lines = status.check(rep, allow_incomplete=True, min_steps=6)
+    assert passed is True and lines[0].startswith(f"{run_id}: incomplete, allowed by --allow-incomplete (6 step(s)")
+
+
+def test_statuses_order_inconsistent_over_incomplete_over_consistent(service, run_id):
+    """A consistent step plus an incomplete one: incomplete; plus an inconsistent one:
+    inconsistent (the boolean false both times); only consistent steps: consistent; nothing
+    audited yet: pending."""
+    open_, ok, inc = f"{run_id}-open", f"{run_id}-ok", f"{run_id}-inc"
+    service.ingest(batch(open_, skip_ranks=(3,)))
+    assert (service.report(open_)["status"], service.report(open_)["consistent"]) == ("pending", False)
+    assert open_ in {r["run_id"] for r in service.list_runs("pending")}
+    service.ingest(batch(ok, range(2)))
+    assert (service.report(ok)["status"], service.report(ok)["consistent"]) == ("consistent", True)
+    assert ok in {r["run_id"] for r in service.list_runs("consistent")}
+    service.ingest(batch(inc, [0]))
+    service.ingest(batch(inc, [1], skip_ranks=(2,)))
+    service.sweep(grace_seconds=0.0, now=time.time() + 1)
+    assert service.report(inc)["status"] == "incomplete"
+    wrong = world_reports(inc, step=2)
+    wrong[0]["applied"] = dict(wrong[0]["applied"], mean=wrong[0]["applied"]["mean"] + 0.5)
+    service.ingest([Report.model_validate(r) for r in wrong])
+    rep = service.report(inc)
+    assert (rep["status"], rep["consistent"], rep["statistics"][0]["steps_inconsistent"]) == ("inconsistent", False, 1)
+    assert inc in {r["run_id"] for r in service.list_runs("inconsistent")}
+    assert inc not in {r["run_id"] for r in service.list_runs("incomplete")}
+
+
+def test_a_reused_run_id_is_counted_and_fails_the_check(service, run_id):
+    """`AUDITOR_RUN_ID=ci-rerun`: a correct 3-step run, then a buggy 3-step run under the same
+    id. Every report of the second is refused (409 conflicting_report) and nothing of it is
+    stored; the series counts the 12 refused reports, steps 0–2, so the report says so and
+    the check fails (unless allow_refused) although the stored steps are consistent."""
+    service.ingest(batch(run_id, range(3)))
+    t0 = time.time()
+    with pytest.raises(ConflictError) as e:
+        service.ingest(batch(run_id, range(3), scale=2.0))
+    assert e.value.error == "conflicting_report" and len(e.value.conflicts) == 12
+    rep = service.report(run_id)
+    (st,) = rep["statistics"]
+    assert (st["steps_audited"], st["steps_consistent"], rep["status"]) == (3, 3, "consistent")
+    assert (st["refused_reports"], st["refused_first_step"], st["refused_last_step"], st["refused_kind"]) == (
+        12, 0, 2, "conflicting_report")
+    assert st["refused_at"] >= t0 and rep["refused_reports"] == 12
+    assert service.get_run(run_id)["refused_reports"] == 12
+    passed, lines = status.check(rep)
+    assert passed is False and lines == [
+        f"{run_id}: consistent (3 step(s) audited)",
+        f"{run_id}: REFUSED REPORTS — 12 report(s) conflicting with stored ones were refused, steps 0–2 (advantages "
+        "12; conflicting_report): the run id was reused or a rank re-sent different values; pass --allow-refused to "
+        "accept that"]
+    assert status.check(rep, allow_refused=True)[0] is True
+    # a later refusal of one step widens nothing and adds one
+    with pytest.raises(ConflictError):
+        service.ingest(batch(run_id, [1], scale=3.0)[:1])
+    st = service.report(run_id)["statistics"][0]
+    assert (st["refused_reports"], st["refused_first_step"], st["refused_last_step"]) == (13, 0, 2)
+    # a batch contradicting only itself contradicts nothing stored: not counted
+    twice = batch(run_id, [5])
+    with pytest.raises(ConflictError) as e:
+        service.ingest(twice + batch(run_id, [5], scale=2.0)[:1])
+    assert "nothing of this batch was stored" in e.value.message
+    assert service.report(run_id)["statistics"][0]["refused_reports"] == 13
+
+
+def test_counting_refusals_never_turns_the_409_into_a_500(service, run_id, monkeypatch, caplog):
+    """If the count cannot be written, the ConflictError (409) is raised all the same and the
+    failure is logged."""
+    service.ingest(batch(run_id))
+
+    def broken(*a, **k):
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(service.store, "record_refused", broken)
+    with caplog.at_level(logging.ERROR, logger="auditor.service"):
+        with pytest.raises(ConflictError) as e:
+            service.ingest(batch(run_id, scale=2.0))
+    assert e.value.error == "conflicting_report"
+    assert "could not count the reports refused by a conflicting_report" in caplog.text
+    monkeypatch.undo()
+    assert service.report(run_id)["statistics"][0]["refused_reports"] == 0
+
+
+def test_topology_and_spec_conflicts_count_against_an_existing_series(service, run_id):
+    """A batch of another topology (then of another spec) for a stored run: every report of
+    it is counted (kind topology_conflict, spec_conflict) against the series that exists."""
+    service.ingest(batch(run_id))
+    other = [Report.model_validate(r) for r in world_reports(run_id, step=1, dp=4)]
+    with pytest.raises(ConflictError) as e:
+        service.ingest(other)
+    assert e.value.error == "topology_conflict" and "was registered with" in e.value.message
+    assert "nothing of this batch was stored" in e.value.message
+    st = service.report(run_id)["statistics"][0]
+    assert (st["refused_reports"], st["refused_first_step"], st["refused_last_step"], st["refused_kind"]) == (
+        8, 1, 1, "topology_conflict")
+    respec = [Report.model_validate(dict(r, spec={"reduce_over": ["dp"]})) for r in world_reports(run_id, step=2)]
+    with pytest.raises(ConflictError) as e:
+        service.ingest(respec)
+    assert e.value.error == "spec_conflict"
+    st = service.report(run_id)["statistics"][0]
+    assert (st["refused_reports"], st["refused_first_step"], st["refused_last_step"], st["refused_kind"]) == (
+        12, 1, 2, "spec_conflict")
+
+
+def test_a_new_runs_batch_mixing_topologies_says_the_batch_disagrees(service, run_id):
+    """The first batch of run t5z mixes dp=2 and dp=4 reports: the 409 says the batch's own
+    reports disagree (nothing was registered: the run stays unknown) and that nothing of the
+    batch was stored."""
+    mixed = batch(run_id) + [Report.model_validate(r) for r in world_reports(run_id, step=1, dp=4)]
+    with pytest.raises(ConflictError) as e:
+        service.ingest(mixed)
+    assert e.value.error == "topology_conflict"
+    assert e.value.message == (
+        f"reports[0] and reports[4] of this batch disagree on the topology of the new run {run_id!r}: "
+        "{'world_size': 4, 'sizes': {'dp': 2, 'cp': 2, 'tp': 1, 'pp': 1}} against {'world_size': 8, 'sizes': "
+        "{'dp': 4, 'cp': 2, 'tp': 1, 'pp': 1}}; every report of a run must give the same topology (world_size, "
+        "sizes, order, topology); nothing of this batch was stored")
+    assert e.value.conflicts == [{"index": 4, "field": "sizes", "other_index": 0}]
+    with pytest.raises(NotFound):
+        service.get_run(run_id)
+
+
+def test_unknown_topology_check_carries_the_caveat(service, run_id):
+    """A run whose ranks declared no topology passes the check (exit code unchanged) with one
+    line saying what cannot be detected and what to set."""
+    reports = [Report.model_validate({
+        "run_id": run_id, "statistic": "s", "step": 0, "rank": r, "world_size": 2, "topology": "unknown",
+        "kind": "sum", "local": {"sum": 1.0 + r}, "applied": {"sum": 3.0}, "group_ranks": [0, 1]}) for r in range(2)]
+    service.ingest(reports)
+    rep = service.report(run_id)
+    passed, lines = status.check(rep)
+    assert passed is True and rep["status"] == "consistent"
+    assert lines == [f"{run_id}: consistent (1 step(s) audited)", f"{run_id}: {status.UNKNOWN_TOPOLOGY_CAVEAT}"]
+    assert "AUDITOR_TOPOLOGY" in lines[1] and "set_topology" in lines[1] and "CP/DP" in lines[1]
