@@ -30,7 +30,7 @@ import numpy as np
 
 from auditor.core import stats
 from auditor.core.checks import PRECISION_LOSS_THRESHOLD
-from auditor.core.step import DEFAULT_LOCAL_TERMS
+from auditor.core.step import DEFAULT_LOCAL_TERMS, applied_moments, sums_match, sums_moments
 from auditor.core.types import DIMS, Coord, GroupStat, Spec, StepVerdict, compress_ranks
 
 #: Float columns of :class:`Elements` ``values`` (the :class:`~auditor.core.types.RankReport`
@@ -88,14 +88,14 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, kind: s
     k = len(expected)
     moments = kind == "moments"
     F, none = el.values, np.isnan(el.values)
-    have_mv = ~none[:, 9] & ~none[:, 10]
-    have_s = ~have_mv & ~none[:, 6] & ~none[:, 7] & ~none[:, 8]
     # element-level cleanliness: applied, nothing noted non-finite, every value finite or
-    # None; moments: local (count, sum, sum_sq) and an applied (mean, var) or (count, sum,
-    # sum_sq); sum/norm: the local and applied value
+    # None; moments: local (count, sum, sum_sq) and an applied mean (sent, or from count and
+    # sum) and var (sent, or from count, sum and sum_sq); sum/norm: the local and applied value
     ok = el.applied & ~el.noted & (none | np.isfinite(F)).all(axis=1)
     if moments:
-        ok &= ~none[:, 0] & ~none[:, 1] & ~none[:, 2] & (have_mv | have_s)
+        sums = ~none[:, 6] & ~none[:, 7]
+        ok &= (~none[:, 0] & ~none[:, 1] & ~none[:, 2] & (~none[:, 9] | sums)
+               & (~none[:, 10] | (sums & ~none[:, 8])))
     else:
         ok &= ~none[:, 1 if kind == "sum" else 2] & ~none[:, 7 if kind == "sum" else 8]
     world = int(np.prod(sizes))
@@ -105,12 +105,11 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, kind: s
         return out
     keep = clean[el.step]
     step, ints, F, none = el.step[keep], el.ints[keep], F[keep], none[keep]
-    have_mv = have_mv[keep]
     dtypes = [d for d, x in zip(el.dtype, keep.tolist()) if x]
     group_ranks = [g for g, x in zip(el.group_ranks, keep.tolist()) if x]
     # Step's element order within each step: (dp, cp, tp, pp, microbatch, rank)
     order = np.lexsort((ints[:, 5], ints[:, 4], ints[:, 3], ints[:, 2], ints[:, 1], ints[:, 0], step))
-    step, ints, F, none, have_mv = step[order], ints[order], F[order], none[order], have_mv[order]
+    step, ints, F, none = step[order], ints[order], F[order], none[order]
     ol = order.tolist()
     dtypes = [dtypes[i] for i in ol]
     group_ranks = [group_ranks[i] for i in ol]
@@ -152,10 +151,8 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, kind: s
         lo, hi = F[:, 3], F[:, 4]
         l_lo = np.where((c > 0) & np.isfinite(lo), lo, np.inf)
         l_hi = np.where((c > 0) & np.isfinite(hi), hi, -np.inf)
-        om, ov = stats.one_pass_mean_var_array(F[:, 6], F[:, 7], F[:, 8], spec.variance)
-        a_n = F[:, 6]
-        a_mean = np.where(have_mv, F[:, 9], om)
-        a_var = np.where(have_mv, F[:, 10], ov)
+        a_n, a_mean, a_var, _, a_sum, a_sum_sq, sum_judged, sq_judged = applied_moments(
+            [F[:, j] for j in (6, 7, 8, 9, 10)], [~none[:, j] for j in (6, 7, 8, 9, 10)], spec.variance)
         flag(~(np.isfinite(a_mean) & np.isfinite(a_var)))
         flag(~(np.isfinite(l_n) & np.isfinite(l_mean) & np.isfinite(l_m2)))
         local_terms = l_n
@@ -234,6 +231,9 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, kind: s
         tn = g * n_e
         flag(~((n_e > 0) & (np.isnan(a_n) | (np.abs(a_n - n_e) <= tn)) & (np.abs(a_mean - mean_e) <= tm)
                & (np.abs(a_var - var_e) <= tv)))
+        if (sum_judged | sq_judged).any():  # the sums sent next to a mean or var they do not give
+            s_mean, s_var = sums_moments(a_n, a_sum, a_sum_sq, sum_judged, sq_judged, n_e, mean_e, m2_e, conv)
+            flag(~sums_match(s_mean, s_var, sum_judged, sq_judged, mean_e, var_e, tm, tv))
         flag(stats.one_pass_variance_error(g, n_e, mean_e, m2_e) > PRECISION_LOSS_THRESHOLD)
         values = (n_e, mean_e, var_e)
     else:
@@ -267,6 +267,7 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, kind: s
     tol_all_finite = np.zeros(k, dtype=bool)
     if moments:
         lo_e, hi_e = stats.value_range(lo_g[inv], hi_g[inv], mean_e, var_e)
+        # (a clean step's judged sums match: its gaps are the whitening pair's, as in Step.applied_gaps)
         gaps = stats.transform_gap_array(a_mean, a_var, mean_e, var_e, lo_e, hi_e)
         tol = np.zeros(n)
         for sm in (-1.0, 1.0):

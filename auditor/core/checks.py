@@ -115,8 +115,7 @@ def gaps(st: Step, exp: Part, e_vals, idx: np.ndarray) -> np.ndarray:
     """Whitening gaps (σ) of the elements ``idx``'s applied statistic vs their expected group's."""
     g = exp.inv[idx]
     lo, hi = stats.value_range(exp.vals["lo"][g], exp.vals["hi"][g], e_vals[1][idx], e_vals[2][idx])
-    return stats.transform_gap_array(st.a_mean[idx], st.applied_var(e_vals[2])[idx], e_vals[1][idx], e_vals[2][idx],
-                                     lo, hi)
+    return st.applied_gaps(idx, exp, e_vals[1][idx], e_vals[2][idx], lo, hi)
 
 
 def group_mismatch(st: Step, exp: Part, e_vals, bad: np.ndarray, exp_axes, f: Findings) -> None:
@@ -261,7 +260,7 @@ def applied_tolerances(st: Step, exp: Part) -> list[np.ndarray]:
             g = stats.reduction_gamma_array(st.u, np.nan_to_num(n, nan=2.0), ranks)
             m2 = np.maximum(st.a_var, 0.0) * np.maximum(n - 1.0, 1.0)
             tm, tv = stats.mean_var_tolerance(g, n, st.a_mean, m2, st.spec.variance)
-            unknown = ~np.isfinite(n) | ~st.a_ok
+            unknown = ~np.isfinite(n) | ~st.a_ok | ~np.isfinite(st.a_var)  # a mean alone: no bound
             return [np.where(unknown, np.inf, g * n), np.where(unknown, np.inf, tm), np.where(unknown, np.inf, tv)]
         g = stats.reduction_gamma_array(st.u, np.full(st.n, 2.0), ranks)
         return [np.where(st.a_ok, stats.sum_tolerance(g, np.abs(st.a_val)), np.inf)]

@@ -38,6 +38,8 @@ _VAL_FIELDS = operator.attrgetter(*_VALS)
 _NONFINITE_COLS = [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]
 _APPLIED_COLS = [6, 7, 8, 9, 10]
 _NO_FIELDS: list[str] = []
+#: The applied fields of a ``moments`` report, in :func:`applied_moments`' order.
+_APPLIED_NAMES = ("applied_count", "applied_sum", "applied_sum_sq", "applied_mean", "applied_var")
 
 
 @dataclass(slots=True)
@@ -180,8 +182,8 @@ class Step:
             self.bad_local[i] = any(x.startswith("local_") for x in nf)
 
     def _moments_columns(self) -> None:
-        """``moments``: local (N, μ, M2, min, max) and the applied (N, mean, var): the
-        reported mean/var, else slime's one-pass form of the reported (count, sum, sum_sq)."""
+        """``moments``: local (N, μ, M2, min, max) and the applied columns of
+        :func:`applied_moments` (every applied field that was sent is judged)."""
         col, nul = self.col, self.nul
         # a missing (None) local count/sum/sum_sq counts as 0
         c, t, tq = ((np.where(nul[k] | (col[k] == 0), 0.0, col[k]))
@@ -190,19 +192,14 @@ class Step:
         lo, hi = col["local_min"], col["local_max"]
         self.l_lo = np.where((c > 0) & np.isfinite(lo), lo, np.inf)
         self.l_hi = np.where((c > 0) & np.isfinite(hi), hi, -np.inf)
-        have_mv = self.applied & ~nul["applied_mean"] & ~nul["applied_var"]
-        have_s = (self.applied & ~have_mv & ~nul["applied_count"] & ~nul["applied_sum"]
-                  & ~nul["applied_sum_sq"])
-        ac = col["applied_count"]
-        om, ov = stats.one_pass_mean_var_array(ac, col["applied_sum"], col["applied_sum_sq"], self.spec.variance)
-        # a rank that sent only a mean (a framework averaging per-rank means) is judged on the
-        # mean alone (DESIGN.md §3.1); a variance that was NaN on the wire is stored as NULL:
-        # that is non_finite, not "mean only"
-        self.mean_only = self.applied & ~have_mv & ~have_s & ~nul["applied_mean"] & ~self.nf_mask
-        known = have_mv | have_s
-        self.a_n = np.where(known, ac, np.nan)
-        self.a_mean = np.where(have_mv | self.mean_only, col["applied_mean"], np.where(have_s, om, np.nan))
-        self.a_var = np.where(have_mv, col["applied_var"], np.where(have_s, ov, np.nan))
+        given = [self.applied & ~nul[k] for k in _APPLIED_NAMES]
+        (self.a_n, self.a_mean, self.a_var, var_known, self.a_sum, self.a_sum_sq, self.sum_judged,
+         self.sq_judged) = applied_moments([col[k] for k in _APPLIED_NAMES], given, self.spec.variance)
+        self.sums_judged = self.sum_judged | self.sq_judged
+        # a rank that sent a mean and nothing that gives a variance (a framework averaging
+        # per-rank means) is judged on the mean alone (DESIGN.md §3.1); a variance that was
+        # NaN on the wire is stored as NULL: that is non_finite, not "mean only"
+        self.mean_only = given[3] & ~var_known & ~self.nf_mask
         self.a_ok = np.isfinite(self.a_mean) & (np.isfinite(self.a_var) | self.mean_only)
         self.bad_local |= ~(np.isfinite(self.l_n) & np.isfinite(self.l_mean) & np.isfinite(self.l_m2))
 
@@ -224,6 +221,32 @@ class Step:
         """The applied variance, with the correct one standing in where a rank sent a mean
         only (its whitening gap is then the mean's alone)."""
         return np.where(self.mean_only, correct_var, self.a_var)
+
+    def applied_gaps(self, idx: np.ndarray, p: Part, mean_e: np.ndarray, var_e: np.ndarray, lo: np.ndarray,
+                     hi: np.ndarray) -> np.ndarray:
+        """Whitening gaps (σ) of the elements ``idx`` against (``mean_e``, ``var_e``) of their
+        groups in ``p`` over [``lo``, ``hi``] (arrays over ``idx``): the gap of the pair each
+        whitened with — the figure behind ``applied_error_sigma`` — except where that pair is
+        right within rounding and only its judged sums are not (:func:`sums_match`): there
+        the gap of the pair the sums give (:func:`sums_moments`), so that a mismatch never
+        shows a gap of ~0 σ."""
+        a_var = np.where(self.mean_only[idx], var_e, self.a_var[idx])
+        gap = stats.transform_gap_array(self.a_mean[idx], a_var, mean_e, var_e, lo, hi)
+        sj, qj = self.sum_judged[idx], self.sq_judged[idx]
+        if not (sj | qj).any():
+            return gap
+        n, mean, m2 = (p.vals[k][p.inv[idx]] for k in ("count", "mean", "m2"))
+        s_mean, s_var = sums_moments(self.a_n[idx], self.a_sum[idx], self.a_sum_sq[idx], sj, qj, n, mean, m2,
+                                     self.spec.variance)
+        tm, tv = stats.mean_var_tolerance(self.gamma(p)[idx], n, mean, m2, self.spec.variance)
+        with np.errstate(invalid="ignore"):
+            right = (np.abs(self.a_mean[idx] - mean_e) <= tm) & (np.abs(a_var - var_e) <= tv)
+        off = right & ~sums_match(s_mean, s_var, sj, qj, mean_e, var_e, tm, tv)
+        if off.any():
+            g2 = stats.transform_gap_array(np.where(sj, s_mean, self.a_mean[idx]),
+                                           np.where(qj, s_var, a_var), mean_e, var_e, lo, hi)
+            gap = np.where(off, g2, gap)
+        return gap
 
     # ------------------------------------------------------------------ partitions
     def _key(self, axes: Iterable[str]) -> np.ndarray:
@@ -346,7 +369,12 @@ class Step:
                 tn, tm, tv = tol
                 count_ok = np.isnan(self.a_n) | (np.abs(self.a_n - n) <= tn)
                 var_ok = self.mean_only | (np.abs(self.a_var - var) <= tv)
-                return ok & (n > 0) & count_ok & (np.abs(self.a_mean - mean) <= tm) & var_ok
+                out = ok & (n > 0) & count_ok & (np.abs(self.a_mean - mean) <= tm) & var_ok
+                if self.sums_judged.any():  # sums sent next to a mean or var they are not the source of
+                    s_mean, s_var = sums_moments(self.a_n, self.a_sum, self.a_sum_sq, self.sum_judged, self.sq_judged,
+                                                 n, mean, p.vals["m2"][p.inv], convention or self.spec.variance)
+                    out &= sums_match(s_mean, s_var, self.sum_judged, self.sq_judged, mean, var, tm, tv)
+                return out
             value = p.vals[value_key][p.inv]
             if value_key in OP_VARIANTS:
                 # another op's value W from the ranks' reported values as they are: only the
@@ -358,6 +386,66 @@ class Step:
                 distinct = np.abs(value - p.vals["value"][p.inv]) > op_tol + tol[0]
                 return ok & distinct & (np.abs(self.a_val - value) <= op_tol)
             return ok & (np.abs(self.a_val - value) <= tol[0])
+
+
+def applied_moments(values: Sequence[np.ndarray], given: Sequence[np.ndarray], variance: str):
+    """The applied columns of ``moments`` elements, shared by :class:`Step` and the batched
+    pass (:mod:`auditor.core.batch`) so that both judge the same fields the same way.
+
+    ``values``: float64 arrays (k,) of the applied count, sum, sum_sq, mean, var as stored;
+    ``given``: bool arrays (k,), the rank sent that field (applied, not None). DESIGN.md §3:
+    count/sum/sum_sq are what the all-reduce returned, mean/var what the rank whitened with;
+    every field that is sent is judged against the expected group's correct value.
+
+    Returns ``(n, mean, var, var_known, sum, sum_sq, sum_judged, sq_judged)``, arrays (k,):
+
+    * ``n``: the applied count where sent, else NaN (not judged);
+    * ``mean``, ``var``: the pair the rank whitened with — the sent mean, else S/N of the
+      sent count and sum (slime's form); the sent var, else the one-pass var of the sent
+      count, sum and sum_sq in ``variance``'s convention (:func:`stats.one_pass_mean_var_array`);
+      NaN where neither. ``var_known``: a var was sent or follows from the sums;
+    * ``sum``, ``sum_sq``: the sent values (NaN where not sent);
+    * ``sum_judged``: a finite sum was sent that is not the source of ``mean`` (a mean was
+      sent too, or no count), so the mean it gives is judged on its own
+      (:func:`sums_moments`); ``sq_judged``: likewise a finite sum_sq that is not the
+      source of ``var``. A non-finite one is ``non_finite``'s finding.
+    """
+    count, total, total_sq, mean, var = values
+    g_count, g_sum, g_sq, g_mean, g_var = given
+    with np.errstate(all="ignore"):
+        om, ov = stats.one_pass_mean_var_array(count, total, total_sq, variance)
+    mean_from_sums = ~g_mean & g_count & g_sum
+    var_from_sums = ~g_var & g_count & g_sum & g_sq
+    a_n = np.where(g_count, count, np.nan)
+    a_mean = np.where(g_mean, mean, np.where(mean_from_sums, om, np.nan))
+    a_var = np.where(g_var, var, np.where(var_from_sums, ov, np.nan))
+    with np.errstate(invalid="ignore"):
+        sum_judged = g_sum & ~mean_from_sums & np.isfinite(total)
+        sq_judged = g_sq & ~var_from_sums & np.isfinite(total_sq)
+    return (a_n, a_mean, a_var, g_var | var_from_sums, np.where(g_sum, total, np.nan),
+            np.where(g_sq, total_sq, np.nan), sum_judged, sq_judged)
+
+
+def sums_moments(a_n, a_sum, a_sum_sq, sum_judged, sq_judged, n, mean, m2, convention: str):
+    """The (mean, var) that judged applied sums give (:func:`applied_moments`), slime's
+    one-pass form in ``convention``: each sum not sent, not judged or (the count) not finite
+    is taken as the group's correct one (count ``n``, sum ``n·mean``, sum_sq ``m2 + n·mean²``), so each sent field is
+    judged on its own. NaN where no sum is judged. Float64 arrays (k,)."""
+    with np.errstate(all="ignore"):
+        N = np.where(np.isfinite(a_n), a_n, n)  # a non-finite count is non_finite's finding
+        S = np.where(sum_judged, a_sum, n * mean)
+        SS = np.where(sq_judged, a_sum_sq, m2 + n * mean * mean)
+        s_mean, s_var = stats.one_pass_mean_var_array(N, S, SS, convention)
+    judged = sum_judged | sq_judged
+    return np.where(judged, s_mean, np.nan), np.where(judged, s_var, np.nan)
+
+
+def sums_match(s_mean, s_var, sum_judged, sq_judged, mean, var, tm, tv) -> np.ndarray:
+    """Where the judged sums' (``s_mean``, ``s_var``) (:func:`sums_moments`) are the correct
+    (``mean``, ``var``) within the rounding bounds (``tm``, ``tv``); True where none is judged."""
+    with np.errstate(invalid="ignore"):
+        return ((~sum_judged | (np.abs(s_mean - mean) <= tm))
+                & (~sq_judged | (np.abs(s_var - var) <= tv)))
 
 
 def group_coords(reports: Sequence[RankReport]) -> list[RankReport]:

@@ -283,8 +283,7 @@ def _rows(st: Step, exp: Part, e_vals, e_tol, judged: np.ndarray, reduce_over, o
             idx = np.flatnonzero(gap_at)
             g = exp.inv[idx]
             lo, hi = stats.value_range(exp.vals["lo"][g], exp.vals["hi"][g], mean_e[idx], var_e[idx])
-            gaps[idx] = stats.transform_gap_array(st.a_mean[idx], st.applied_var(var_e)[idx], mean_e[idx], var_e[idx],
-                                                  lo, hi)
+            gaps[idx] = st.applied_gaps(idx, exp, mean_e[idx], var_e[idx], lo, hi)
             finite = np.isfinite(gaps)
             if finite.any():
                 err_sigma = gaps[finite].max()  # np.float64, as stats.transform_gap returns

@@ -6,7 +6,10 @@ kind (``moments``/``sum``/``norm``), a spec (``reduce_over``, ``replicas``, ``va
 simulated trainer injects (DESIGN.md §5): wrong group, summed replicas, the other variance
 convention, low-precision cancellation, skipped collectives, missing reports, NaN/Inf,
 float64 overflow, empty groups, stale statistics, diverging replicas, ``group_ranks`` of
-another group, random applied errors, mixed dtypes.
+another group, random applied errors, mixed dtypes. After them, :data:`SUBSET_SHARE` of as
+many *subset* cases (their own random stream, so the others stay as they were): ``moments``
+series whose ranks send a random subset of the applied count, sum, sum_sq, mean and var that
+the wire accepts (DESIGN.md §3.1), some with one sent field made wrong (``field_error``).
 
 The trainer simulated here reduces like slime: each rank sums its values in float32
 (numpy's pairwise sum), the ranks' partials are added one after another in the reduction
@@ -39,6 +42,13 @@ DEFAULT_SPECS = {
 }
 FAULTS = ("wrong_group", "overcount", "convention", "precision", "skip", "missing", "nonfinite", "overflow",
           "empty", "stale", "replica_div", "membership", "noise", "mixed_dtype", "rep_each")
+#: Subset cases per case of the corpus, drawn after all of them from ``seed + 1``.
+SUBSET_SHARE = 0.1
+#: The applied fields a subset case's rank sends: every subset the wire accepts for
+#: ``moments`` (a mean, or all of count, sum and sum_sq).
+APPLIED_SUBSETS = tuple(
+    keep for k in range(1, 6) for keep in itertools.combinations(("count", "sum", "sum_sq", "mean", "var"), k)
+    if "mean" in keep or {"count", "sum", "sum_sq"} <= set(keep))
 LOCAL_FIELDS = ("count", "sum", "sum_sq", "min", "max", "replicated_sum_sq")
 APPLIED_FIELDS = ("count", "sum", "sum_sq", "mean", "var")
 #: Number of earlier audited steps the store hands to the engine as history (its LIMIT).
@@ -68,6 +78,7 @@ class Case:
     faults: list[str]
     raw: bool  # hand NaN to the engine as NaN (not as the store's NULL + non_finite)
     steps: list[Step] = field(default_factory=list)
+    subsets: bool = False  # ranks send a random subset of the applied fields (APPLIED_SUBSETS)
 
     @property
     def world(self) -> int:
@@ -78,7 +89,8 @@ class Case:
         spec = (f"reduce_over={self.spec['reduce_over']} replicas={self.spec['replicas']} "
                 f"variance={self.spec['variance']} over_mb={self.spec['over_microbatches']}")
         return (f"{self.id}: {self.kind} {s} mb={self.num_microbatches} {spec} "
-                f"faults={','.join(self.faults) or '-'}{' raw' if self.raw else ''}")
+                f"faults={','.join(self.faults) or '-'}{' raw' if self.raw else ''}"
+                f"{' applied-subsets' if self.subsets else ''}")
 
 
 # ------------------------------------------------------------------ topology helpers
@@ -133,8 +145,12 @@ def _sizes(rng: random.Random) -> tuple[int, int, int, int]:
     return s  # type: ignore[return-value]
 
 
-def make_case(rng: random.Random, index: int) -> Case:
+def make_case(rng: random.Random, index: int, subsets: bool = False) -> Case:
+    """One case; ``subsets``: a ``moments`` subset case (id ``aNNNNN``), its ranks sending
+    random subsets of the applied fields, and in half of them one field made wrong."""
     kind = rng.choice(("moments", "moments", "moments", "sum", "norm"))
+    if subsets:
+        kind = "moments"
     sizes = _sizes(rng)
     spec = _spec(rng, kind, sizes)
     num_mb = 1
@@ -145,8 +161,11 @@ def make_case(rng: random.Random, index: int) -> Case:
             and not (f == "rep_each" and kind != "norm")]
     faults = sorted(set(rng.sample(pool, n_faults)))
     steps = rng.choice((1, 1, 2, 3)) if "stale" not in faults else rng.choice((2, 3))
-    case = Case(f"c{index:05d}", sizes, kind, spec, spec_on_wire=(spec != DEFAULT_SPECS[kind] or rng.random() < 0.3),
-                num_microbatches=num_mb, faults=faults, raw=rng.random() < 0.05)
+    case = Case(f"{'a' if subsets else 'c'}{index:05d}", sizes, kind, spec,
+                spec_on_wire=(spec != DEFAULT_SPECS[kind] or rng.random() < 0.3),
+                num_microbatches=num_mb, faults=faults, raw=rng.random() < 0.05, subsets=subsets)
+    if subsets and rng.random() < 0.5:
+        case.faults = sorted(case.faults + ["field_error"])
     _Trainer(rng, case).run(steps)
     return case
 
@@ -311,7 +330,10 @@ class _Trainer:
                         var = red(var * n / (n - red(1)))
                     a["mean"], a["var"] = float(mean), float(var)
                     mode = rng.random()
-                    if mode < 0.15:
+                    if case.subsets:
+                        keep = rng.choice(APPLIED_SUBSETS)
+                        a = {k: v for k, v in a.items() if k in keep}
+                    elif mode < 0.15:
                         a.pop("mean"), a.pop("var")  # sums only: the engine derives mean/var one-pass
                     elif mode < 0.22:
                         a.pop("count"), a.pop("sum"), a.pop("sum_sq")  # what it whitened with only
@@ -344,6 +366,13 @@ class _Trainer:
                 keys = keys or [k for k in ("sum", "sum_sq") if a.get(k) is not None]
                 for k in (rng.sample(keys, rng.randint(1, len(keys))) if keys else []):
                     a[k] = _f32(a[k] * (1.0 + delta) + (delta if k == "mean" else 0.0))
+        if "field_error" in faults:  # one sent field of some ranks made wrong
+            for e in pick(0.3):
+                a = applied[e]
+                sent = sorted(k for k, v in (a or {}).items() if v is not None)
+                if sent:
+                    k = rng.choice(sent)
+                    a[k] = _f32(a[k] * rng.choice((2.0, 1.3, 0.8, 1.02)) + (0.5 if k == "mean" else 0.0))
         if "nonfinite" in faults:
             for e in pick(0.2):
                 where = rng.choice(("local", "applied"))
@@ -401,9 +430,12 @@ class _Trainer:
 
 
 def cases(seed: int, n: int) -> list[Case]:
-    """The corpus: ``n`` cases from ``seed``."""
+    """The corpus: ``n`` cases from ``seed``, then ``⌈n·SUBSET_SHARE⌉`` subset cases from
+    ``seed + 1``."""
     rng = random.Random(seed)
-    return [make_case(rng, i) for i in range(n)]
+    out = [make_case(rng, i) for i in range(n)]
+    sub = random.Random(seed + 1)
+    return out + [make_case(sub, i, subsets=True) for i in range(math.ceil(n * SUBSET_SHARE))]
 
 
 # ------------------------------------------------------------------ engine input
