@@ -212,7 +212,9 @@ _isfinite = math.isfinite
 
 def _local_rules(loc) -> None:
     """The rules of a ``local`` block (:class:`LocalStats` or its fast-decoder twin):
-    raises ValueError naming the field."""
+    raises ValueError naming the field. A rule added here (or to :func:`_applied_rules`,
+    :func:`_report_rules`) must also be flagged by :func:`_batch_holds`' array tests, or
+    the fast decoder accepts what it breaks."""
     # ``x < 0`` is False for NaN and +Inf; ``x != -inf`` leaves -Inf out: "finite and < 0"
     # without a call per value (this runs once per report on the ingest hot path).
     c = loc.count
