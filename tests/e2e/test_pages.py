@@ -148,6 +148,55 @@ def test_runs_page_and_offline_docs(browser, live_server, demo):
     page.context.close()
 
 
+def test_incomplete_run_page_says_incomplete_not_consistent(browser, live_server, run_id):
+    """dp=2×cp=2, rank 1 never reports, 6 steps audited after the grace period: the page's
+    badge says INCOMPLETE (was "consistent" next to "0 consistent · 0 inconsistent · 6
+    incomplete"), a line names the 6 steps and rank 1, the statistic's badge says 6
+    incomplete, the CP σ card shows "—" (a CP peer is missing), not 0.000; `/?status=`
+    lists it under incomplete, not under consistent. A reused run id's refused reports are
+    named on its page."""
+    import time
+
+    from factory import world_reports
+
+    run = f"inc-{run_id[-8:]}"
+    for s in range(6):
+        assert live_server.post("/v1/reports", json={"reports": world_reports(run, step=s, skip_ranks=(1,))}
+                                ).status_code == 200
+    deadline = time.monotonic() + 30
+    while live_server.get(f"/v1/runs/{run}").json()["steps_audited"] < 6:
+        assert time.monotonic() < deadline, "the sweep did not audit the 6 steps"
+        time.sleep(0.1)
+    page = open_page(browser, f"{live_server.url}/runs/{run}")
+    wait_ready(page)
+    assert page.inner_text("#run-verdict") == "INCOMPLETE"
+    assert page.inner_text("#run-incomplete") == (
+        "Incomplete: 6 step(s) audited with reports missing (advantages 6 of 6); rank 1 never reported: their values "
+        "were never checked.")
+    stat = page.inner_text("section.statistic")
+    assert "6 incomplete" in stat and "0 consistent · 0 inconsistent · 6 incomplete" in " ".join(stat.split())
+    cp_card = page.locator(".card", has_text="CP disagreement σ").inner_text()
+    assert "0.000" not in cp_card and "—" in cp_card
+    shot(page, "run-page-incomplete.png")
+    assert page.blocked == [] and page.errors == []
+    page.goto(f"{live_server.url}/?status=incomplete")
+    assert run in page.inner_text("#runs")
+    row = page.locator("#runs tr", has_text=run).inner_text()
+    assert "incomplete" in row
+    page.goto(f"{live_server.url}/?status=consistent")
+    assert run not in page.inner_text("main")
+    rerun = f"rerun-{run_id[-8:]}"
+    assert live_server.post("/v1/reports", json={"reports": world_reports(rerun)}).status_code == 200
+    assert live_server.post("/v1/reports", json={"reports": world_reports(rerun, scale=2.0)}).status_code == 409
+    page.goto(f"{live_server.url}/runs/{rerun}")
+    wait_ready(page)
+    assert page.inner_text("#run-refused") == (
+        "4 report(s) conflicting with stored ones were refused, steps 0 (advantages 4; conflicting_report): the run "
+        "id was reused or a rank re-sent different values")
+    shot(page, "run-page-refused.png")
+    page.context.close()
+
+
 def test_report_html_is_a_self_contained_file(browser, live_server, demo, tmp_path):
     """`auditor report RUN --format html > run.html` writes the same page with plotly.js
     inlined: opened from disk with every network request refused, it draws the same points."""

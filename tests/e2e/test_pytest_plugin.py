@@ -53,3 +53,37 @@ def test_plugin_autoloads_and_a_silent_test_fails(tmp_path):
         text = out.stdout + out.stderr
         assert out.returncode == 1 and "1 failed" in text, text
         assert "0 step(s) audited, expected at least 1" in text, text
+
+
+def test_an_incomplete_run_and_a_reused_run_id_fail_the_audited_test(tmp_path):
+    """The plugin decides with the status every other surface shows (auditor.status): a run
+    whose rank 1 never reported fails as INCOMPLETE naming missing_report; a run id reused by
+    a different run (its reports refused, 409) fails naming the refused reports although the
+    stored steps are consistent; a complete correct run passes."""
+    import json
+
+    from factory import world_reports
+
+    inc = world_reports("plug-inc", skip_ranks=(1,))
+    ok = world_reports("plug-rerun")
+    again = world_reports("plug-rerun", scale=2.0)
+    good = world_reports("plug-good")
+    (tmp_path / "test_status.py").write_text(
+        "import httpx, json, pytest\n\n"
+        f"INC, OK, AGAIN, GOOD = {json.dumps(inc)!r}, {json.dumps(ok)!r}, {json.dumps(again)!r}, {json.dumps(good)!r}\n\n"
+        "def post(audited, reports):\n"
+        "    return httpx.post(audited.url + '/v1/reports', json={'reports': json.loads(reports)}).status_code\n\n"
+        "@pytest.mark.audited\ndef test_incomplete(audited):\n    assert post(audited, INC) == 200\n\n"
+        "@pytest.mark.audited\ndef test_rerun(audited):\n"
+        "    assert post(audited, OK) == 200 and post(audited, AGAIN) == 409\n\n"
+        "@pytest.mark.audited\ndef test_good(audited):\n    assert post(audited, GOOD) == 200\n")
+    out = run_pytest(tmp_path, "-p", "auditor.pytest_plugin", "-rf",
+                     env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "COLUMNS": "1000"})
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and "2 failed, 1 passed" in text, text
+    summary = {ln.split(" - ")[0]: ln for ln in text.splitlines() if ln.startswith("FAILED")}
+    assert summary["FAILED test_status.py::test_incomplete"].startswith(
+        "FAILED test_status.py::test_incomplete - Failed: auditor: run 'plug-inc' is INCOMPLETE — advantages step 0: "
+        "missing_report: 1 of 4 expected reports never arrived"), summary
+    assert ("auditor: plug-rerun: REFUSED REPORTS — 4 report(s) conflicting with stored ones were refused, steps 0 "
+            "(advantages 4; conflicting_report)") in text, text

@@ -54,3 +54,38 @@ def test_reader_returns_typed_runs_report_steps_and_detail(live_server, run_id):
         assert err.value.status == 404
     with pytest.raises(ValueError, match="http"):
         Reader("not-a-url")
+
+
+def test_reader_carries_the_status_and_the_refused_reports(live_server, run_id):
+    """`Run.status`/`Report.status` are the service's (auditor.status): incomplete for a run
+    whose rank 1 never reported (consistent False), listed by `runs(status="incomplete")`;
+    a reused run id's refused reports are on the report and fail `Report.check()`."""
+    import time
+
+    from factory import world_reports
+
+    inc, rerun = f"{run_id}-inc", f"{run_id}-rerun"
+    assert live_server.post("/v1/reports", json={"reports": world_reports(inc, skip_ranks=(1,))}).status_code == 200
+    assert live_server.post("/v1/reports", json={"reports": world_reports(rerun)}).status_code == 200
+    assert live_server.post("/v1/reports", json={"reports": world_reports(rerun, scale=2.0)}).status_code == 409
+    with Reader(live_server.url) as reader:
+        deadline = time.monotonic() + 30
+        while reader.run(inc).steps_audited < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        run = reader.run(inc)
+        assert (run.status, run.consistent, run.steps_incomplete) == ("incomplete", False, 1)
+        assert inc in {r.run_id for r in reader.runs(status="incomplete", page_size=1000)}
+        assert inc not in {r.run_id for r in reader.runs(status="consistent", page_size=1000)}
+        report = reader.report(inc)
+        assert (report.status, report.consistent, report.statistic("advantages").status) == (
+            "incomplete", False, "incomplete")
+        passed, lines = report.check()
+        assert passed is False and "rank 1 never reported" in lines[0]
+        report = reader.report(rerun)
+        adv = report.statistic("advantages")
+        assert (report.status, report.refused_reports, adv.refused_reports, adv.refused_kind) == (
+            "consistent", 4, 4, "conflicting_report")
+        passed, lines = report.check()
+        assert passed is False and lines[1].startswith(f"{rerun}: REFUSED REPORTS — 4 report(s)")
+        assert report.check(allow_refused=True)[0] is True
