@@ -1032,11 +1032,15 @@ class Store:
         steps, set ``refused_at`` to ``now`` (Unix seconds) and ``refused_kind``. A series
         that does not exist is skipped (nothing of a refused batch is stored, so a new
         run's series never is). Returns the number of series updated. One UPDATE per
-        series, in (run_id, statistic) order (the lock order of concurrent writers)."""
+        series, in series id order (the order :meth:`record_verdicts` locks them in)."""
         c = series.c
+        keys = {(r[0], r[1]) for r in refused}
+        ids = {(row.run_id, row.statistic): row.id for row in conn.execute(
+            sa.select(c.id, c.run_id, c.statistic).where(c.run_id.in_(sorted({k[0] for k in keys}))))
+            if (row.run_id, row.statistic) in keys}
         done = 0
-        for run_id, statistic, n, lo, hi, kind in sorted(refused):
-            done += conn.execute(series.update().where(c.run_id == run_id, c.statistic == statistic).values(
+        for sid, (_, _, n, lo, hi, kind) in sorted((ids[(r[0], r[1])], r) for r in refused if (r[0], r[1]) in ids):
+            done += conn.execute(series.update().where(c.id == sid).values(
                 refused_reports=c.refused_reports + n,
                 refused_first_step=sa.case((c.refused_first_step.is_(None), lo), (c.refused_first_step > lo, lo),
                                            else_=c.refused_first_step),
