@@ -963,6 +963,10 @@ class Service:
         complete = s["steps_consistent"] + s["steps_inconsistent"] + s["steps_audit_error"]
         cp = {k: (s[k] if complete else None) for k in ("cp_disagreement_sigma", "worst_cp_disagreement_sigma",
                                                           "worst_cp_disagreement_step")}
+        if complete and s["steps_incomplete"] and s["last_audited_step"] is not None:
+            last = store.step_row(conn, s["id"], s["last_audited_step"])  # the latest figure is its step's
+            if last is not None and last["verdict"] == "incomplete":
+                cp["cp_disagreement_sigma"] = None
         return {
             "statistic": s["statistic"], "kind": s["kind"], "spec": s["spec"],
             "status": statuses.statistic_status(s),

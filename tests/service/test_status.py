@@ -67,7 +67,11 @@ def test_statuses_order_inconsistent_over_incomplete_over_consistent(service, ru
     service.ingest(batch(inc, [0]))
     service.ingest(batch(inc, [1], skip_ranks=(2,)))
     service.sweep(grace_seconds=0.0, now=time.time() + 1)
-    assert service.report(inc)["status"] == "incomplete"
+    (st,) = service.report(inc)["statistics"]
+    assert (service.report(inc)["status"], st["status"], st["last_audited_step"]) == ("incomplete", "incomplete", 1)
+    # the latest CP σ would be step 1's (a CP peer missing): none; the worst is step 0's, complete
+    assert (st["cp_disagreement_sigma"], st["worst_cp_disagreement_step"]) == (None, 0)
+    assert st["worst_cp_disagreement_sigma"] is not None
     wrong = world_reports(inc, step=2)
     wrong[0]["applied"] = dict(wrong[0]["applied"], mean=wrong[0]["applied"]["mean"] + 0.5)
     service.ingest([Report.model_validate(r) for r in wrong])
