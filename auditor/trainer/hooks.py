@@ -110,6 +110,13 @@ def distributed_masked_whiten(
     var = SS/N − mean²; if N ≥ 2, var ·= N/(N−1) (Bessel; none for N < 2);
     whitened = (v − mean)·rsqrt(var + ε), plus mean added back if not ``shift_mean``.
 
+    The statistics are computed and reduced in float32 (float64 inputs: the local sums in
+    float64, the vector in float32) whatever the dtype of ``values``: bfloat16/float16
+    values are widened before the products and sums, so the report's ``dtype: float32`` is
+    the precision the statistics really had (slime forms the sums in the values' dtype: in
+    bfloat16 that loses ~3 significant digits before the float32 all-reduce). The whitening
+    itself is in ``values``' dtype, as in slime.
+
     Every rank takes part in the collective, also with an empty ``values`` (it then
     contributes zeros): guarding the call on ``numel() > 0`` makes participation
     data-dependent and hangs the group (slime PR #2235).
@@ -117,7 +124,8 @@ def distributed_masked_whiten(
     Parameters
     ----------
     values:
-        Local values, any shape, floating dtype (float32 in slime); may be empty.
+        Local values, any shape, floating dtype (float32 in slime; bfloat16/float16 are
+        widened to float32 for the statistics); may be empty.
     mask:
         Same shape as ``values``, bool or floating (weights).
     process_group:
@@ -150,9 +158,12 @@ def distributed_masked_whiten(
     [1.133893, -0.377964, -0.755929]
     >>> dist.destroy_process_group()
     """
-    local_sum = (values * mask).sum()
-    local_sum_sq = ((values**2) * mask).sum()
-    local_mask_sum = mask.sum()
+    acc = stats_dtype(values.dtype)  # float32 (float64 for float64 values): never the sums in bf16/fp16
+    v = values.to(acc)
+    m = mask.to(acc)
+    local_sum = (v * m).sum()
+    local_sum_sq = ((v**2) * m).sum()
+    local_mask_sum = m.sum()
     stats = torch.tensor([local_sum, local_sum_sq, local_mask_sum], device=values.device, dtype=torch.float32)
     dist.all_reduce(stats, group=process_group)
     total, total_sq, count = stats
@@ -174,6 +185,24 @@ def distributed_masked_whiten(
     if not shift_mean:
         whitened += mean
     return whitened
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the hooks form local sums in for values of ``dtype``: float32, or float64
+    for float64 values (a 16-bit float is widened; an integer dtype gives float32)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def wire_dtype(*dtypes: torch.dtype) -> str:
+    """The wire ``dtype`` (DESIGN.md §3) of the coarsest floating dtype among ``dtypes``
+    (the precision a statistic formed from all of them has): ``float64``, ``float32``,
+    ``float16`` or ``bfloat16``; ``float32`` when none is floating or known to the wire."""
+    names = {torch.float64: "float64", torch.float32: "float32", torch.float16: "float16",
+             torch.bfloat16: "bfloat16"}
+    known = [d for d in dtypes if d in names]
+    if not known:
+        return "float32"
+    return names[max(known, key=lambda d: torch.finfo(d).eps)]
 
 
 def _report(client: AuditorClient, run_id, statistic, step, microbatch, num_microbatches, values, mask, applied,
@@ -327,5 +356,4 @@ def audited_norm_sq(
 
 def _dtype_name(dtype: torch.dtype) -> str:
     """The wire ``dtype`` of a torch dtype (float32 for one the wire does not know)."""
-    return {torch.float64: "float64", torch.float32: "float32", torch.float16: "float16",
-            torch.bfloat16: "bfloat16"}.get(dtype, "float32")
+    return wire_dtype(dtype)

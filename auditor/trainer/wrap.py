@@ -25,6 +25,16 @@ DESIGN.md §3) with:
   on r and on μ/σ), the exact float32 values of that formula are reported instead. With
   fewer than two distinct masked values on this rank the slope is undefined and mean/var
   come from the observed sums (slime's formula, float32).
+  The agreement allowed grows with the output's rounding where it is coarser than that:
+  2·eps·(|w₀| + |w₁|)/|w₁ − w₀| relative on r (eps of the output dtype; a bfloat16 output
+  resolves r to ~2⁻⁷, not 1e-6).
+* ``dtype``: unless given, the coarsest of ``values``' dtype and the observed all-reduce's
+  (:func:`auditor.trainer.hooks.wire_dtype`), and the output's when mean/var were read off
+  it: slime's function forms its sums in the values' dtype, so with bfloat16 values the
+  statistics have bfloat16 precision whatever dtype the 3-element vector is reduced in
+  (float32 values: ``float32``, as before). A function that widens its inputs before
+  summing (as :func:`auditor.trainer.hooks.distributed_masked_whiten` does) reduces in
+  float32: pass ``dtype="float32"``.
 
 The step comes from :func:`set_step` / :func:`step_context` if the trainer sets it, else
 from a per-statistic call counter (the k-th call is step k). Configuration by environment,
@@ -53,7 +63,7 @@ import torch
 import torch.distributed as dist
 
 from auditor.trainer.client import AuditorClient, client_from_env
-from auditor.trainer.hooks import masked_summary, slime_mean_var
+from auditor.trainer.hooks import masked_summary, slime_mean_var, wire_dtype
 from auditor.trainer.report import build_report
 from auditor.trainer.runid import resolve_run_id
 from auditor.trainer.settings import read_settings
@@ -161,7 +171,7 @@ def wrap_distributed_whiten(
     client: AuditorClient | None = None,
     run_id: str | None = None,
     statistic: str | None = None,
-    dtype: str = "float32",
+    dtype: str | None = None,
     reduce_fallback: bool = True,
 ) -> Callable[..., torch.Tensor]:
     """``fn`` with the same signature and results, each call audited (see the module docstring).
@@ -175,7 +185,9 @@ def wrap_distributed_whiten(
         Default to :func:`env_client`, :func:`env_run_id`, ``$AUDITOR_STATISTIC`` or
         ``"advantages"``.
     dtype:
-        Precision ``fn`` reduces in (wire ``dtype``).
+        Precision of the statistics ``fn`` reduces and whitens with (wire ``dtype``); None
+        (default): per call, the coarsest of ``values``', the output's and the observed
+        all-reduce's dtype (see the module docstring).
     reduce_fallback:
         Re-reduce over ``process_group`` when ``fn``'s all-reduce cannot be observed.
 
@@ -250,11 +262,16 @@ def _report(cl, run_id, statistic, dtype, values, mask, group, shift_mean, epsil
         buf = torch.tensor([local["count"], local["sum"], local["sum_sq"]], dtype=torch.float64, device=values.device)
         (_original_all_reduce or dist.all_reduce)(buf, group=group)
         applied = {"count": float(buf[0]), "sum": float(buf[1]), "sum_sq": float(buf[2]), "mean": None, "var": None}
+    from_output = False
     if out is not None:
         applied = applied or {"count": None, "sum": None, "sum_sq": None}
-        applied["mean"], applied["var"] = _applied_mean_var(values, out, i_min, i_max, shift_mean, epsilon, sums)
+        (applied["mean"], applied["var"]), from_output = _applied_mean_var(values, out, i_min, i_max, shift_mean,
+                                                                          epsilon, sums)
     elif applied is not None and sums is not None and float(sums[2]) > 0:
         applied["mean"], applied["var"] = _slime_floats(sums)
+    if dtype is None:  # the precision the statistics really had (module docstring)
+        dtype = wire_dtype(*(t.dtype for t in (values, sums, out if from_output else None)
+                             if isinstance(t, torch.Tensor)))
     body = build_report(run_id=run_id, statistic=statistic, step=step, microbatch=microbatch,
                         num_microbatches=num_microbatches, local=local, applied=applied, group=reduced_group,
                         dtype=dtype)
@@ -268,25 +285,29 @@ def _slime_floats(sums: torch.Tensor) -> tuple[float, float]:
     return float(mean), float(var)
 
 
-def _applied_mean_var(values, out, i_min, i_max, shift_mean, epsilon, sums) -> tuple[float | None, float | None]:
-    """(mean, var) the function whitened with, from its output at the extreme masked values."""
+def _applied_mean_var(values, out, i_min, i_max, shift_mean, epsilon, sums
+                      ) -> tuple[tuple[float | None, float | None], bool]:
+    """((mean, var), read off the output) the function whitened with: slime's formula of the
+    observed sums where the output agrees with it within the output's rounding, else what
+    the output at the extreme masked values gives (``True``)."""
     formula = None
     if sums is not None and float(sums[2]) > 0:
         formula = _slime_floats(sums)
+    fallback = (formula if formula else (None, None)), False
     if i_min is None or out.numel() != values.numel():
-        return formula if formula else (None, None)
+        return fallback
     v = values.detach().reshape(-1)
     w = out.detach().reshape(-1)
     v0, v1 = float(v[i_min]), float(v[i_max])
     w0, w1 = float(w[i_min]), float(w[i_max])
     if v1 == v0 or w1 == w0 or not all(map(math.isfinite, (w0, w1))):
-        return formula if formula else (None, None)
+        return fallback
     r = (w1 - w0) / (v1 - v0)
     if shift_mean:
         mean = v0 - w0 / r
     else:
         if abs(1.0 - r) < 1e-6:
-            return formula if formula else (None, None)
+            return fallback
         # w = r·v + μ(1 − r)
         mean = (w0 - r * v0) / (1.0 - r)
     var = 1.0 / (r * r) - epsilon
@@ -295,9 +316,12 @@ def _applied_mean_var(values, out, i_min, i_max, shift_mean, epsilon, sums) -> t
         if f_var + epsilon > 0:
             f_r = 1.0 / math.sqrt(f_var + epsilon)
             sigma = math.sqrt(f_var) if f_var > 0 else 1.0 / r
-            if abs(f_r - r) <= 1e-6 * abs(r) and abs(f_mean - mean) <= 1e-6 * sigma:
-                return formula
-    return mean, var
+            # each output is rounded once (relative eps/2): r is off by ≤ eps·(|w0| + |w1|)/|w1 − w0|
+            eps = torch.finfo(out.dtype).eps if out.dtype.is_floating_point else 0.0
+            rel = max(1e-6, 2.0 * eps * (abs(w0) + abs(w1)) / abs(w1 - w0))
+            if abs(f_r - r) <= rel * abs(r) and abs(f_mean - mean) <= rel * (1.0 + abs(w0)) * sigma:
+                return formula, False
+    return (mean, var), True
 
 
 def patch(target: str, **kwargs) -> bool:
