@@ -36,6 +36,7 @@ the clean steps of a series in one array pass, the same verdicts).
 
 from auditor.core.checks import PRECISION_LOSS_THRESHOLD
 from auditor.core.diagnose import STALE_LOOKBACK
+from auditor.core.findings import ranks_text
 from auditor.core.types import (
     DIMS, EXPERT_DIMS, KINDS, REPLACEABLE, VERDICTS, Coord, Fault, FaultKind, GroupStat, RankReport, RankRow, Spec, StepVerdict,
     compress_ranks, compress_ranks_shared, expand_ranks, placed_count,
@@ -48,5 +49,5 @@ __all__ = [
     "DIMS", "EXPERT_DIMS", "KINDS", "REPLACEABLE", "VERDICTS", "Coord", "Fault", "FaultKind", "GroupStat", "PRECISION_LOSS_THRESHOLD",
     "RankReport", "RankRow", "STALE_LOOKBACK", "Spec", "StepVerdict", "audit_clean", "audit_step", "batch",
     "compress_ranks", "compress_ranks_shared",
-    "expand_ranks", "placed_count",
+    "expand_ranks", "placed_count", "ranks_text",
 ]

@@ -16,7 +16,7 @@ from collections import defaultdict
 import numpy as np
 
 from auditor.core import stats
-from auditor.core.findings import VERB, WHAT, Findings, dims_text, dtypes_text
+from auditor.core.findings import VERB, WHAT, Findings, dims_text, dtypes_text, ranks_text
 from auditor.core.step import Part, Step
 from auditor.core.types import FaultKind, compress_ranks
 
@@ -32,7 +32,7 @@ def non_finite(st: Step, f: Findings) -> None:
     nf_idx = np.flatnonzero(st.nf_mask).tolist()
     if nf_idx:
         f.flag(FaultKind.NON_FINITE, (), nf_idx,
-               lambda ranks: f"NaN or Inf in the statistics of ranks {compress_ranks(ranks)}: a loss spike or a bad "
+               lambda ranks: f"NaN or Inf in the statistics of {ranks_text(ranks)}: a loss spike or a bad "
                              f"input upstream; a {what} computed from them poisons every rank of the group",
                {"fields": sorted({x for i in nf_idx for x in st.nonfinite[i]})})
 
@@ -47,7 +47,7 @@ def overflow(st: Step, exp: Part, f: Findings) -> None:
     overflow = ~exp.finite[exp.inv] & clean_group[exp.inv]
     if overflow.any():
         f.flag(FaultKind.NON_FINITE, ("overflow",), overflow,
-               lambda ranks: f"the statistics of ranks {compress_ranks(ranks)} overflow float64 when their group "
+               lambda ranks: f"the statistics of {ranks_text(ranks)} overflow float64 when their group "
                              f"is merged (|values| near 1e308): the {what} is Inf/NaN in any precision",
                {"fields": ["overflow"]})
 
@@ -59,7 +59,7 @@ def skipped_collective(st: Step, f: Findings) -> None:
         return
     empty = bool(any((st.reports[i].local_count or 0) == 0 for i in np.flatnonzero(skipped)))
     f.flag(FaultKind.SKIPPED_COLLECTIVE, (), skipped,
-           lambda ranks: f"ranks {compress_ranks(ranks)} reported local values but no all-reduce result: they "
+           lambda ranks: f"{ranks_text(ranks)} reported local values but no all-reduce result: they "
                          "skipped the collective (e.g. an `if mask.numel() > 0` guard around it); their peers "
                          "block in the all-reduce — hang risk. Call the collective unconditionally; an empty "
                          "local tensor contributes zeros",
@@ -78,7 +78,7 @@ def empty_global(st: Step, exp: Part, judged: np.ndarray, exp_axes, f: Findings)
     what = WHAT[st.kind]
     if empty_groups.any():
         f.flag(FaultKind.EMPTY_GLOBAL, (), empty_groups,
-               lambda ranks: f"the expected group (over {dims_text(exp_axes)}) of ranks {compress_ranks(ranks)} holds "
+               lambda ranks: f"the expected group (over {dims_text(exp_axes)}) of {ranks_text(ranks)} holds "
                              f"no masked element: the {what} divides by zero (slime raises ValueError) — every "
                              "response token masked out, or the batch is empty")
     return empty_groups
@@ -103,7 +103,7 @@ def precision_loss(st: Step, exp: Part, judged: np.ndarray, f: Findings) -> None
     ratio = abs(mean[worst]) / math.sqrt(var[worst])
     f.flag(FaultKind.PRECISION_LOSS, (), idx,
            lambda ranks, p=float(predicted[worst]), q=ratio, dt=dtypes_text(st.reports): (
-               f"ranks {compress_ranks(ranks)} reduce Σv and Σv² in {dt} with |mean|/std = {q:.3g}: the one-pass "
+               f"{ranks_text(ranks)} reduce Σv and Σv² in {dt} with |mean|/std = {q:.3g}: the one-pass "
                f"variance SS/N − mean² can be off by {p:.3g}× its value (predicted 7γ(1 + mean²/var) > "
                f"{PRECISION_LOSS_THRESHOLD}); subtract a shift (e.g. the previous step's mean) before reducing, "
                "or reduce in float64"),
@@ -134,7 +134,7 @@ def group_mismatch(st: Step, exp: Part, e_vals, bad: np.ndarray, exp_axes, f: Fi
         rel = np.abs(st.a_val[bad] - e_vals[0][bad]) / np.where(ref > 0, ref, 1.0)
         ev = {"max_relative_error": float(rel.max())}
     f.flag(FaultKind.GROUP_MISMATCH, (), bad,
-           lambda ranks: f"ranks {compress_ranks(ranks)} {verb} a {what} that is not their expected group's "
+           lambda ranks: f"{ranks_text(ranks)} {verb} a {what} that is not their expected group's "
                          f"(the reduction over {dims_text(exp_axes)}) beyond what {dtypes_text(st.reports)} rounding "
                          "explains",
            ev)
@@ -167,10 +167,10 @@ def membership(st: Step, exp: Part, reduce_over, f: Findings) -> None:
             continue
         f.flag(FaultKind.WRONG_GROUP, ("members", tuple(left_out), tuple(extra)), i,
                 lambda ranks, lo=left_out, ex=extra: (
-                    f"ranks {compress_ranks(ranks)} all-reduced over a process group that "
-                    + (f"leaves out ranks {compress_ranks(lo)}" if lo else "")
+                    f"{ranks_text(ranks)} all-reduced over a process group that "
+                    + (f"leaves out {ranks_text(lo)}" if lo else "")
                     + (" and " if lo and ex else "")
-                    + (f"wrongly includes ranks {compress_ranks(ex)}" if ex else "")
+                    + (f"wrongly includes {ranks_text(ex)}" if ex else "")
                     + f" (dist.get_process_group_ranks); expected the group over {dims_text(reduce_over)}"),
                 {"left_out": compress_ranks(left_out), "wrongly_included": compress_ranks(extra),
                  "expected": list(reduce_over), "source": "group_ranks"})
@@ -190,8 +190,8 @@ def group_agreement(st: Step, f: Findings) -> None:
         m, h = other
         f.flag(FaultKind.WRONG_GROUP, ("disagree", g, h), i,
                lambda ranks, g=g, m=m, h=h: (
-                   f"ranks {compress_ranks(ranks)} all-reduced over ranks {compress_ranks(g)} but rank {m} of that "
-                   f"group reduced over ranks {compress_ranks(h)}: the ranks of one collective disagree on its "
+                   f"{ranks_text(ranks)} all-reduced over {ranks_text(g)} but rank {m} of that "
+                   f"group reduced over {ranks_text(h)}: the ranks of one collective disagree on its "
                    "members (dist.new_group called with different ranks on different ranks?)"),
                {"group_ranks": compress_ranks(g), "peer": m, "peer_group_ranks": compress_ranks(h),
                 "source": "group_ranks"})
@@ -243,7 +243,7 @@ def replica_divergence(st: Step, f: Findings) -> None:
         ref_rank = int(st.rank[ref[idx[0]]])
         f.flag(FaultKind.REPLICA_DIVERGENCE, (axes,), idx,
                 lambda ranks, ref_rank=ref_rank, along=along, names=names: (
-                    f"ranks {compress_ranks(ranks)} should hold the same data as their replicas along "
+                    f"{ranks_text(ranks)} should hold the same data as their replicas along "
                     f"{dims_text(along)} (e.g. rank {ref_rank}) but report different {', '.join(names)}: a "
                     "replica got different inputs (data loader or RNG not replicated along those dims) or the "
                     "spec's replicas are wrong"),
@@ -325,9 +325,31 @@ def cp_disagreement(st: Step, exp: Part, e_vals, e_tol, judged, f: Findings) -> 
         what = {"moments": "whitened one sequence's parts with different statistics",
                 "sum": "divided one sequence's token losses by different denominators",
                 "norm": "clipped with different gradient norms"}[st.kind]
+        groups = peer_groups_text(st, peers, sorted(flagged))
         f.flag(FaultKind.CP_DISAGREEMENT, (), sorted(flagged),
                 lambda ranks: (
-                    f"CP peers {compress_ranks(ranks)} (same dp/tp/pp) {what}: the reduction does not span the "
+                    f"CP peers {groups} {what}: the reduction does not span the "
                     "context-parallel group the same way on every CP rank"),
                 ev)
     return worst if st.kind == "moments" else None
+
+
+#: Peer groups a ``cp_disagreement`` message names before "… and N more".
+PEER_GROUPS_SHOWN = 8
+
+
+def peer_groups_text(st: Step, peers: Part, elements: list[int]) -> str:
+    """The CP peer groups (same dp/tp/pp/microbatch, different cp) that hold ``elements``,
+    each as its flagged ranks: "0-1 (same dp/tp/pp)" for one group, "{0,1} and {2,3}
+    (each: same dp/tp/pp)" for several (a rank set repeated across microbatches named once;
+    at most :data:`PEER_GROUPS_SHOWN`, then "and N more")."""
+    by: dict[int, set[int]] = defaultdict(set)
+    for i in elements:
+        by[int(peers.inv[i])].add(int(st.rank[i]))
+    sets = sorted({tuple(sorted(r)) for r in by.values()})
+    if len(sets) == 1:
+        return f"{compress_ranks(sets[0])} (same dp/tp/pp)"
+    shown = ["{" + compress_ranks(g) + "}" for g in sets[:PEER_GROUPS_SHOWN]]
+    more = len(sets) - len(shown)
+    text = ", ".join(shown[:-1]) + " and " + shown[-1] if not more else ", ".join(shown) + f" and {more} more"
+    return text + " (each: same dp/tp/pp)"

@@ -18,18 +18,12 @@ import math
 
 import numpy as np
 
-from auditor.core.findings import VERB, WHAT, Findings, dims_text
+from auditor.core.findings import VERB, WHAT, Findings, dims_text, ranks_text  # noqa: F401 - ranks_text re-exported
 from auditor.core.step import OP_VARIANTS, Part, Step
 from auditor.core.types import FaultKind, compress_ranks
 
 #: How many earlier steps ``stale_statistic`` compares an applied value with.
 STALE_LOOKBACK = 8
-
-
-def ranks_text(ranks) -> str:
-    """The text "rank 3" or "ranks 0-1,4" (:func:`compress_ranks`): the noun agrees with the count."""
-    ranks = set(ranks)
-    return f"rank{'' if len(ranks) == 1 else 's'} {compress_ranks(ranks)}"
 
 
 def candidates(st: Step, reduce_over: tuple[str, ...], over_mb: bool):

@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from auditor.core.types import Fault, FaultKind
+from auditor.core.types import Fault, FaultKind, compress_ranks
 
 #: What a rank did with the statistic, and what the statistic is, per kind (messages).
 VERB = {"moments": "whitened with", "sum": "divided by", "norm": "clipped with"}
@@ -29,6 +29,12 @@ def dims_text(dims: Iterable[str]) -> str:
 def dtypes_text(reports) -> str:
     """The reported dtypes of a step, e.g. ``float32`` or ``bfloat16/float32``."""
     return "/".join(sorted({r.dtype for r in reports}))
+
+
+def ranks_text(ranks) -> str:
+    """The text "rank 3" or "ranks 0-1,4" (:func:`compress_ranks`): the noun agrees with the count."""
+    ranks = set(ranks)
+    return f"rank{'' if len(ranks) == 1 else 's'} {compress_ranks(ranks)}"
 
 
 Message = str | Callable[[list[int]], str]

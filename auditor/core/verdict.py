@@ -32,7 +32,7 @@ import numpy as np
 
 from auditor import layout
 from auditor.core import checks, diagnose, stats
-from auditor.core.findings import VERB, Findings
+from auditor.core.findings import VERB, Findings, ranks_text
 from auditor.core.step import INT_FIELDS, Part, Step
 from auditor.core.types import (
     DIMS, EXPERT_DIMS, Coord, Fault, FaultKind, GroupStat, RankReport, RankRow, Spec, StepVerdict, compress_ranks,
@@ -162,7 +162,7 @@ def _missing(reports: Sequence[RankReport], world: int, dims, sizes, placed, num
     if not missing:
         return None
     mranks = sorted({rank for rank, _ in missing}) if names is None else []
-    who = f"ranks {compress_ranks(mranks)}" if names is None else f"ranks at {names}"
+    who = ranks_text(mranks) if names is None else f"ranks at {names}"
     return Fault(
         FaultKind.MISSING_REPORT,
         f"{len(missing)} of {expected} expected reports never arrived ({who}): those ranks crashed, hung, "
@@ -188,7 +188,7 @@ def _missing_world(reports: Sequence[RankReport], world: int, num_microbatches: 
     per_rank = np.bincount(mr[:, 1], minlength=world)[:world]
     mranks = np.flatnonzero(per_rank < num_microbatches).tolist()
     evidence: dict = {"missing": expected - n, "expected": expected}
-    text = f"ranks {compress_ranks(mranks)}"
+    text = ranks_text(mranks)
     if num_microbatches > 1:
         per_mb = np.bincount(mr[:, 0], minlength=num_microbatches)[:num_microbatches]
         mbs = compress_ranks(np.flatnonzero(per_mb < world).tolist())

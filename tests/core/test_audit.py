@@ -205,7 +205,7 @@ def test_membership_mismatch_from_group_ranks():
                                   "group_ranks": (0, 2, 4)})
     f = by_kind(core.audit_step(reps, SIZES, Spec()))
     assert set(f) == {"wrong_group"} and f["wrong_group"].ranks == [0]
-    assert f["wrong_group"].evidence["left_out"] == "6" and "leaves out ranks 6" in f["wrong_group"].message
+    assert f["wrong_group"].evidence["left_out"] == "6" and "leaves out rank 6 " in f["wrong_group"].message
 
 
 # ------------------------------------------------------------------- each fault kind
