@@ -73,6 +73,10 @@ class LimitError(Exception):
 
 #: Newest steps of a series read to tell which ranks reached which step (hang localisation).
 PROGRESS_WINDOW = 16
+#: Hang localisation: "sent nothing" (no report of the series at all) is told from "sent
+#: nothing since before step N" by looking at the reports before the window while those
+#: steps hold at most this many reports of the expected ranks (a bounded index range).
+PROGRESS_LOOKBACK_REPORTS = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -769,7 +773,10 @@ class Service:
         (the world; by rank number when the placement and order allow), plus any that
         reported. ``{"newest_step", "ranks_behind", "at": [{"step", "ranks"}], "summary"}``,
         e.g. summary "ranks 0,2-3 stopped at step 39; rank 1 at 41"; a rank that sent nothing
-        in the window sent nothing "since before" its first step."""
+        in the window sent nothing "since before" its first step, or "sent nothing" when it
+        has no report of the series at all (looked up while the steps before the window hold
+        at most :data:`PROGRESS_LOOKBACK_REPORTS` reports of the expected ranks; beyond, the
+        "since before" form)."""
         lo, last = self.store.rank_progress(conn, info.id, PROGRESS_WINDOW, unstored)
         expected: set[int] = set(last)
         placed = topo.placed(info.engine_spec)
@@ -785,13 +792,24 @@ class Service:
         by_step: dict[int | None, list[int]] = defaultdict(list)
         for r in expected:
             by_step[last.get(r)].append(r)
+        never: set[int] = set()
+        if by_step.get(None):
+            seen = self.store.ranks_reported_before(conn, info.id, lo, by_step[None],
+                                                    max(1, PROGRESS_LOOKBACK_REPORTS // max(len(expected), 1)))
+            never = set() if seen is None else set(by_step[None]) - seen
         at, parts = [], []
         for s, rs in sorted(by_step.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
             ranks = core.compress_ranks(rs)
             at.append({"step": s, "ranks": ranks})
-            who = f"rank{'s' if len(rs) > 1 else ''} {ranks}"
-            parts.append(f"{who} sent nothing since before step {lo}" if s is None else
-                         f"{who} stopped at step {s}" if s < newest else f"{who} at {s}")
+            if s is None:
+                earlier = [r for r in rs if r not in never]
+                if never:
+                    parts.append(f"{core.ranks_text(never)} sent nothing")
+                if earlier:
+                    parts.append(f"{core.ranks_text(earlier)} sent nothing since before step {lo}")
+                continue
+            who = core.ranks_text(rs)
+            parts.append(f"{who} stopped at step {s}" if s < newest else f"{who} at {s}")
         behind = sum(len(rs) for s, rs in by_step.items() if s is None or s < newest)
         return {"newest_step": newest, "ranks_behind": behind, "at": at, "summary": "; ".join(parts)}
 

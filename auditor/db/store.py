@@ -911,6 +911,24 @@ class Store:
         ).all())
         return lo, last
 
+    def ranks_reported_before(self, conn: sa.Connection, series_id: int, before: int, ranks: Iterable[int],
+                              max_steps: int) -> set[int] | None:
+        """Which of ``ranks`` sent a report of the series at a step < ``before``; None (not
+        looked at) when the series has more than ``max_steps`` steps before it, so that the
+        cost stays bounded (one index range of at most ``max_steps`` steps' reports)."""
+        ranks = sorted(set(ranks))
+        earlier = conn.execute(sa.select(sa.func.count()).select_from(
+            sa.select(step_audits.c.step).where(step_audits.c.series_id == series_id, step_audits.c.step < before)
+            .limit(max_steps + 1).subquery())).scalar_one()
+        if earlier > max_steps:
+            return None
+        if not earlier or not ranks:
+            return set()
+        return set(conn.execute(
+            sa.select(reports.c.rank).distinct()
+            .where(reports.c.series_id == series_id, reports.c.step < before, reports.c.rank.in_(ranks))
+        ).scalars().all())
+
     def due_steps(self, conn: sa.Connection, before: float, limit: int) -> list[tuple[int, int, int]]:
         """Open steps first seen at or before ``before``: ``(series_id, step, expected)``, in key order."""
         return [tuple(r) for r in conn.execute(
