@@ -924,7 +924,7 @@ class Service:
         if status is not None and status not in STATUSES:
             raise ValueError(f"status must be one of {', '.join(STATUSES)}; got {status!r}")
         with self.store.read() as conn:
-            run_rows = self.store.runs_of_status(conn, None if limit is None else limit + 1, after, status)
+            run_rows = self.store.runs(conn, None if limit is None else limit + 1, after, status)
             more = limit is not None and len(run_rows) > limit
             run_rows = run_rows[:limit] if limit is not None else run_rows
             srows = self.store.series_rows(conn, [r["run_id"] for r in run_rows]) if run_rows else []

@@ -996,45 +996,28 @@ class Store:
     def runs(self, conn: sa.Connection, limit: int | None = None, after: tuple[float, str] | None = None,
              status: str | None = None) -> list[Mapping]:
         """Run rows, newest first (``created_at``, then ``run_id``), from the keyset position
-        ``after`` (the last run of the previous page), at most ``limit``. ``status``:
-        ``inconsistent`` (some series has an inconsistent step) or ``consistent``. Served
-        from ``ix_runs_created_at_run_id`` and the per-series aggregates."""
+        ``after`` (the last run of the previous page), at most ``limit``; served from
+        ``ix_runs_created_at_run_id`` and the per-series aggregates. ``status`` filters by
+        the status :mod:`auditor.status` defines, in SQL over those aggregates:
+        ``inconsistent`` (some series has an inconsistent or audit_error step),
+        ``incomplete`` (none, but some step audited incomplete), ``consistent`` (neither,
+        and some step audited) or ``pending`` (no step audited). Raises ``ValueError`` for
+        any other ``status``."""
         q = sa.select(runs).order_by(runs.c.created_at.desc(), runs.c.run_id.desc())
-        bad = sa.exists().where(series.c.run_id == runs.c.run_id, series.c.steps_inconsistent > 0)
-        if status == "inconsistent":
-            q = q.where(bad)
-        elif status == "consistent":
-            q = q.where(~bad)
-        if after is not None:
-            q = q.where(sa.or_(runs.c.created_at < after[0],
-                               sa.and_(runs.c.created_at == after[0], runs.c.run_id < after[1])))
-        if limit is not None:
-            q = q.limit(limit)
-        return conn.execute(q).mappings().all()
+        if status is not None:
+            if status not in STATUSES:
+                raise ValueError(f"status must be one of {', '.join(STATUSES)}; got {status!r}")
+            c = series.c
 
-    def runs_of_status(self, conn: sa.Connection, limit: int | None = None, after: tuple[float, str] | None = None,
-                       status: str | None = None) -> list[Mapping]:
-        """:meth:`runs`, filtered by the status :mod:`auditor.status` defines, in SQL over
-        the per-series aggregates: ``inconsistent`` (some series has an inconsistent or
-        audit_error step), ``incomplete`` (none, but some step audited incomplete),
-        ``consistent`` (neither, and some step audited) or ``pending`` (no step audited).
-        Raises ``ValueError`` for any other ``status``."""
-        if status is None:
-            return self.runs(conn, limit, after)
-        if status not in STATUSES:
-            raise ValueError(f"status must be one of {', '.join(STATUSES)}; got {status!r}")
-        c = series.c
+            def some(cond):
+                return sa.exists().where(c.run_id == runs.c.run_id, cond)
 
-        def some(cond):
-            return sa.exists().where(c.run_id == runs.c.run_id, cond)
-
-        bad = some(sa.or_(c.steps_inconsistent > 0, c.steps_audit_error > 0))
-        incomplete = some(c.steps_incomplete > 0)
-        ok = some(c.steps_consistent > 0)
-        cond = {"inconsistent": bad, "incomplete": sa.and_(~bad, incomplete),
-                "consistent": sa.and_(~bad, ~incomplete, ok),
-                "pending": sa.and_(~bad, ~incomplete, ~ok)}[status]
-        q = sa.select(runs).where(cond).order_by(runs.c.created_at.desc(), runs.c.run_id.desc())
+            bad = some(sa.or_(c.steps_inconsistent > 0, c.steps_audit_error > 0))
+            incomplete = some(c.steps_incomplete > 0)
+            ok = some(c.steps_consistent > 0)
+            q = q.where({"inconsistent": bad, "incomplete": sa.and_(~bad, incomplete),
+                         "consistent": sa.and_(~bad, ~incomplete, ok),
+                         "pending": sa.and_(~bad, ~incomplete, ~ok)}[status])
         if after is not None:
             q = q.where(sa.or_(runs.c.created_at < after[0],
                                sa.and_(runs.c.created_at == after[0], runs.c.run_id < after[1])))
