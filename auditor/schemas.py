@@ -55,6 +55,32 @@ PosInt = Annotated[int, Field(ge=1, le=_MAX_SIZE)]
 _MAX_GROUP, _MAX_ORDER = WIRE_MAX_SIZE, 32
 
 
+class RuleError(ValueError):
+    """A broken wire rule: the ValueError of the message, and ``loc``, the path of the wire
+    field it blames relative to the object the rule judges (``("count",)`` in a ``local``
+    block, ``("coords", "cp")`` or ``("local", "sum_sq")`` in a report). The model
+    validators raise it as a pydantic error at that field (:func:`_located`), so a 422's
+    ``field``/``loc`` name it (``reports[3].local.count``), not the block or the report."""
+
+    def __init__(self, msg: str, *loc: str):
+        super().__init__(msg)
+        self.loc = loc
+
+
+def _located(title: str, rules, obj, *args) -> None:
+    """Run ``rules(obj, *args)``; a :class:`RuleError` becomes a ``value_error`` at its
+    ``loc`` (a ValidationError raised in a validator keeps its locations, under the
+    validated object's own: pydantic-core >= 2.x), worded as the ValueError it was."""
+    try:
+        rules(obj, *args)
+    except RuleError as e:
+        value = obj
+        for part in e.loc:
+            value = getattr(value, part, None)
+        raise ValidationError.from_exception_data(title, [{"type": "value_error", "loc": e.loc, "input": value,
+                                                           "ctx": {"error": ValueError(str(e))}}]) from None
+
+
 class _Strict(BaseModel):
     # strict: "1" or true is not a step, 2.5 is not a rank (floats still accept integers)
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
@@ -164,10 +190,15 @@ class StatisticSpec(_Strict):
 
     @model_validator(mode="after")
     def _unique_dims(self) -> "StatisticSpec":
+        _located("StatisticSpec", StatisticSpec._spec_rules, self)
+        return self
+
+    def _spec_rules(self) -> None:
+        """No dim twice in a list, placement normalised, one factorisation; RuleError naming the field."""
         for name in ("reduce_over", "replicas", "replicated_along"):
             dims = getattr(self, name) or []
             if len(set(dims)) != len(dims):
-                raise ValueError(f"{name} lists a dimension twice: {dims}")
+                raise RuleError(f"{name} lists a dimension twice: {dims}", name)
         if self.placement:
             norm = {}
             for d, sel in self.placement.items():
@@ -176,11 +207,13 @@ class StatisticSpec(_Strict):
             object.__setattr__(self, "placement", norm)
         named = set(self.reduce_over) | set(self.replicas) | set(self.replicated_along or ()) | set(self.placement)
         if named & layout.EXPERT_ONLY and named & layout.DENSE_ONLY:
-            raise ValueError(
+            # blamed: the first field naming an expert dim
+            field = next(f for f in ("reduce_over", "replicas", "replicated_along", "placement")
+                         if set(getattr(self, f) or ()) & layout.EXPERT_ONLY)
+            raise RuleError(
                 f"the spec mixes dense dims {sorted(named & layout.DENSE_ONLY)} with expert dims "
                 f"{sorted(named & layout.EXPERT_ONLY)}: a statistic is judged in one factorisation, "
-                "(dp, cp, tp, pp) or (edp, ep, etp, pp)")
-        return self
+                "(dp, cp, tp, pp) or (edp, ep, etp, pp)", field)
 
     def to_core(self) -> Spec:
         """The audit engine's :class:`auditor.core.types.Spec` (dims in the order given)."""
@@ -210,6 +243,7 @@ _INF, _NEG_INF = math.inf, -math.inf
 _isfinite = math.isfinite
 
 
+
 def _local_rules(loc) -> None:
     """The rules of a ``local`` block (:class:`LocalStats` or its fast-decoder twin):
     raises ValueError naming the field. A rule added here (or to :func:`_applied_rules`,
@@ -219,18 +253,20 @@ def _local_rules(loc) -> None:
     # without a call per value (this runs once per report on the ingest hot path).
     c = loc.count
     if c is not None and c < 0 and c != _NEG_INF:
-        raise ValueError(f"count must be >= 0, got {c}")
+        raise RuleError(f"count must be >= 0, got {c}", "count")
     for name in ("sum_sq", "replicated_sum_sq"):
         v = getattr(loc, name)
         if v is not None and v < 0 and v != _NEG_INF:
-            raise ValueError(f"{name} must be >= 0, got {v}")
+            raise RuleError(f"{name} must be >= 0, got {v}", name)
     lo, hi = loc.min, loc.max
     if lo is not None or hi is not None:
         w = loc.weighted
-        msg = _range_error("min", lo, loc.count, loc.sum, loc.sum_sq, weighted=w) or \
-            _range_error("max", hi, loc.count, loc.sum, loc.sum_sq, lo, weighted=w)
+        msg = _range_error("min", lo, loc.count, loc.sum, loc.sum_sq, weighted=w)
         if msg:
-            raise ValueError(msg)
+            raise RuleError(msg, "min")
+        msg = _range_error("max", hi, loc.count, loc.sum, loc.sum_sq, lo, weighted=w)
+        if msg:
+            raise RuleError(msg, "max")
 
 
 #: Slack of the range rules (:func:`_range_error`): the loosest rounding of any dtype a report
@@ -307,9 +343,9 @@ def _applied_rules(a) -> None:
     """The rules of an ``applied`` block (:class:`AppliedStats` or its fast-decoder twin)."""
     c, ss = a.count, a.sum_sq
     if c is not None and c < 0 and c != _NEG_INF:
-        raise ValueError(f"count must be >= 0, got {c}")
+        raise RuleError(f"count must be >= 0, got {c}", "count")
     if ss is not None and ss < 0 and ss != _NEG_INF:
-        raise ValueError(f"sum_sq must be >= 0, got {ss}")
+        raise RuleError(f"sum_sq must be >= 0, got {ss}", "sum_sq")
 
 
 class LocalStats(_Strict):
@@ -345,7 +381,7 @@ class LocalStats(_Strict):
 
     @model_validator(mode="after")
     def _rules(self) -> "LocalStats":
-        _local_rules(self)
+        _located("LocalStats", _local_rules, self)
         return self
 
 
@@ -360,24 +396,55 @@ class AppliedStats(_Strict):
 
     @model_validator(mode="after")
     def _rules(self) -> "AppliedStats":
-        _applied_rules(self)
+        _located("AppliedStats", _applied_rules, self)
         return self
 
 
-def _check_cauchy_schwarz(where: str, count, total, total_sq, dtype: str) -> None:
-    """Reject Σv² < (Σv)²/N beyond rounding: no real data has negative variance."""
+#: The smallest positive normal number of each wire dtype (tf32 and bfloat16 keep float32's
+#: 8-bit exponent): below it a square or a partial sum may be subnormal or flushed to zero.
+_SMALLEST_NORMAL = {"float64": 2.0**-1022, "float32": 2.0**-126, "tf32": 2.0**-126, "bfloat16": 2.0**-126,
+                    "float16": 2.0**-14}
+assert set(_SMALLEST_NORMAL) == set(UNIT_ROUNDOFF)
+
+
+def _check_cauchy_schwarz(where: str, count, total, total_sq, dtype: str, weighted: bool = False) -> None:
+    """Reject ``sum_sq < sum²/count`` beyond what rounding and underflow can produce: no
+    real data has negative variance (Cauchy–Schwarz, ``(Σm·v)² <= Σm · Σm·v²`` for weights
+    ``m >= 0``). Raises :class:`RuleError` at ``<where>.sum_sq``; no rule for a count
+    ``<= 0`` or a non-finite value (NaN/Inf go on to the audit).
+
+    Refused when ``sum²/count − sum_sq > rel + abs``:
+
+    * ``rel = 64·u·max(log2 count, 1)·max(sum²/count, sum_sq)``, ``u`` the dtype's unit
+      roundoff: the relative rounding of a (pairwise, as torch reduces) sum of ``count``
+      terms, with room for the dtype's rounding of the data.
+    * ``abs = 2·(n + 1)·tiny``, ``tiny`` the dtype's smallest normal (:data:`_SMALLEST_NORMAL`):
+      the square of an element ``|v| < √tiny`` (~1.1e-19 in float32) is subnormal or, with
+      flush-to-zero (GPUs), 0, so each of the ``n`` squares may lose up to ``tiny``
+      (``v² < tiny``) that the relative bound does not see, and each of the ``n − 1`` additions
+      may lose up to ``tiny`` more when a partial sum is subnormal and flushed. Meanwhile
+      ``sum²/count`` (computed here in float64) stays positive: float32 values of
+      magnitude 1e-31 give ``sum_sq`` 0 but ``sum²/count`` ~1e-62. What ``sum``'s own
+      flushes add to ``sum²/count`` (< ``2·|sum|·tiny + n·tiny²``) is below ``rel`` unless
+      ``|sum| < n·tiny/(32u)``, and then below ``tiny``: the ``+ 1``. ``n = count`` for a
+      0/1 mask; a weighted mask (``weighted``, or a fractional count) sums an unknown
+      number of terms, taken as ``max(count, 2^16)`` as in the mean rule. Data whose
+      squares do not underflow is judged by ``rel`` alone (``abs`` is ~1e-33 for float32 at
+      2^16 terms; float16's ``tiny`` 2^-14 makes its ``abs`` the loosest).
+    """
     if (count is None or total is None or total_sq is None or not count > 0
             or not (_isfinite(count) and _isfinite(total) and _isfinite(total_sq))):
         return
     floor = total * total / count
     if total_sq >= floor:  # the common case; the slack below is >= 0
         return
-    slack = 64.0 * UNIT_ROUNDOFF[dtype] * max(math.log2(max(count, 2.0)), 1.0) * max(floor, total_sq)
+    n = max(count, _WEIGHTED_TERMS) if weighted or count != int(count) else count
+    slack = 64.0 * UNIT_ROUNDOFF[dtype] * max(math.log2(max(count, 2.0)), 1.0) * max(floor, total_sq) \
+        + 2.0 * (n + 1.0) * _SMALLEST_NORMAL[dtype]
     if floor - total_sq > slack:
-        raise ValueError(
+        raise RuleError(
             f"{where}.sum_sq ({total_sq!r}) is below {where}.sum²/{where}.count ({floor!r}) "
-            f"beyond {dtype} rounding: the values would have negative variance"
-        )
+            f"beyond {dtype} rounding: the values would have negative variance", where, "sum_sq")
 
 
 _REQUIRED_APPLIED: dict[str, str] = {"sum": "sum", "norm": "sum_sq"}
@@ -415,22 +482,26 @@ def _report_rules(r, core_spec: Spec | None = None, ranks_facts: tuple[bool, int
     _shape_rules(r, core_spec)
     loc, kind = r.local, r.kind
     if not (kind == "moments" and loc.count is not None and loc.sum is not None and loc.sum_sq is not None):
-        missing = [f"local.{f}" for f in _REQUIRED_LOCAL[kind] if getattr(loc, f) is None]
+        missing = [f for f in _REQUIRED_LOCAL[kind] if getattr(loc, f) is None]
         if missing:
-            raise ValueError(f"{', '.join(missing)} required for kind '{kind}'")
+            raise RuleError(f"{', '.join('local.' + f for f in missing)} required for kind '{kind}'", "local",
+                            missing[0])
     _group_rules(r, ranks_facts)
-    _check_cauchy_schwarz("local", loc.count, loc.sum, loc.sum_sq, r.dtype)
+    _check_cauchy_schwarz("local", loc.count, loc.sum, loc.sum_sq, r.dtype, loc.weighted)
     a = r.applied
     if a is not None:
         if kind == "moments":
             if a.mean is None and (a.count is None or a.sum is None or a.sum_sq is None):
-                raise ValueError("applied must carry count, sum and sum_sq (what the all-reduce returned) or "
-                                 "mean (and var, what the rank whitened with) for kind 'moments': nothing "
-                                 "else can be checked")
+                raise RuleError("applied must carry count, sum and sum_sq (what the all-reduce returned) or "
+                                "mean (and var, what the rank whitened with) for kind 'moments': nothing "
+                                "else can be checked",
+                                "applied", "mean" if a.var is not None else
+                                next(f for f in ("count", "sum", "sum_sq") if getattr(a, f) is None))
         elif getattr(a, _REQUIRED_APPLIED[kind]) is None:
-            raise ValueError(f"applied.{_REQUIRED_APPLIED[kind]} required for kind '{kind}' "
-                             "(use applied: null when the rank skipped the collective)")
-        _check_cauchy_schwarz("applied", a.count, a.sum, a.sum_sq, r.dtype)
+            raise RuleError(f"applied.{_REQUIRED_APPLIED[kind]} required for kind '{kind}' "
+                            "(use applied: null when the rank skipped the collective)", "applied",
+                            _REQUIRED_APPLIED[kind])
+        _check_cauchy_schwarz("applied", a.count, a.sum, a.sum_sq, r.dtype, loc.weighted)
 
 
 def _shape_rules(r, core_spec: Spec | None = None) -> None:
@@ -447,21 +518,19 @@ def _shape_rules(r, core_spec: Spec | None = None) -> None:
     if r.topology == "unknown":
         pass
     elif s.dp * s.cp * s.tp * s.pp != r.world_size:
-        raise ValueError(
+        raise RuleError(
             f"world_size ({r.world_size}) must equal the product of sizes "
-            f"dp*cp*tp*pp = {s.world_size}"
-        )
+            f"dp*cp*tp*pp = {s.world_size}", "world_size")
     if r.rank >= r.world_size:
-        raise ValueError(f"rank ({r.rank}) must be < world_size ({r.world_size})")
+        raise RuleError(f"rank ({r.rank}) must be < world_size ({r.world_size})", "rank")
     if c.dp >= s.dp or c.cp >= s.cp or c.tp >= s.tp or c.pp >= s.pp:
         for dim, ci, si in zip(DIMS, c.as_tuple(), s.as_tuple()):
             if ci >= si:
-                raise ValueError(f"coords.{dim} ({ci}) must be < sizes.{dim} ({si})")
+                raise RuleError(f"coords.{dim} ({ci}) must be < sizes.{dim} ({si})", "coords", dim)
     if r.microbatch >= r.num_microbatches:
-        raise ValueError(
+        raise RuleError(
             f"microbatch ({r.microbatch}) must be < num_microbatches ({r.num_microbatches}); "
-            "send num_microbatches with every report of a step that has several microbatches"
-        )
+            "send num_microbatches with every report of a step that has several microbatches", "microbatch")
 
 
 def _group_rules(r, ranks_facts: tuple[bool, int] | None = None) -> None:
@@ -470,10 +539,10 @@ def _group_rules(r, ranks_facts: tuple[bool, int] | None = None) -> None:
     if gr is not None:
         unique, top = _ranks_facts(gr) if ranks_facts is None else ranks_facts
         if not unique:
-            raise ValueError("group_ranks lists a rank twice")
+            raise RuleError("group_ranks lists a rank twice", "group_ranks")
         if top >= r.world_size:
             bad = [x for x in gr if x >= r.world_size]
-            raise ValueError(f"group_ranks holds ranks >= world_size ({r.world_size}): {bad[:5]}")
+            raise RuleError(f"group_ranks holds ranks >= world_size ({r.world_size}): {bad[:5]}", "group_ranks")
 
 
 def _extended_rules(r, core_spec: Spec | None) -> None:
@@ -481,41 +550,47 @@ def _extended_rules(r, core_spec: Spec | None) -> None:
     s, c, spec = r.sizes, r.coords, r.spec
     if r.topology == "unknown":
         if not s.is_default or not c.is_origin or r.order is not None:
-            raise ValueError("topology 'unknown': omit coords, sizes and order (they would be a guess)")
+            raise RuleError("topology 'unknown': omit coords, sizes and order (they would be a guess)",
+                            "coords" if not c.is_origin else "sizes" if not s.is_default else "order")
         if r.group_ranks is None:
-            raise ValueError("group_ranks required when topology is 'unknown': the service judges each rank "
-                             "against the group it reduced over")
+            raise RuleError("group_ranks required when topology is 'unknown': the service judges each rank "
+                            "against the group it reduced over", "group_ranks")
         if r.rank not in r.group_ranks:
-            raise ValueError(f"group_ranks must include the reporting rank ({r.rank})")
+            raise RuleError(f"group_ranks must include the reporting rank ({r.rank})", "group_ranks")
         if spec is not None and spec.placement:
-            raise ValueError("spec.placement needs a known topology")
+            raise RuleError("spec.placement needs a known topology", "spec", "placement")
         return
     e = s.expert_tuple()
     if e is not None:
         if e[0] * e[1] * e[2] * e[3] != r.world_size:
-            raise ValueError(f"world_size ({r.world_size}) must equal the product of expert sizes "
-                             f"edp*ep*etp*pp = {e[0] * e[1] * e[2] * e[3]}")
+            raise RuleError(f"world_size ({r.world_size}) must equal the product of expert sizes "
+                            f"edp*ep*etp*pp = {e[0] * e[1] * e[2] * e[3]}", "world_size")
         for dim, ci, si in zip(EXPERT_DIMS, c.expert_tuple(), e):
             if ci >= si:
-                raise ValueError(f"coords.{dim} ({ci}) must be < sizes.{dim} ({si})")
+                raise RuleError(f"coords.{dim} ({ci}) must be < sizes.{dim} ({si})", "coords", dim)
     elif c.edp or c.ep or c.etp:
-        raise ValueError("coords carry expert dims but sizes do not: give sizes.edp, sizes.ep, sizes.etp")
+        raise RuleError("coords carry expert dims but sizes do not: give sizes.edp, sizes.ep, sizes.etp", "coords",
+                        next(d for d in ("edp", "ep", "etp") if getattr(c, d)))
     if r.order is not None:
         try:
             tokens = _parse_order(r.order)
         except ValueError as exc:
-            raise ValueError(f"order: {exc}") from None
+            raise RuleError(f"order: {exc}", "order") from None
         if e is not None and e[1] > 1 and "ep" not in tokens:
-            raise ValueError(f"order {r.order!r} lacks ep but sizes.ep = {e[1]}")
+            raise RuleError(f"order {r.order!r} lacks ep but sizes.ep = {e[1]}", "order")
         for dim, ci in _order_coords(r.rank, r.order, s.dp, s.cp, s.tp, s.pp, s.edp, s.ep, s.etp):
             if getattr(c, dim) != ci:
-                raise ValueError(f"coords.{dim} ({getattr(c, dim)}) is not what order {r.order!r} gives rank "
-                                 f"{r.rank} ({ci})")
+                raise RuleError(f"coords.{dim} ({getattr(c, dim)}) is not what order {r.order!r} gives rank "
+                                f"{r.rank} ({ci})", "coords", dim)
     if spec is not None:
         core = spec.to_core() if core_spec is None else core_spec
         if core.factorisation == "expert" and e is None:
-            raise ValueError("spec names expert dims (edp, ep, etp) but sizes carry no expert factorisation")
-        core.placed(s.as_dict())  # raises for a coordinate outside its dim
+            raise RuleError("spec names expert dims (edp, ep, etp) but sizes carry no expert factorisation", "spec")
+        try:
+            core.placed(s.as_dict())  # raises for a coordinate outside its dim
+        except ValueError as exc:  # "spec.placement.<dim> holds ..."
+            m = re.match(r"spec\.placement\.(\w+)", str(exc))
+            raise RuleError(str(exc), "spec", "placement", *([m.group(1)] if m else [])) from None
 
 
 class Report(_Strict):
@@ -551,7 +626,7 @@ class Report(_Strict):
 
     @model_validator(mode="after")
     def _topology(self) -> "Report":
-        _report_rules(self)
+        _located("Report", _report_rules, self)
         return self
 
     @property
@@ -1028,25 +1103,29 @@ class RunRegistration(_Strict):
 
     @model_validator(mode="after")
     def _world(self) -> "RunRegistration":
+        _located("RunRegistration", RunRegistration._world_rules, self)
+        return self
+
+    def _world_rules(self) -> None:
+        """The topology's rules; RuleError naming the field."""
         if self.topology == "unknown":
             if self.sizes != Sizes() or self.order is not None:
-                raise ValueError("topology 'unknown': omit sizes and order")
-            return self
+                raise RuleError("topology 'unknown': omit sizes and order",
+                                "sizes" if self.sizes != Sizes() else "order")
+            return
         if self.sizes.world_size != self.world_size:
-            raise ValueError(
+            raise RuleError(
                 f"world_size ({self.world_size}) must equal the product of sizes "
-                f"dp*cp*tp*pp = {self.sizes.world_size}"
-            )
+                f"dp*cp*tp*pp = {self.sizes.world_size}", "world_size")
         e = self.sizes.expert_tuple()
         if e is not None and e[0] * e[1] * e[2] * e[3] != self.world_size:
-            raise ValueError(f"world_size ({self.world_size}) must equal the product of expert sizes "
-                             f"edp*ep*etp*pp = {e[0] * e[1] * e[2] * e[3]}")
+            raise RuleError(f"world_size ({self.world_size}) must equal the product of expert sizes "
+                            f"edp*ep*etp*pp = {e[0] * e[1] * e[2] * e[3]}", "world_size")
         if self.order is not None:
             try:
                 layout.parse_order(self.order)
             except ValueError as exc:
-                raise ValueError(f"order: {exc}") from None
-        return self
+                raise RuleError(f"order: {exc}", "order") from None
 
 
 class IngestResult(BaseModel):

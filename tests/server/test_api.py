@@ -86,17 +86,17 @@ def test_metrics_export_the_sigma_gauges(live_server, run_id):
 @pytest.mark.parametrize(
     "mutate, field, words",
     [
-        (lambda r: r["local"].update(count=-1.0), "reports[0].local", "count must be >= 0"),
-        (lambda r: r["coords"].update(cp=2), "reports[0]", "coords.cp (2) must be < sizes.cp (2)"),
-        (lambda r: r.update(world_size=3), "reports[0]", "world_size (3) must equal the product"),
+        (lambda r: r["local"].update(count=-1.0), "reports[0].local.count", "count must be >= 0"),
+        (lambda r: r["coords"].update(cp=2), "reports[0].coords.cp", "coords.cp (2) must be < sizes.cp (2)"),
+        (lambda r: r.update(world_size=3), "reports[0].world_size", "world_size (3) must equal the product"),
         (lambda r: r.update(dtype="float8"), "reports[0].dtype", "float32"),
-        (lambda r: [r["local"].update(sum_sq=0.1), r["local"].pop("min"), r["local"].pop("max")], "reports[0]",
-         "local.sum_sq"),
+        (lambda r: [r["local"].update(sum_sq=0.1), r["local"].pop("min"), r["local"].pop("max")],
+         "reports[0].local.sum_sq", "local.sum_sq"),
         (lambda r: r["local"].update(sum_sq=0.1), "reports[0].local.max", "larger than √sum_sq allows for a 0/1 mask"),
         (lambda r: r.update(run_id="bad run id"), "reports[0].run_id", "pattern"),
         (lambda r: r.update(step=-1), "reports[0].step", "greater than or equal to 0"),
         (lambda r: r.pop("local"), "reports[0].local", "Field required"),
-        (lambda r: r.update(rank=7), "reports[0]", "rank (7) must be < world_size (2)"),
+        (lambda r: r.update(rank=7), "reports[0].rank", "rank (7) must be < world_size (2)"),
         (lambda r: r.update(extra_field=1), "reports[0].extra_field", "Extra inputs"),
     ],
 )
@@ -112,6 +112,65 @@ def test_bad_input_is_a_422_naming_the_field_and_stores_nothing(live_server, run
     assert body["type"] == "urn:auditor:problem:validation" and body["status"] == 422
     assert any(d["field"] == field and words in d["msg"] for d in body["errors"]), body
     assert live_server.get(f"/v1/runs/{run_id}").status_code == 404
+
+
+@pytest.mark.parametrize("change, field, msg", [
+    ({"local": {"count": -1.0, "sum": 1.0, "sum_sq": 1.0}}, ["local", "count"], "count must be >= 0, got -1.0"),
+    ({"local": {"count": 2.0, "sum": 1.0, "sum_sq": -1.0}}, ["local", "sum_sq"], "sum_sq must be >= 0, got -1.0"),
+    ({"applied": {"count": -2.0, "sum": 1.0, "sum_sq": 1.0}}, ["applied", "count"], "count must be >= 0, got -2.0"),
+    ({"rank": 2}, ["rank"], "rank (2) must be < world_size (2)"),
+    ({"coords": {"cp": 2}}, ["coords", "cp"], "coords.cp (2) must be < sizes.cp (2)"),
+    ({"world_size": 4, "rank": 0}, ["world_size"], "world_size (4) must equal the product of sizes dp*cp*tp*pp = 2"),
+    ({"microbatch": 1}, ["microbatch"], "microbatch (1) must be < num_microbatches (1); send num_microbatches with "
+                                        "every report of a step that has several microbatches"),
+    ({"group_ranks": [0, 0]}, ["group_ranks"], "group_ranks lists a rank twice"),
+    ({"local": {"count": 2.0, "sum": 2.0, "sum_sq": 1.0}}, ["local", "sum_sq"],
+     "local.sum_sq (1.0) is below local.sum²/local.count (2.0) beyond float32 rounding: the values would have "
+     "negative variance"),
+    ({"local": {"count": 2.0, "sum": 1.0}}, ["local", "sum_sq"], "local.sum_sq required for kind 'moments'"),
+    ({"spec": {"placement": {"cp": [5]}}}, ["spec", "placement", "cp"],
+     "spec.placement.cp holds 5, outside the 2 coordinates of cp"),
+    ({"spec": {"reduce_over": ["dp", "dp"]}}, ["spec", "reduce_over"], "reduce_over lists a dimension twice: ['dp', 'dp']"),
+])
+def test_each_rule_422_names_the_offending_field(live_server, run_id, change, field, msg):
+    """A broken rule's 422 names the wire field it blames (``loc`` and ``field``), not the
+    block or the report holding it; the message is the rule's own, unchanged."""
+    good = reference_reports(run_id, buggy=False)[1]
+    body = post(live_server, [{**good, **change}]).json()
+    assert body["status"] == 422 and body["errors"] == [
+        {"field": "reports[0]." + ".".join(field), "loc": ["reports", 0, *field], "msg": "Value error, " + msg,
+         "type": "value_error"}], body
+    assert body["detail"] == f"reports[0].{'.'.join(field)}: Value error, {msg}"
+    assert live_server.get(f"/v1/runs/{run_id}").status_code == 404
+
+
+def _tiny_step(run_id: str, statistic: str, applied: dict) -> list[dict]:
+    """Two CP ranks of float32 values of magnitude 1e-31: their squares underflow, so each
+    sum_sq is 0 while sum²/count is ~1e-62 (what Cauchy-Schwarz would call negative variance)."""
+    loc = {"count": 2.0, "sum": -1.3e-31, "sum_sq": 0.0, "min": -1e-31, "max": -3e-32}
+    return [{"run_id": run_id, "statistic": statistic, "step": 0, "rank": rank, "world_size": 2,
+             "coords": {"cp": rank}, "sizes": {"cp": 2}, "local": loc, "applied": applied, "dtype": "float32"}
+            for rank in (0, 1)]
+
+
+def test_a_step_of_values_whose_squares_underflow_is_accepted_and_audited(live_server, run_id):
+    """Such reports are accepted (they were a 422) and the audit engine judges the step
+    without raising; ranks that whitened with the global mean audit consistent."""
+    r = post(live_server, _tiny_step(run_id, "tiny", {"mean": -6.5e-32}))
+    assert r.status_code == 200, r.text
+    assert (r.json()["accepted"], r.json()["steps_audited"]) == (2, 1)
+    (s,) = report_of(live_server, run_id)["statistics"]
+    assert (s["steps_audited"], s["steps_consistent"], s["faults"], s["bad_steps"]) == (1, 1, {}, []), \
+        (s["faults"], s["bad_steps"])
+
+
+@pytest.mark.xfail(strict=True, reason="the engine's mean/var tolerances are relative only: the one-pass var of "
+                                       "underflowed applied sums (-5.6e-63) is 'beyond rounding' of the merged 0")
+def test_a_step_whose_applied_sums_underflow_audits_consistent(live_server, run_id):
+    r = post(live_server, _tiny_step(run_id, "tiny", {"count": 4.0, "sum": -2.6e-31, "sum_sq": 0.0}))
+    assert r.status_code == 200 and r.json()["steps_audited"] == 1, r.text
+    (s,) = report_of(live_server, run_id)["statistics"]
+    assert (s["steps_consistent"], s["faults"]) == (1, {}), (s["faults"], s["bad_steps"])
 
 
 def test_malformed_and_empty_bodies(live_server):
@@ -235,7 +294,7 @@ def test_out_of_range_and_lax_types_are_422_not_500(live_server, run_id):
         (lambda r: r.update(step=2**63), "reports[0].step"),
         (lambda r: r.update(step="1"), "reports[0].step"),
         (lambda r: r.update(rank=True), "reports[0].rank"),
-        (lambda r: r.update(group_ranks=[0, 0]), "reports[0]"),
+        (lambda r: r.update(group_ranks=[0, 0]), "reports[0].group_ranks"),
     ]
     for mutate, field in cases:
         good, other = reference_reports(run_id, buggy=False)

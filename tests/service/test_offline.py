@@ -359,3 +359,28 @@ def test_lines_it_cannot_store_are_named_by_file_and_line(tmp_path, caplog):
         assert line[6] == "last line not read: it has no newline (40 bytes): torn by a crash, or still being written"
     assert results[0] == results[1] == (
         {"files": 2, "reports": 8, "stored": 4, "duplicates": 0, "invalid": 2, "conflicting": 2}, 1, 1, 0.433155)
+
+
+def test_audit_names_the_field_each_invalid_line_breaks(tmp_path):
+    """`auditor audit` logs "FILE:LINE: invalid report skipped: <field>: <message>" naming
+    the wire field a rule blames (as the service's 422 does), not the block or the report;
+    a line of float32 values whose squares underflow (sum_sq 0) is a report, not skipped."""
+    good = reference_reports("fields", buggy=False)[0]
+    bad = [
+        ({"local": {**good["local"], "count": -1.0}}, "local.count: Value error, count must be >= 0, got -1.0"),
+        ({"coords": {"cp": 2}}, "coords.cp: Value error, coords.cp (2) must be < sizes.cp (2)"),
+        ({"rank": 5}, "rank: Value error, rank (5) must be < world_size (2)"),
+        ({"world_size": 4}, "world_size: Value error, world_size (4) must equal the product of sizes dp*cp*tp*pp = 2"),
+        ({"local": {"count": 2.0, "sum": 2.0, "sum_sq": 1.0}},
+         "local.sum_sq: Value error, local.sum_sq (1.0) is below local.sum²/local.count (2.0) beyond float32 "
+         "rounding: the values would have negative variance"),
+        ({"local": {"count": 2.0, "sum": -1.3e-31, "sum_sq": 0.0}, "applied": {"mean": -6.5e-32}}, None),
+    ]
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    path = spool / "rank0.jsonl"
+    path.write_text("".join(json.dumps({**good, "step": i, **change}) + "\n" for i, (change, _) in enumerate(bad)))
+    out = _auditor("audit", str(spool), "--format", "json")
+    assert out.returncode == 0, out.stderr
+    skipped = [ln[ln.index(f"{path}:"):] for ln in out.stderr.splitlines() if "invalid report skipped" in ln]
+    assert skipped == [f"{path}:{i + 1}: invalid report skipped: {why}" for i, (_, why) in enumerate(bad) if why]
