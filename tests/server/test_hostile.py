@@ -27,13 +27,18 @@ RSS_BOUND = 1024 * 2**20
 DELETE_CHUNK = 7
 
 
+HEADER_TIMEOUT = 5.0
+
+
 @pytest.fixture(scope="module")
 def server(database_url, tmp_path_factory):
-    """One capped service per backend: grace 1 s, sweep every 0.2 s, header timeout 1 s,
+    """One capped service per backend: grace 1 s, sweep every 0.2 s, header timeout 5 s
+    (1 s closed the connections of this very test process when a loaded machine did not
+    schedule it for a second between connecting and sending: a flake),
     body chunk timeout 2 s, 100 connections, 50 statistics per run, delete chunks of 7."""
     s = ServerProcess(
         database_url, tmp_path_factory.mktemp("hostile") / "server.log", memory_limit=MEMORY_LIMIT,
-        AUDITOR_GRACE_SECONDS="1", AUDITOR_SWEEP_INTERVAL_SECONDS="0.2", AUDITOR_HEADER_TIMEOUT_SECONDS="1",
+        AUDITOR_GRACE_SECONDS="1", AUDITOR_SWEEP_INTERVAL_SECONDS="0.2", AUDITOR_HEADER_TIMEOUT_SECONDS=str(HEADER_TIMEOUT),
         AUDITOR_BODY_TIMEOUT_SECONDS="2", AUDITOR_MAX_CONNECTIONS="100", AUDITOR_MAX_STATISTICS_PER_RUN="50",
         AUDITOR_DELETE_CHUNK_ROWS=str(DELETE_CHUNK), AUDITOR_DB_LOCK_TIMEOUT_SECONDS="2",
     ).start()
@@ -377,7 +382,7 @@ def test_the_token_is_checked_before_the_body_is_read(tmp_path):
 def test_idle_connections_are_closed_and_capped(server):
     """300 connections that never send a request (1,100 exhausted the fd limit before):
     those past max_connections (100) are answered 503 and closed at once, the others are
-    closed after the header timeout (1 s); a half-sent request line is closed too; the
+    closed after the header timeout (5 s); a half-sent request line is closed too; the
     service keeps serving and logs the condition a few times, not once per socket."""
     log_before = server.log_path.read_text()
     socks = []
@@ -386,7 +391,7 @@ def test_idle_connections_are_closed_and_capped(server):
         socks.append(s)
     slow = socket.create_connection(("127.0.0.1", server.port), timeout=5)
     slow.sendall(b"GET /v1/runs HTTP/1.1\r\nHo")  # slowloris: never finishes its headers
-    time.sleep(2.5)
+    time.sleep(HEADER_TIMEOUT + 1.5)
     closed = 0
     for s in socks + [slow]:
         s.settimeout(2)
@@ -452,13 +457,14 @@ def test_a_locked_database_is_a_503_with_retry_after_and_liveness_stays_fast(ser
 # ------------------------------------------------------------------ 9. cardinality, lifecycle
 def test_statistics_per_run_are_capped_at_registration(server, run_id):
     """A PUT with 100,000 statistics (it held SQLite's write lock for 118 s before) is a
-    422 naming `statistics`, answered in under 2 s; adding a statistic past the limit (50
+    422 naming `statistics`, answered in under 10 s (well under a second on an idle machine;
+    3.2 s seen at load 14); adding a statistic past the limit (50
     here) by a report is a 422 naming reports[i].statistic; nothing past it is stored."""
     stats = {f"s{i}": {"kind": "sum"} for i in range(100_000)}
     t0 = time.perf_counter()
     r = server.put(f"/v1/runs/{run_id}", json={"world_size": 2, "sizes": {"dp": 2}, "statistics": stats})
     body = assert_problem(r, 422, "validation")
-    assert body["errors"][0]["field"] == "statistics" and time.perf_counter() - t0 < 2.0
+    assert body["errors"][0]["field"] == "statistics" and time.perf_counter() - t0 < 10.0
     reg = {"world_size": 2, "sizes": {"dp": 1, "cp": 2},
            "statistics": {f"s{i}": {"kind": "sum"} for i in range(50)}}
     assert server.put(f"/v1/runs/{run_id}", json=reg).status_code == 200
