@@ -72,8 +72,28 @@ _flatten = itertools.chain.from_iterable
 #: Below this many rows a PostgreSQL batch is inserted with one ``INSERT ... RETURNING``.
 _PG_COPY_MIN_ROWS = 32
 _json_encode = msgspec.json.Encoder().encode
-#: Step rows per multi-row INSERT on SQLite (13 parameters each; SQLite allows 32,766).
-_SQLITE_ROWS_PER_INSERT = 500
+#: Step rows per multi-row ``VALUES`` statement on SQLite (:func:`_size_runs`; up to 17
+#: parameters a row, SQLite allows 32,766 per statement).
+_SQLITE_CHUNK_SIZES = (500, 32, 1)
+
+
+def _size_runs(n: int, sizes: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Cover ``range(n)`` with chunks of the fixed ``sizes`` (descending, the last 1),
+    largest first: per size ``k`` used, ``(k, start, end)``, its chunks starting at
+    ``start, start + k, … < end``. Multi-row ``VALUES`` statements on SQLite are cut this
+    way so that each has one of a few texts: the driver keeps up to 128 prepared statements
+    per connection (``sqlite3.connect(cached_statements=)``), and a text per remainder
+    (one per batch size met) filled that cache with statements of hundreds of rows —
+    server RSS grew to 1.3 GB over 4 M reports (benchmarks/memory.py)."""
+    out, start = [], 0
+    for k in sizes:
+        end = start + (n - start) // k * k
+        if end > start:
+            out.append((k, start, end))
+        start = end
+    return out
+
+
 _PG_COPY_TYPES = {"BIGINT": "int8", "INTEGER": "int4", "FLOAT": "float8", "BOOLEAN": "bool", "TEXT": "text"}
 
 
@@ -564,14 +584,12 @@ class Store:
             one = f"({', '.join('?' * len(COLUMNS))})"
             self._sqlite_chunks = [(k, f"INSERT INTO reports ({names}) VALUES {', '.join([one] * k)} "
                                        "ON CONFLICT DO NOTHING") for k in sizes]
-        n, start, stored = len(rows), 0, 0
-        for k, sql in self._sqlite_chunks:
-            end = start + (n - start) // k * k
-            if end > start:
-                cur.executemany(sql, rows[start:end] if k == 1 else
-                                [tuple(_flatten(rows[i:i + k])) for i in range(start, end, k)])
-                stored += cur.rowcount
-            start = end
+        stored = 0
+        sqls = dict(self._sqlite_chunks)
+        for k, start, end in _size_runs(len(rows), list(sqls)):
+            cur.executemany(sqls[k], rows[start:end] if k == 1 else
+                            [tuple(_flatten(rows[i:i + k])) for i in range(start, end, k)])
+            stored += cur.rowcount
         return stored
 
     def insert_returning(self, conn: sa.Connection, rows: list[tuple]) -> set[tuple]:
@@ -639,7 +657,7 @@ class Store:
         ``expected`` reports and ``first_seen = now`` by its first report), in key order; the
         rows after the update, in key order. The upsert takes each step row's lock: this is
         where concurrent ingests of one step serialize. One statement on PostgreSQL (over
-        ``unnest``, rows taken in key order), one per 2,000 steps on SQLite (multi-row
+        ``unnest``, rows taken in key order), per 500 steps on SQLite (multi-row
         ``VALUES``)."""
         keys = sorted(added)
         if not keys:
@@ -654,11 +672,11 @@ class Store:
                 got = cur.fetchall()
             else:
                 got = []
-                for i in range(0, len(keys), 2000):
-                    chunk = keys[i:i + 2000]
-                    cur.execute(sql.format(values=", ".join(["(?, ?, ?, ?, ?)"] * len(chunk))),
-                                [x for k in chunk for x in (k[0], k[1], added[k], expected[k], now)])
-                    got += cur.fetchall()
+                for size, start, end in _size_runs(len(keys), _SQLITE_CHUNK_SIZES):
+                    text = sql.format(values=", ".join(["(?, ?, ?, ?, ?)"] * size))
+                    for i in range(start, end, size):
+                        cur.execute(text, [x for k in keys[i:i + size] for x in (k[0], k[1], added[k], expected[k], now)])
+                        got += cur.fetchall()
         finally:
             cur.close()
         return [Arrival(sid, st, rec, exp, verdict, None if complete is None else bool(complete))
@@ -856,11 +874,11 @@ class Store:
         n = 0
         for kind, ps in by_kind.items():
             if kind == "insert":  # multi-row VALUES: half the cost per row of an executemany
-                for j in range(0, len(ps), _SQLITE_ROWS_PER_INSERT):
-                    chunk = ps[j:j + _SQLITE_ROWS_PER_INSERT]
-                    cur.execute(sql["insert_rows"].format(values=", ".join([sql["row"]] * len(chunk))),
-                                [x for p in chunk for x in p])
-                    n += cur.rowcount
+                for k, start, end in _size_runs(len(ps), _SQLITE_CHUNK_SIZES):
+                    text = sql["insert_rows"].format(values=", ".join([sql["row"]] * k))
+                    for j in range(start, end, k):
+                        cur.execute(text, [x for p in ps[j:j + k] for x in p])
+                        n += cur.rowcount
             else:
                 cur.executemany(sql[kind], ps)
                 n += cur.rowcount

@@ -239,10 +239,11 @@ def _executions(conn: sa.Connection, out: list):
 
 
 def test_record_verdicts_takes_a_bounded_number_of_statements(store, run_id):
-    """Counting the arrivals of 5 or 200 steps and recording their verdicts (with faults;
-    steps with a step row and fresh steps inserted with their verdict) takes the same few
-    statements: on PostgreSQL the same few backend executions (one per statement, not per
-    step), on SQLite the same few statements (an executemany counted once)."""
+    """Counting the arrivals of 5, 200 or 1,337 steps and recording their verdicts (with
+    faults; steps with a step row and fresh steps inserted with their verdict) takes a few
+    statements whatever the number of steps: on PostgreSQL the same few backend executions
+    (one per statement, not per step), on SQLite a few statement texts (multi-row VALUES of
+    500, 32 and 1 rows, consecutive runs of one text counted once)."""
     now = time.time()
     counts = []
     with store.write() as conn:
@@ -253,23 +254,23 @@ def test_record_verdicts_takes_a_bounded_number_of_statements(store, run_id):
         return (_verdict("inconsistent", 0.1 * s, 0.2, ("group_mismatch",)) if s % 3 else
                 _verdict("consistent", 0.1, 0.1))
 
-    for steps in (range(5), range(5, 205)):
+    for steps in (range(5), range(5, 205), range(205, 1542)):
         executed: list = []
         with store.write() as conn, _executions(conn, executed):
             store.count_arrivals(conn, {(sid, s): 2 for s in steps}, {(sid, s): 2 for s in steps}, now)
             done = store.record_verdicts(
                 conn, [VerdictItem(sid, s, verdict(s)) for s in steps]
-                + [VerdictItem(sid, 1000 + s, verdict(s), fresh=True, expected=2, received=2) for s in steps], now)
+                + [VerdictItem(sid, 10_000 + s, verdict(s), fresh=True, expected=2, received=2) for s in steps], now)
         assert all(done)
         counts.append(len(executed))
-    assert counts[0] == counts[1] <= 12, counts
+    assert max(counts) <= 12 and (store.dialect == "sqlite" or counts[0] == counts[1] == counts[2]), counts
     with store.read() as conn:
-        assert [(r["step"], r["received"], r["verdict"]) for r in store.step_rows(conn, sid, start=1000, stop=1002)] \
-            == [(1000, 2, "consistent"), (1001, 2, "inconsistent"), (1002, 2, "inconsistent")]
+        assert [(r["step"], r["received"], r["verdict"]) for r in store.step_rows(conn, sid, start=10_000, stop=10_002)] \
+            == [(10_000, 2, "consistent"), (10_001, 2, "inconsistent"), (10_002, 2, "inconsistent")]
         (s,) = store.series_rows(conn, run_id)
-        assert (s["steps_consistent"], s["steps_inconsistent"]) == (2 * 69, 2 * 136)
+        assert (s["steps_consistent"], s["steps_inconsistent"]) == (2 * 514, 2 * 1028)  # s % 3 == 0 consistent
         for st in (3, 4, 200):  # a fresh row is what count_arrivals and the verdict UPDATE leave
-            assert dict(store.step_row(conn, sid, 1000 + st)) == {**store.step_row(conn, sid, st), "step": 1000 + st}
+            assert dict(store.step_row(conn, sid, 10_000 + st)) == {**store.step_row(conn, sid, st), "step": 10_000 + st}
 
 
 def test_verdict_updates_find_the_step_row_by_its_key_on_sqlite(store):
