@@ -954,13 +954,16 @@ def _batch_holds(reports: list[FastReport]) -> bool:
                         facts[id(gr)] = f
                 reports[i].group_ranks = ranks[i] = gr
 
+    def exact(r: FastReport) -> None:  # every rule of one report, by the exact functions
+        _local_rules(r.local)
+        if r.applied is not None:
+            _applied_rules(r.applied)
+        _report_rules(r, None if r.spec is None else cores[id(r.spec)],
+                      None if r.group_ranks is None else facts[id(r.group_ranks)])
+
     if n < _BATCH_RULES_MIN:  # the array tests cost ~40 µs a batch: each report by the exact rules
         for r in reports:
-            _local_rules(r.local)
-            if r.applied is not None:
-                _applied_rules(r.applied)
-            _report_rules(r, None if r.spec is None else cores[id(r.spec)],
-                          None if r.group_ranks is None else facts[id(r.group_ranks)])
+            exact(r)
         return True
 
     # The shape rules: with an order, a spec or groups (the extended rules, ~0.8 µs a
@@ -1022,12 +1025,7 @@ def _batch_holds(reports: list[FastReport]) -> bool:
                 suspect |= (k == "sum") & ~has_a_sum
                 suspect |= (k == "norm") & ~has_a_sq
     for i in np.flatnonzero(suspect).tolist():
-        r = reports[i]
-        _local_rules(r.local)
-        if r.applied is not None:
-            _applied_rules(r.applied)
-        _report_rules(r, None if r.spec is None else cores[id(r.spec)],
-                      None if r.group_ranks is None else facts[id(r.group_ranks)])
+        exact(reports[i])
     return True
 
 
