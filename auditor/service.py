@@ -165,7 +165,7 @@ class SeriesInfo:
         return cls(row.id, row.run_id, row.statistic, row.kind, spec, spec.to_core())
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: one per step, and a frozen __init__ costs 5× (1.05 vs 0.21 µs)
 class _Due:
     """A step to audit: its series, topology, step row, the verdict it replaces (re-audit)
     and its reports as ``reports`` rows when the caller holds them all."""
