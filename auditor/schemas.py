@@ -513,7 +513,8 @@ def _shape_rules(r, core_spec: Spec | None = None) -> None:
     # Runs once per report on the pydantic path: plain attribute tests first, the
     # messages only when a rule fails.
     s, c = r.sizes, r.coords
-    if r.topology == "unknown" or r.order is not None or r.spec is not None or s.has_expert:
+    if (r.topology == "unknown" or r.order is not None or r.spec is not None or s.has_expert
+            or c.edp or c.ep or c.etp):
         _extended_rules(r, core_spec)
     if r.topology == "unknown":
         pass

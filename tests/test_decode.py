@@ -459,6 +459,9 @@ _L = {"count": 2.0, "sum": 1.0, "sum_sq": 1.0, "min": 0.0, "max": 1.0}
     ({"world_size": 2, "rank": 1, "sizes": {"dp": 2}, "coords": {"dp": 0}, "order": "tp-cp-dp-pp"}, False),
     ({"world_size": 2, "rank": 1, "sizes": {"dp": 2}, "coords": {"dp": 1}, "order": "tp-cp-dp-pp"}, True),
     ({"run_id": "a/../b"}, False), ({"statistic": "a b"}, False), ({"spec": {"placement": {"pp": [3]}}}, False),
+    # expert coords without expert sizes: refused with or without an order, spec or groups
+    ({"coords": {"ep": 1}}, False), ({"coords": {"edp": 1}}, False), ({"coords": {"etp": 1}}, False),
+    ({"coords": {"ep": 1}, "group_ranks": [0]}, False),
 ])
 @pytest.mark.parametrize("size, where", [(5, 1), (40, 0), (40, 17), (40, 39)])
 def test_each_batch_rule_agrees(change, accepted, size, where):
@@ -527,6 +530,7 @@ def test_shared_shapes_are_each_checked():
     ({"topology": "unknown", "group_ranks": [0], "spec": {"placement": {"pp": "first"}}}, ("spec", "placement")),
     ({"world_size": 2, "rank": 1, "sizes": {"dp": 2}, "coords": {"dp": 0}, "order": "tp-cp-dp-pp"}, ("coords", "dp")),
     ({"order": "tp-cp-dp"}, ("order",)), ({"coords": {"ep": 1}, "order": "tp-cp-dp-pp"}, ("coords", "ep")),
+    ({"coords": {"ep": 1}}, ("coords", "ep")), ({"coords": {"etp": 2}}, ("coords", "etp")),
     ({"sizes": {"edp": 2}}, ("world_size",)), ({"sizes": {"edp": 1}, "coords": {"edp": 1}}, ("coords", "edp")),
     ({"world_size": 2, "sizes": {"dp": 2, "edp": 1, "ep": 2}, "order": "tp-cp-dp-pp"}, ("order",)),
     ({"spec": {"reduce_over": ["ep"]}}, ("spec", "reduce_over")),  # with replicas ["tp"]
