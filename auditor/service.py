@@ -512,6 +512,12 @@ class Service:
                     series_of[skey] = info
                     new_series[skey] = info
 
+            # the series exist until this transaction ends (Store.lock_series); one deleted
+            # since this process cached it: drop the caches and try again
+            if store.lock_series(conn, (info.id for info in series_of.values())) != len(
+                    {info.id for info in series_of.values()}):
+                raise _StaleCaches()
+
             rows: dict[tuple, tuple] = {}
             index_of: dict[tuple, int] = {}
             expected: dict[tuple[int, int], int] = {}

@@ -996,11 +996,41 @@ class Store:
                                                    c.rank < lo + span)).rowcount
 
     def delete_run_rows(self, conn: sa.Connection, run_id: str, series_ids: Sequence[int]) -> None:
-        """Delete a run's series_faults and the run (its series, and whatever reports,
-        steps and faults arrived meanwhile, go with it: ON DELETE CASCADE)."""
-        if series_ids:
-            conn.execute(series_faults.delete().where(series_faults.c.series_id.in_(list(series_ids))))
+        """Delete a run: its series_faults, reports, step rows, faults, series and run row,
+        whatever arrived meanwhile included.
+
+        Lock order, the one every ingest follows (:meth:`lock_series`): the run row first
+        (``FOR UPDATE``: an ingest making a new series of the run waits, then finds the run
+        gone), then its series rows (``FOR UPDATE``: waits for every ingest holding one
+        ``FOR KEY SHARE`` to commit), and only then, in statements that see what those
+        ingests committed, the rows below them. On PostgreSQL ``reports`` and
+        ``step_audits`` have no foreign key (migration 0006), so they are deleted here, not
+        by ``ON DELETE CASCADE``; ``series_ids`` (read before the chunked deletion) is
+        widened by the series the run has now."""
+        conn.execute(sa.select(runs.c.run_id).where(runs.c.run_id == run_id).with_for_update())
+        ids = sorted(set(series_ids).union(conn.execute(
+            sa.select(series.c.id).where(series.c.run_id == run_id).order_by(series.c.id).with_for_update()
+        ).scalars()))
+        if ids:
+            conn.execute(series_faults.delete().where(series_faults.c.series_id.in_(ids)))
+            conn.execute(reports.delete().where(reports.c.series_id.in_(ids)))
+            conn.execute(step_audits.delete().where(step_audits.c.series_id.in_(ids)))
         conn.execute(runs.delete().where(runs.c.run_id == run_id))
+
+    def lock_series(self, conn: sa.Connection, series_ids: Iterable[int]) -> int:
+        """Hold the rows of ``series_ids`` ``FOR KEY SHARE`` until the transaction ends
+        (PostgreSQL; SQLite's write transaction holds the whole database) and return how
+        many exist. An ingest takes them, in id order, before it writes any report or step
+        row: what the foreign keys of ``reports`` and ``step_audits`` did per row on
+        PostgreSQL (migration 0006), once per batch. A deletion (:meth:`delete_run_rows`)
+        waits for the lock; a series deleted before it is missing from the count, and the
+        caller retries the batch (``Service._ingest``: a stale cache)."""
+        ids = sorted(set(series_ids))
+        if not ids:
+            return 0
+        return len(conn.execute(
+            sa.select(series.c.id).where(series.c.id.in_(ids)).order_by(series.c.id).with_for_update(key_share=True)
+        ).all())
 
     def idle_runs(self, conn: sa.Connection, before: float, limit: int) -> list[str]:
         """Runs with no activity since ``before`` (newest series update, else creation), oldest first."""

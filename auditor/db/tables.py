@@ -86,6 +86,9 @@ series = sa.Table(
     sa.Index("ix_series_updated_at", "updated_at"),
 )
 
+# reports.series_id and step_audits.series_id: foreign keys on SQLite only; PostgreSQL drops
+# them (migration 0006: its per-row check was half the cost of the insert) and the store
+# keeps what they guaranteed (Store.lock_series, Store.delete_run_rows).
 reports = sa.Table(
     "reports",
     metadata,

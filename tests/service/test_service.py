@@ -132,6 +132,64 @@ def test_a_run_deleted_by_another_process_never_receives_reports_under_a_reused_
         second.close()
 
 
+def test_a_run_deleted_while_an_ingest_is_in_flight_leaves_no_row_behind(fresh_database_url, monkeypatch):
+    """An ingest of run A has written a step's reports and not committed when another
+    service deletes run A: the deletion waits for it (the ingest holds its series,
+    Store.lock_series) and then deletes what it committed too, so no report or step row is
+    left without its series (PostgreSQL has no foreign key to cascade them, migration 0006).
+    An ingest after the deletion makes run A anew."""
+    import threading
+
+    import sqlalchemy as sa
+
+    from auditor.db.engine import ensure_schema, make_engine
+    from auditor.db.tables import reports, series, step_audits
+    from auditor.service import Service
+
+    engine = make_engine(fresh_database_url)
+    ensure_schema(engine, fresh_database_url)
+    first, second = Service.from_engine(engine), Service.from_engine(engine)
+    wrote, go = threading.Event(), threading.Event()
+    insert = first.store.insert_all_new
+
+    def insert_then_wait(conn, rows):
+        out = insert(conn, rows)
+        wrote.set()
+        assert go.wait(30)
+        return out
+
+    try:
+        assert first.ingest(batch("run-a", buggy=False, step=0)).accepted == 2
+        monkeypatch.setattr(first.store, "insert_all_new", insert_then_wait)
+        ingest = threading.Thread(target=first.ingest, args=(batch("run-a", buggy=False, step=1),))
+        ingest.start()
+        assert wrote.wait(30)
+        deleted: list = []
+        deleter = threading.Thread(target=lambda: deleted.append(second.delete_run("run-a")))
+        deleter.start()
+        deleter.join(1.0)
+        assert deleter.is_alive()  # waits for the ingest in flight
+        go.set()
+        ingest.join(30)
+        deleter.join(30)
+        assert not ingest.is_alive() and not deleter.is_alive()
+        assert deleted[0]["run_id"] == "run-a"
+        with engine.connect() as conn:
+            for table in (reports, step_audits):
+                orphans = conn.execute(sa.select(sa.func.count()).select_from(table).where(
+                    ~table.c.series_id.in_(sa.select(series.c.id)))).scalar_one()
+                assert orphans == 0, table.name
+            assert conn.execute(sa.select(sa.func.count()).select_from(reports)).scalar_one() == 0
+        monkeypatch.undo()
+        out = first.ingest(batch("run-a", buggy=True, step=2))  # cached series gone: made anew
+        assert (out.accepted, [v for _, _, v in out.audited]) == (2, ["inconsistent"])
+        assert second.report("run-a")["statistics"][0]["steps_audited"] == 1
+    finally:
+        go.set()
+        first.close()
+        second.close()
+
+
 def _state(service, run_id: str) -> dict:
     """Everything stored of a run's one statistic, without ids: step rows, faults, series
     aggregates and fault counts."""
