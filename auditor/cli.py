@@ -55,6 +55,10 @@ AllowIncomplete = typer.Option(
     False, "--allow-incomplete",
     help="Pass a run whose steps were audited with reports missing (a job known to lose ranks); an inconsistent "
          "step still fails.")
+AllowPending = typer.Option(
+    False, "--allow-pending",
+    help="Pass although some steps hold reports but no verdict yet (a check of a live run); without it they "
+         "fail the check: the reports that did arrive may be wrong.")
 AllowRefused = typer.Option(
     False, "--allow-refused",
     help="Pass a run although reports contradicting its stored ones were refused (409: the run id was reused, or "
@@ -469,15 +473,17 @@ def check(
     min_steps: int = typer.Option(0, min=0, help="Also fail when fewer steps than this were audited "
                                                   "(a CI job whose trainer reported nothing)."),
     allow_incomplete: bool = AllowIncomplete,
+    allow_pending: bool = AllowPending,
     allow_refused: bool = AllowRefused,
     token: Optional[str] = ReadToken,
     timeout: float = Timeout,
 ) -> None:
     """For the CI job of a training framework: exit 1 if RUN_ID is inconsistent (a step
     inconsistent, or one the engine could not audit), incomplete (a step audited with
-    reports missing; --allow-incomplete accepts that), had reports refused for contradicting
-    stored ones (a reused run id; --allow-refused), or fewer than --min-steps steps were
-    audited; 0 otherwise; 2 if the run, the service or the database cannot be found — or if
+    reports missing; --allow-incomplete accepts that), has steps with reports but no
+    verdict yet (--allow-pending), had reports refused for contradicting stored ones (a
+    reused run id; --allow-refused), or fewer than --min-steps steps were audited; 0
+    otherwise; 2 if the run, the service or the database cannot be found — or if
     no RUN_ID is given and it cannot tell which run is meant (several runs and no
     $AUDITOR_RUN_ID). The status is the one every surface shows (auditor.status)."""
     from auditor import status
@@ -485,7 +491,7 @@ def check(
     run_id = _which_run(run_id, url, database_url, token, timeout)
     data = _fetch_report(run_id, url, database_url, bad_steps=20, token=token, timeout=timeout)
     passed, lines = status.check(data, allow_incomplete=allow_incomplete, allow_refused=allow_refused,
-                                 min_steps=min_steps)
+                                 min_steps=min_steps, allow_pending=allow_pending)
     for line in lines:
         typer.echo(line)
     if not passed:

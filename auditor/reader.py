@@ -253,10 +253,10 @@ class Report:
                       statistics=lambda v: [StatisticReport.from_json(s) for s in v])
 
     def check(self, *, allow_incomplete: bool = False, allow_refused: bool = False,
-              min_steps: int = 0) -> tuple[bool, list[str]]:
+              min_steps: int = 0, allow_pending: bool = False) -> tuple[bool, list[str]]:
         """``auditor check`` of this report: ``(passed, lines)`` (:func:`auditor.status.check`)."""
         return check_report(self.raw, allow_incomplete=allow_incomplete, allow_refused=allow_refused,
-                            min_steps=min_steps)
+                            min_steps=min_steps, allow_pending=allow_pending)
 
     @property
     def raw(self) -> dict[str, Any]:

@@ -147,14 +147,15 @@ UNKNOWN_TOPOLOGY_CAVEAT = ("note: topology unknown — each rank was judged only
 
 
 def check(report: Mapping[str, Any], *, allow_incomplete: bool = False, allow_refused: bool = False,
-          min_steps: int = 0) -> tuple[bool, list[str]]:
+          min_steps: int = 0, allow_pending: bool = False) -> tuple[bool, list[str]]:
     """The CI check of one run's report JSON (``auditor check``, ``auditor audit --check``,
     the pytest plugin): ``(passed, lines)``. Fails when the status is ``inconsistent``;
-    ``incomplete`` (unless ``allow_incomplete``: runs known to lose ranks); reports were
-    refused for contradicting stored ones (unless ``allow_refused``); or fewer than
-    ``min_steps`` steps were audited. ``lines`` say why, one per finding, the first naming
-    the run and its status; a run of unknown topology adds the caveat (it changes nothing
-    of ``passed``)."""
+    ``incomplete`` (unless ``allow_incomplete``: runs known to lose ranks); some step has
+    reports but no verdict yet (unless ``allow_pending``: a check of a live run), since
+    the reports that did arrive may be wrong; reports were refused for contradicting stored
+    ones (unless ``allow_refused``); or fewer than ``min_steps`` steps were audited.
+    ``lines`` say why, one per finding, the first naming the run and its status; a run of
+    unknown topology adds the caveat (it changes nothing of ``passed``)."""
     run_id = report.get("run_id")
     stats = report.get("statistics") or []
     state = status_of(report)
@@ -184,6 +185,17 @@ def check(report: Mapping[str, Any], *, allow_incomplete: bool = False, allow_re
         lines.append(f"{run_id}: no step audited yet (0 step(s) audited)")
     else:
         lines.append(f"{run_id}: consistent ({audited} step(s) audited)")
+    pending = {s["statistic"]: int(s.get("steps_pending") or 0) for s in stats if s.get("steps_pending")}
+    if pending:
+        what = ", ".join(f"{name}: {n} step(s)" for name, n in pending.items())
+        if allow_pending:
+            lines.append(f"{run_id}: not audited yet, allowed by --allow-pending — {what}")
+        else:
+            lines.append(f"{run_id}: NOT AUDITED YET — {what} hold reports but no verdict (a rank has not "
+                         "reported, or its reports are still arriving; the service audits a step once every "
+                         "rank reported, or after AUDITOR_GRACE_SECONDS); check again later, or pass "
+                         "--allow-pending to check a live run")
+            passed = False
     refused = refused_line(report)
     if refused is not None:
         if allow_refused:

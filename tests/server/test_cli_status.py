@@ -120,3 +120,37 @@ def test_audit_check_of_spools_missing_a_rank_exits_1(tmp_path, run_id):
     assert (out.returncode, data["status"], data["consistent"]) == (1, "incomplete", False)
     assert "rank 1 never reported" in out.stderr
     assert auditor("audit", str(spool), "--check", "--allow-incomplete").returncode == 0
+
+
+def test_check_fails_while_a_step_holds_reports_but_no_verdict(fresh_database_url, run_id):
+    """The new-user trial's repro: step 0 of a dp=2×cp=2 run complete and correct, step 1
+    with only ranks 0 and 1, whose values are wrong (each whitened with a DP-only group's
+    statistic), not yet audited (no sweep ran). `check` said "consistent (1 step(s)
+    audited)", exit 0; it now fails naming the step not audited yet, and --allow-pending
+    (a check of a live run) passes with the line."""
+    from auditor.db.engine import ensure_schema, make_engine
+    from auditor.schemas import Report
+    from auditor.service import Service
+
+    engine = make_engine(fresh_database_url)
+    ensure_schema(engine, fresh_database_url)
+    svc = Service.from_engine(engine)
+    try:
+        wrong = world_reports(run_id, step=1, skip_ranks=(2, 3))
+        for r in wrong:
+            r["applied"] = {"mean": r["applied"]["mean"] + 0.3, "var": r["applied"]["var"] * 1.5}
+        for batch in (world_reports(run_id, step=0), wrong):
+            svc.ingest([Report.model_validate(r) for r in batch])
+    finally:
+        svc.close()
+    out = auditor("check", run_id, "--database-url", fresh_database_url)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stdout.splitlines() == [
+        f"{run_id}: consistent (1 step(s) audited)",
+        f"{run_id}: NOT AUDITED YET — advantages: 1 step(s) hold reports but no verdict (a rank has not reported, "
+        "or its reports are still arriving; the service audits a step once every rank reported, or after "
+        "AUDITOR_GRACE_SECONDS); check again later, or pass --allow-pending to check a live run"]
+    out = auditor("check", run_id, "--database-url", fresh_database_url, "--allow-pending")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.splitlines()[1] == (f"{run_id}: not audited yet, allowed by --allow-pending — "
+                                          "advantages: 1 step(s)")
