@@ -329,3 +329,31 @@ def test_same_key_twice_in_one_batch_names_both_indices(live_server, run_id):
     assert r.status_code == 409
     assert r.json()["detail"].startswith("reports[0] and reports[2] have the same")
     assert live_server.get(f"/v1/runs/{run_id}").status_code == 404
+
+
+def test_applied_sums_no_data_can_have_are_audited_not_refused(live_server, run_id):
+    """A new-user trial's repro: every rank all-reduces count and sum but leaves sum_sq
+    local, so ``applied`` carries the global count and sum beside a local sum of squares:
+    sums no data can have (sum_sq < sum²/count). That was a 422 — the statistic vanished and
+    the run checked "consistent"; it is stored and audited, an inconsistent step whose
+    fault names the group."""
+    import numpy as np
+
+    rng = np.random.default_rng(7)
+    vals = [1.0 + 0.1 * rng.standard_normal(100) for _ in range(2)]
+    n, s = 200.0, float(sum(v.sum() for v in vals))
+    reports = []
+    for rank, v in enumerate(vals):
+        loc = {"count": 100.0, "sum": float(v.sum()), "sum_sq": float((v * v).sum()),
+               "min": float(v.min()), "max": float(v.max())}
+        applied = {"count": n, "sum": s, "sum_sq": loc["sum_sq"]}  # sum_sq never reduced
+        assert applied["sum_sq"] < s * s / n
+        reports.append({"run_id": run_id, "statistic": "adv", "step": 0, "rank": rank, "world_size": 2,
+                        "coords": {"dp": rank}, "sizes": {"dp": 2}, "local": loc, "applied": applied,
+                        "dtype": "float64"})
+    r = post(live_server, reports)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"accepted": 2, "duplicates": 0, "steps_audited": 1}
+    (st,) = report_of(live_server, run_id)["statistics"]
+    assert (st["steps_inconsistent"], st["steps_consistent"]) == (1, 0), st
+    assert "group_mismatch" in st["faults"], st["faults"]
