@@ -30,7 +30,7 @@ import numpy as np
 
 from auditor.core import stats
 from auditor.core.checks import PRECISION_LOSS_THRESHOLD
-from auditor.core.step import DEFAULT_LOCAL_TERMS, applied_moments, sums_match, sums_moments
+from auditor.core.step import DEFAULT_LOCAL_TERMS, applied_moments, dtype_columns, sums_match, sums_moments
 from auditor.core.types import DIMS, Coord, GroupStat, Spec, StepVerdict, compress_ranks
 
 #: Float columns of :class:`Elements` ``values`` (the :class:`~auditor.core.types.RankReport`
@@ -38,7 +38,6 @@ from auditor.core.types import DIMS, Coord, GroupStat, Spec, StepVerdict, compre
 VALUE_FIELDS: tuple[str, ...] = ("local_count", "local_sum", "local_sum_sq", "local_min", "local_max",
                                  "local_replicated_sum_sq", "applied_count", "applied_sum", "applied_sum_sq",
                                  "applied_mean", "applied_var")
-_DEFAULT_U = stats.UNIT_ROUNDOFF["float32"]
 
 
 @dataclass(slots=True)
@@ -139,10 +138,7 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, kind: s
         if elements.any():
             bad[step[elements]] = True
 
-    if len(set(dtypes)) == 1:
-        u = np.full(n, stats.UNIT_ROUNDOFF.get(dtypes[0], _DEFAULT_U))
-    else:
-        u = np.array([stats.UNIT_ROUNDOFF.get(d, _DEFAULT_U) for d in dtypes], dtype=np.float64)
+    u, spacing = dtype_columns(dtypes)
 
     # the columns of Step._moments_columns / Step._value_columns
     if moments:
@@ -227,7 +223,7 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, kind: s
         safe = np.where(n_e > 0, n_e, 1.0)
         bessel = (conv == "sample") & (n_e >= 2)
         var_e = np.where(n_e > 0, m2_e / np.where(bessel, np.maximum(n_e - 1.0, 1.0), safe), np.nan)
-        tm, tv = stats.mean_var_tolerance(g, n_e, mean_e, m2_e, conv)
+        tm, tv = stats.mean_var_tolerance(g, n_e, mean_e, m2_e, conv, spacing=spacing, ranks=size[inv])
         tn = g * n_e
         flag(~((n_e > 0) & (np.isnan(a_n) | (np.abs(a_n - n_e) <= tn)) & (np.abs(a_mean - mean_e) <= tm)
                & (np.abs(a_var - var_e) <= tv)))
@@ -238,7 +234,7 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, kind: s
         values = (n_e, mean_e, var_e)
     else:
         value = total[inv]
-        tol0 = stats.sum_tolerance(g, absum[inv])
+        tol0 = stats.sum_tolerance(g, absum[inv], spacing=spacing, ranks=size[inv])
         flag(~(np.abs(a_val - value) <= tol0))
         if kind == "sum":
             flag(value == 0)  # empty_global

@@ -259,11 +259,11 @@ def applied_tolerances(st: Step, exp: Part) -> list[np.ndarray]:
             n = np.where(np.isfinite(st.a_n), st.a_n, np.nan)
             g = stats.reduction_gamma_array(st.u, np.nan_to_num(n, nan=2.0), ranks)
             m2 = np.maximum(st.a_var, 0.0) * np.maximum(n - 1.0, 1.0)
-            tm, tv = stats.mean_var_tolerance(g, n, st.a_mean, m2, st.spec.variance)
+            tm, tv = stats.mean_var_tolerance(g, n, st.a_mean, m2, st.spec.variance, spacing=st.spacing, ranks=ranks)
             unknown = ~np.isfinite(n) | ~st.a_ok | ~np.isfinite(st.a_var)  # a mean alone: no bound
             return [np.where(unknown, np.inf, g * n), np.where(unknown, np.inf, tm), np.where(unknown, np.inf, tv)]
         g = stats.reduction_gamma_array(st.u, np.full(st.n, 2.0), ranks)
-        return [np.where(st.a_ok, stats.sum_tolerance(g, np.abs(st.a_val)), np.inf)]
+        return [np.where(st.a_ok, stats.sum_tolerance(g, np.abs(st.a_val), spacing=st.spacing, ranks=ranks), np.inf)]
 
 
 def cp_disagreement(st: Step, exp: Part, e_vals, e_tol, judged, f: Findings) -> float | None:

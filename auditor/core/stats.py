@@ -26,6 +26,22 @@ UNIT_ROUNDOFF: dict[str, float] = {
     "bfloat16": 2.0**-8,
 }
 
+#: Spacing s = 2u·λ of the subnormal numbers of each dtype, λ its smallest normal (2^-1022,
+#: 2^-126 for float32, tf32 and bfloat16, 2^-14 for float16): its smallest positive
+#: subnormal. With IEEE gradual underflow an operation whose result is below λ errs by at
+#: most s/2 absolutely, however small its result, where a relative bound no longer holds
+#: (Higham 2002, §2.1). The unit of the underflow floors of :func:`mean_var_tolerance` and
+#: :func:`sum_tolerance`.
+SUBNORMAL_SPACING: dict[str, float] = {
+    "float64": 2.0**-1074,
+    "float32": 2.0**-149,
+    "tf32": 2.0**-136,
+    "float16": 2.0**-24,
+    "bfloat16": 2.0**-133,
+}
+assert SUBNORMAL_SPACING.keys() == UNIT_ROUNDOFF.keys()
+_S64 = SUBNORMAL_SPACING["float64"]
+
 #: Whitening epsilon of slime's ``distributed_masked_whiten`` (added to the variance).
 WHITEN_EPSILON = 1e-8
 
@@ -249,7 +265,8 @@ def reduction_gamma_array(unit_roundoff: np.ndarray, terms: np.ndarray, ranks: n
 
 
 def mean_var_tolerance(
-    gamma: np.ndarray | float, count, mean, m2, convention: VarianceConvention = "sample"
+    gamma: np.ndarray | float, count, mean, m2, convention: VarianceConvention = "sample", *,
+    spacing: np.ndarray | float, ranks: np.ndarray | float,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Absolute error bounds of a correct one-pass reduction's mean and variance.
 
@@ -257,20 +274,56 @@ def mean_var_tolerance(
     SS = Σv² (each relative to the sum of the absolute values of its terms, Σ|v| ≤ N·rms
     by Cauchy–Schwarz) and N:
 
-    * |δμ| ≤ 2γ·rms  (S/N: γ from S, the division and N's rounding folded into the +3 of γ);
-    * |δvar| ≤ 7γ·rms²·b, b = N/(N−1) under Bessel (N ≥ 2), else 1
+    * |δμ| ≤ 2γ·rms + τ_μ  (S/N: γ from S, the division and N's rounding folded into the +3 of γ);
+    * |δvar| ≤ 7γ·rms²·b + τ_var, b = N/(N−1) under Bessel (N ≥ 2), else 1
       (SS/N: 2γ·rms²; μ²: 2|μ|·2γ·rms + γμ² ≤ 5γ·rms²; the subtraction is exact to u).
 
-    Relative to the variance σ² = M2/N the second bound is 7γ(1 + μ²/σ²): the cancellation of
-    the one-pass form (Chan, Golub & LeVeque 1983, "Algorithms for computing the sample
-    variance", §2; Higham 2002, §1.9). Arrays of shape (k,) or floats; returns (mean_tol,
+    Relative to the variance σ² = M2/N the relative part is 7γ(1 + μ²/σ²): the cancellation
+    of the one-pass form (Chan, Golub & LeVeque 1983, "Algorithms for computing the sample
+    variance", §2; Higham 2002, §1.9).
+
+    The floors τ bound underflow, which the relative model (|δ| ≤ u) does not: with IEEE
+    gradual underflow fl(x op y) = (x op y)(1 + δ) + η, where |η| ≤ s/2 for a product,
+    quotient or conversion whose result is subnormal, s the subnormal spacing of the dtype
+    (:data:`SUBNORMAL_SPACING`), and η = 0 for a sum or difference (a subnormal result of
+    one is exact) (Higham 2002, §2.1; Hauser 1996, "Handling floating-point exceptions in
+    numeric programs", ACM TOPLAS 18(2)). Counting, to first order and with each η taken as
+    a whole s, the operations whose η reaches a compared value, P = ``ranks``:
+
+    * the trainer, in its dtype (s = ``spacing``): per masked value v·m for S and v·v, ·m
+      for SS (they count when the reported local sums are float64 next to the trainer's own
+      dtype sums), per rank the conversion of its partials, per group S/N, SS/N, μ² and
+      the product by N/(N−1) (a factor ≥ 1, itself never subnormal): after the divisions
+      by N, (2 + P/N)·s on μ and (5 + P/N)·s on the variance;
+    * this auditor, in float64 (s₆₄ = 4.9e-324): the local means and Σv·μᵢ of
+      :func:`moments_from_sums_array`, the merge's Nᵢμᵢ, (μᵢ − μ)² and its weight, its
+      quotients and the one-pass form of applied sums (:func:`one_pass_mean_var_array`):
+      (2 + P/N)·s₆₄ on μ and (7 + 3P/N)·s₆₄ on the variance;
+    * the variance also inherits the mean's error twice, through μ² (2|μ|·δμ) and through
+      the merge's Σ Nᵢ·2|μᵢ − μ|·δ(μᵢ − μ) ≤ 2N·rms·δ: 4·rms·τ_μ.
+
+    Hence τ_μ = (2 + P/N)·(s + s₆₄) and τ_var = b·((5 + P/N)·s + (7 + 3P/N)·s₆₄ + 4·rms·τ_μ).
+    Float32: s = 1.4e-45, so a step of values ~1e-31, whose squares round to 0 (one-pass
+    var −5.6e-63 against a merged 0), is consistent while its means are still compared to
+    ~1e-44; values whose squares stay normal (|v| > 1.1e-19) are judged by the relative
+    part alone. Not covered: flush-to-zero (``torch.set_flush_denormal(True)``, kernels
+    built with ``-ftz``), which loses up to λ per operation: a
+    floor in λ (float16: 6.1e-5) would swallow real float16 faults (it changed the verdicts
+    of 5 golden-corpus steps, float16 injected-noise faults among them).
+
+    Arrays of shape (k,) or floats (``spacing``, ``ranks`` broadcast); returns (mean_tol,
     var_tol), same shape. A group with N = 0 gets (0, 0).
     """
     count = np.asarray(count, dtype=np.float64)
-    safe = np.where(count > 0, count, 1.0)
-    ms = np.where(count > 0, np.asarray(m2, dtype=np.float64) / safe + np.asarray(mean, dtype=np.float64) ** 2, 0.0)
+    pos = count > 0
+    safe = np.where(pos, count, 1.0)
+    ms = np.where(pos, np.asarray(m2, dtype=np.float64) / safe + np.asarray(mean, dtype=np.float64) ** 2, 0.0)
     bessel = np.where((count >= 2) & (convention == "sample"), count / np.maximum(count - 1.0, 1.0), 1.0)
-    return 2.0 * gamma * np.sqrt(ms), 7.0 * gamma * ms * bessel
+    rms = np.sqrt(ms)
+    per = np.asarray(ranks, dtype=np.float64) / np.maximum(count, 1.0)  # P/N
+    t_mu = (2.0 + per) * (spacing + _S64)
+    t_var = bessel * ((5.0 + per) * spacing + (7.0 + 3.0 * per) * _S64 + 4.0 * rms * t_mu)
+    return np.where(pos, 2.0 * gamma * rms + t_mu, 0.0), np.where(pos, 7.0 * gamma * ms * bessel + t_var, 0.0)
 
 
 def one_pass_variance_error(gamma, count, mean, m2):
@@ -286,13 +339,30 @@ def one_pass_variance_error(gamma, count, mean, m2):
         out = np.where(var > 0, 7.0 * gamma * (1.0 + mean * mean / np.where(var > 0, var, 1.0)), 0.0)
     return out if out.ndim else float(out)
 
-def sum_tolerance(gamma: np.ndarray | float, abs_terms: np.ndarray | float) -> np.ndarray | float:
-    """Absolute error bound of a correct reduced sum: γ·Σ|terms| (Higham 2002, eq. 4.4).
+def sum_tolerance(gamma: np.ndarray | float, abs_terms: np.ndarray | float, *,
+                  spacing: np.ndarray | float, ranks: np.ndarray | float) -> np.ndarray | float:
+    """Absolute error bound of a correct reduced sum: γ·Σ|terms| (Higham 2002, eq. 4.4) plus
+    the underflow floor :func:`sum_underflow` (a relative bound alone fails near zero).
 
     ``abs_terms`` is Σ|sᵢ| over the summed partial values (for ``norm`` statistics, whose
-    terms are non-negative, the sum itself).
+    terms are non-negative, the sum itself); ``spacing`` s of the trainer's dtype
+    (:data:`SUBNORMAL_SPACING`); ``ranks`` P, the partial values summed. Floats or float64
+    arrays of shape (k,).
     """
-    return gamma * abs_terms
+    return gamma * abs_terms + sum_underflow(spacing, ranks)
+
+
+def sum_underflow(spacing: np.ndarray | float, ranks: np.ndarray | float) -> np.ndarray | float:
+    """P·s + (P + 2)·s₆₄: what gradual underflow can add to a correct reduced sum of P partial
+    values (the model of :func:`mean_var_tolerance`: s/2 per product, quotient or
+    conversion, sums exact). The trainer converts each partial to its dtype (s = ``spacing``,
+    1 per rank); this auditor's float64 sums are exact, and for ``norm`` it divides the
+    replicated parts (s₆₄ per rank, and 2 per group with margin). Unlike the per-value
+    operations of :func:`mean_var_tolerance` (divided by N there), the terms inside each
+    partial are not counted: a ``sum``/``norm`` report's local value is the tensor the rank
+    all-reduced, so their rounding is common to both sides (and counted it would grow with
+    the term count, 2^24 per rank without ``local.count``). Float32: 1.4e-45·P."""
+    return ranks * spacing + (ranks + 2.0) * _S64
 
 
 def transform_gap_array(

@@ -130,8 +130,8 @@ class Step:
             self.group_len = np.array([len(r.group_ranks or (r.rank,)) for r in rs], dtype=np.float64)
 
     def _values(self) -> None:
-        """Float columns (``F``; None → NaN, marked in ``none``), unit roundoff per element
-        (:data:`stats.UNIT_ROUNDOFF`; float32's for an unknown dtype) and ``applied``."""
+        """Float columns (``F``; None → NaN, marked in ``none``), unit roundoff ``u`` and
+        subnormal spacing ``spacing`` per element (:func:`dtype_columns`) and ``applied``."""
         rs, n = self.reports, self.n
         raw = [_VAL_FIELDS(r) for r in rs]
         self.raw = raw
@@ -149,13 +149,7 @@ class Step:
                 else:
                     none[:, k] = np.fromiter((v is None for v in col), dtype=bool, count=n)
         self.F, self.none = F, none
-        dtypes = [r.dtype for r in rs]
-        kinds = set(dtypes)
-        default_u = stats.UNIT_ROUNDOFF["float32"]
-        if len(kinds) == 1:
-            self.u = np.full(n, stats.UNIT_ROUNDOFF.get(dtypes[0], default_u) if n else default_u)
-        else:
-            self.u = np.array([stats.UNIT_ROUNDOFF.get(d, default_u) for d in dtypes], dtype=np.float64)
+        self.u, self.spacing = dtype_columns([r.dtype for r in rs])
         self.applied = np.array([r.applied for r in rs], dtype=bool).reshape(-1)
         self.col = {name: F[:, k] for k, name in enumerate(_VALS)}
         self.nul = {name: none[:, k] for k, name in enumerate(_VALS)}
@@ -238,7 +232,8 @@ class Step:
         n, mean, m2 = (p.vals[k][p.inv[idx]] for k in ("count", "mean", "m2"))
         s_mean, s_var = sums_moments(self.a_n[idx], self.a_sum[idx], self.a_sum_sq[idx], sj, qj, n, mean, m2,
                                      self.spec.variance)
-        tm, tv = stats.mean_var_tolerance(self.gamma(p)[idx], n, mean, m2, self.spec.variance)
+        tm, tv = stats.mean_var_tolerance(self.gamma(p)[idx], n, mean, m2, self.spec.variance,
+                                          spacing=self.spacing[idx], ranks=p.size[p.inv[idx]])
         with np.errstate(invalid="ignore"):
             right = (np.abs(self.a_mean[idx] - mean_e) <= tm) & (np.abs(a_var - var_e) <= tv)
         off = right & ~sums_match(s_mean, s_var, sj, qj, mean_e, var_e, tm, tv)
@@ -353,10 +348,10 @@ class Step:
             safe = np.where(n > 0, n, 1.0)
             bessel = (conv == "sample") & (n >= 2)
             var = np.where(n > 0, m2 / np.where(bessel, np.maximum(n - 1.0, 1.0), safe), np.nan)
-            tm, tv = stats.mean_var_tolerance(g, n, mean, m2, conv)
+            tm, tv = stats.mean_var_tolerance(g, n, mean, m2, conv, spacing=self.spacing, ranks=p.size[p.inv])
             return (n, mean, var), (g * n, tm, tv)
         value = p.vals["value"][p.inv]
-        return (value,), (stats.sum_tolerance(g, p.vals["abs"][p.inv]),)
+        return (value,), (stats.sum_tolerance(g, p.vals["abs"][p.inv], spacing=self.spacing, ranks=p.size[p.inv]),)
 
     def matches(self, p: Part, convention: str | None = None, value_key: str = "value") -> np.ndarray:
         """Elements whose applied statistic equals their group's in ``p`` within rounding
@@ -379,13 +374,27 @@ class Step:
             if value_key in OP_VARIANTS:
                 # another op's value W from the ranks' reported values as they are: only the
                 # |D|-term reduction, the division, the root and the square round, so
-                # |δW| ≤ 2γ'|W| with γ' = γ of 2 terms over |D| ranks (docs/tolerance.md §2).
+                # |δW| ≤ 2γ'|W| with γ' = γ of 2 terms over |D| ranks, plus twice the sum's
+                # underflow floor (the roots, squares and division; docs/tolerance.md §2).
                 # Only where W differs from the correct value beyond rounding (one member: same).
                 g_op = stats.reduction_gamma_array(self.u, np.full(self.n, 2.0), p.size[p.inv])
-                op_tol = 2.0 * g_op * np.abs(value)
+                op_tol = 2.0 * g_op * np.abs(value) + 2.0 * stats.sum_underflow(self.spacing, p.size[p.inv])
                 distinct = np.abs(value - p.vals["value"][p.inv]) > op_tol + tol[0]
                 return ok & distinct & (np.abs(self.a_val - value) <= op_tol)
             return ok & (np.abs(self.a_val - value) <= tol[0])
+
+
+def dtype_columns(dtypes: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Per element, float64 arrays (k,) of the unit roundoff u (:data:`stats.UNIT_ROUNDOFF`)
+    and the subnormal spacing s (:data:`stats.SUBNORMAL_SPACING`) of its reported dtype;
+    float32's for an unknown name. Shared by :class:`Step` and :mod:`auditor.core.batch`."""
+    n = len(dtypes)
+    if len(set(dtypes)) <= 1:
+        name = dtypes[0] if n and dtypes[0] in stats.UNIT_ROUNDOFF else "float32"
+        return np.full(n, stats.UNIT_ROUNDOFF[name]), np.full(n, stats.SUBNORMAL_SPACING[name])
+    names = [d if d in stats.UNIT_ROUNDOFF else "float32" for d in dtypes]
+    return (np.array([stats.UNIT_ROUNDOFF[d] for d in names], dtype=np.float64),
+            np.array([stats.SUBNORMAL_SPACING[d] for d in names], dtype=np.float64))
 
 
 def applied_moments(values: Sequence[np.ndarray], given: Sequence[np.ndarray], variance: str):

@@ -84,8 +84,9 @@ def test_tolerance_grows_with_cancellation_and_precision():
     g32 = stats.reduction_gamma("float32", 1e6, 8)
     g64 = stats.reduction_gamma("float64", 1e6, 8)
     assert g32 / g64 == pytest.approx(2.0**29)
-    mt0, vt0 = stats.mean_var_tolerance(g32, 1e6, 0.0, 1e6)
-    mt, vt = stats.mean_var_tolerance(g32, 1e6, 100.0, 1e6)
+    s32 = stats.SUBNORMAL_SPACING["float32"]
+    mt0, vt0 = stats.mean_var_tolerance(g32, 1e6, 0.0, 1e6, spacing=s32, ranks=8)
+    mt, vt = stats.mean_var_tolerance(g32, 1e6, 100.0, 1e6, spacing=s32, ranks=8)
     assert vt > 1000 * vt0 and mt > 10 * mt0  # the one-pass cancellation: (1 + μ²/σ²)
     assert stats.one_pass_variance_error(g32, 1e7, 1e3, 1e7) > 1
     assert stats.one_pass_variance_error(g32, 1e7, 1e2, 1e7) < 0.5

@@ -164,13 +164,14 @@ def test_a_step_of_values_whose_squares_underflow_is_accepted_and_audited(live_s
         (s["faults"], s["bad_steps"])
 
 
-@pytest.mark.xfail(strict=True, reason="the engine's mean/var tolerances are relative only: the one-pass var of "
-                                       "underflowed applied sums (-5.6e-63) is 'beyond rounding' of the merged 0")
 def test_a_step_whose_applied_sums_underflow_audits_consistent(live_server, run_id):
+    """The one-pass var of the underflowed applied sums (−5.6e-63) against the merged 0 is
+    inside the tolerances' underflow floor (stats.mean_var_tolerance): consistent, 0 σ."""
     r = post(live_server, _tiny_step(run_id, "tiny", {"count": 4.0, "sum": -2.6e-31, "sum_sq": 0.0}))
     assert r.status_code == 200 and r.json()["steps_audited"] == 1, r.text
     (s,) = report_of(live_server, run_id)["statistics"]
     assert (s["steps_consistent"], s["faults"]) == (1, {}), (s["faults"], s["bad_steps"])
+    assert s["applied_error_sigma"] == 0.0 and s["cp_disagreement_sigma"] == 0.0
 
 
 def test_malformed_and_empty_bodies(live_server):
