@@ -548,6 +548,15 @@ def _group_rules(r, ranks_facts: tuple[bool, int] | None = None) -> None:
             raise RuleError(f"group_ranks holds ranks >= world_size ({r.world_size}): {bad[:5]}", "group_ranks")
 
 
+def _spec_kind_rules(kind: str, spec: "StatisticSpec") -> None:
+    """What a spec may say for a statistic of ``kind`` (DESIGN.md §3): only a ``sum`` is
+    reduced over the microbatches of its step. RuleError at ``spec.over_microbatches``."""
+    if spec.over_microbatches and kind != "sum":
+        raise RuleError(f"spec.over_microbatches applies to kind 'sum' only; a {kind!r} statistic is judged per "
+                        "microbatch (each microbatch's reports form their own groups): send one statistic per "
+                        "microbatch, or sums", "spec", "over_microbatches")
+
+
 def _extended_rules(r, core_spec: Spec | None) -> None:
     """The DESIGN.md §3.1 rules: unknown topology, expert sizes, order, spec dims."""
     s, c, spec = r.sizes, r.coords, r.spec
@@ -586,6 +595,7 @@ def _extended_rules(r, core_spec: Spec | None) -> None:
                 raise RuleError(f"coords.{dim} ({getattr(c, dim)}) is not what order {r.order!r} gives rank "
                                 f"{r.rank} ({ci})", "coords", dim)
     if spec is not None:
+        _spec_kind_rules(r.kind, spec)
         core = spec.to_core() if core_spec is None else core_spec
         if core.factorisation == "expert" and e is None:
             raise RuleError("spec names expert dims (edp, ep, etp) but sizes carry no expert factorisation", "spec")
@@ -897,7 +907,7 @@ _chain = itertools.chain.from_iterable
 _get_local, _get_applied, _get_kind = operator.attrgetter("local"), operator.attrgetter("applied"), operator.attrgetter("kind")
 #: What :func:`_shape_rules` and :func:`_group_rules` read of a report, besides spec and group_ranks.
 _SHAPE = operator.attrgetter("world_size", "rank", "microbatch", "num_microbatches", "sizes", "coords", "order",
-                             "topology")
+                             "topology", "kind")
 _LOCAL_VALUES = operator.attrgetter("count", "sum", "sum_sq", "min", "max", "replicated_sum_sq", "weighted")
 _APPLIED_VALUES = operator.attrgetter("count", "sum", "sum_sq", "mean")
 _NO_APPLIED_VALUES = (0.0, 0.0, 0.0, 0.0)
@@ -1090,6 +1100,12 @@ def validate_report_batch(body: bytes, max_errors: int) -> tuple[list[Report] | 
 class StatisticRegistration(_Strict):
     kind: Kind = "moments"
     spec: StatisticSpec | None = None
+
+    @model_validator(mode="after")
+    def _kind_and_spec(self) -> "StatisticRegistration":
+        if self.spec is not None:
+            _located("StatisticRegistration", lambda reg: _spec_kind_rules(reg.kind, reg.spec), self)
+        return self
 
 
 class RunRegistration(_Strict):

@@ -462,6 +462,9 @@ _L = {"count": 2.0, "sum": 1.0, "sum_sq": 1.0, "min": 0.0, "max": 1.0}
     # expert coords without expert sizes: refused with or without an order, spec or groups
     ({"coords": {"ep": 1}}, False), ({"coords": {"edp": 1}}, False), ({"coords": {"etp": 1}}, False),
     ({"coords": {"ep": 1}, "group_ranks": [0]}, False),
+    # over_microbatches: a sum's only (a moments statistic took it and ignored it: false alarms)
+    ({"spec": {"over_microbatches": True}}, False),
+    ({"kind": "sum", "local": {"sum": 1.0}, "applied": {"sum": 2.0}, "spec": {"over_microbatches": True}}, True),
 ])
 @pytest.mark.parametrize("size, where", [(5, 1), (40, 0), (40, 17), (40, 39)])
 def test_each_batch_rule_agrees(change, accepted, size, where):
@@ -537,6 +540,9 @@ def test_shared_shapes_are_each_checked():
     ({"spec": {"reduce_over": ["ep"], "replicas": []}}, ("spec",)), ({"spec": {"placement": {"pp": [3]}}}, ("spec", "placement", "pp")),
     ({"spec": {"reduce_over": ["dp", "dp"]}}, ("spec", "reduce_over")),
     ({"spec": {"reduce_over": ["dp"], "replicas": ["ep"]}}, ("spec", "replicas")),
+    ({"spec": {"over_microbatches": True}}, ("spec", "over_microbatches")),
+    ({"kind": "norm", "local": {"sum_sq": 1.0}, "applied": {"sum_sq": 2.0}, "spec": {"over_microbatches": True}},
+     ("spec", "over_microbatches")),
 ])
 def test_each_rule_error_names_the_field_it_blames(change, loc):
     """Every rule of the report, its blocks and its spec puts the wire field its message
@@ -554,6 +560,8 @@ def test_each_rule_error_names_the_field_it_blames(change, loc):
     ({"world_size": 2, "sizes": {"dp": 2}, "order": "dp-dp"}, ("order",)),
     ({"world_size": 2, "topology": "unknown", "sizes": {"dp": 2}}, ("sizes",)),
     ({"world_size": 2, "topology": "unknown", "order": "tp-cp-dp-pp"}, ("order",)),
+    ({"world_size": 1, "statistics": {"adv": {"spec": {"over_microbatches": True}}}},
+     ("statistics", "adv", "spec", "over_microbatches")),
 ])
 def test_run_registration_errors_name_the_field(body, loc):
     with pytest.raises(ValidationError) as e:
