@@ -559,6 +559,12 @@ def test_reads_need_a_token_and_a_read_token_only_reads(tmp_path, run_id):
             assert s.get(path, headers=rd).status_code == 200 and s.get(path, headers=w).status_code == 200
         assert_problem(post(s, reference_reports(run_id, buggy=False), headers=rd), 403, "forbidden")
         assert_problem(httpx.delete(f"{s.url}/v1/runs/{run_id}", headers=rd), 403, "forbidden")
+        # the scheme is case-insensitive (RFC 7235 §2.1); the token is not; another scheme is a 401
+        for given, status in (("bearer write-tok", 200), ("BEARER write-tok", 200), ("bearer read-tok", 200),
+                              ("Bearer WRITE-TOK", 401), ("Basic write-tok", 401), ("write-tok", 401)):
+            assert s.get(f"/v1/runs/{run_id}", headers={"Authorization": given}).status_code == status, given
+        assert post(s, reference_reports(run_id, buggy=False), headers={"Authorization": "bearer write-tok"}).json()[
+            "duplicates"] == 2
         assert s.get("/healthz").status_code == 200 and s.get("/metrics").status_code == 200
     finally:
         s.stop()

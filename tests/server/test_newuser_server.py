@@ -224,6 +224,26 @@ def test_bodies_need_a_json_content_type(capped, run_id, content_type):
     assert r.status_code == 200 and r.json()["accepted"] == 2, r.text
 
 
+@pytest.mark.parametrize("encoding", ["gzip", "deflate", "br"])
+def test_compressed_bodies_are_a_415_naming_the_encoding(capped, run_id, encoding):
+    """A new-user trial: a gzip body got 422 "invalid JSON at line 1 column 1". A body with
+    a Content-Encoding other than identity is a 415 naming it; nothing is stored; identity
+    passes."""
+    import gzip
+    import json
+
+    body = json.dumps({"reports": reference_reports(run_id, buggy=False)}).encode()
+    r = httpx.post(capped.url + "/v1/reports", content=gzip.compress(body), timeout=30,
+                   headers={"content-type": "application/json", "content-encoding": encoding})
+    assert r.status_code == 415, r.text
+    p = r.json()
+    assert p["errors"][0]["field"] == "content-encoding" and f"{encoding!r} is not supported" in p["detail"], p
+    assert capped.get(f"/v1/runs/{run_id}").status_code == 404
+    r = httpx.post(capped.url + "/v1/reports", content=body, timeout=30,
+                   headers={"content-type": "application/json", "content-encoding": "identity"})
+    assert r.status_code == 200 and r.json()["accepted"] == 2, r.text
+
+
 # ------------------------------------------------------------------ 3. impossible moments
 @pytest.mark.parametrize("change, field, words", [
     ({"min": -1e308, "max": 1e308}, "reports[0].local.min", "larger than √sum_sq allows for a 0/1 mask"),  # the reproducer
