@@ -230,7 +230,8 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, kind: s
         if (sum_judged | sq_judged).any():  # the sums sent next to a mean or var they do not give
             s_mean, s_var = sums_moments(a_n, a_sum, a_sum_sq, sum_judged, sq_judged, n_e, mean_e, m2_e, conv)
             flag(~sums_match(s_mean, s_var, sum_judged, sq_judged, mean_e, var_e, tm, tv))
-        flag(stats.one_pass_variance_error(g, n_e, mean_e, m2_e) > PRECISION_LOSS_THRESHOLD)
+        g_acc = stats.accumulated_gamma_array(u, n_e, size[inv])
+        flag(stats.one_pass_variance_error(g_acc, n_e, mean_e, m2_e, lo_g[inv], hi_g[inv]) > PRECISION_LOSS_THRESHOLD)
         values = (n_e, mean_e, var_e)
     else:
         value = total[inv]

@@ -21,8 +21,8 @@ from auditor.core.step import Part, Step
 from auditor.core.types import FaultKind, compress_ranks
 
 #: ``precision_loss`` is reported when the predicted relative error of the trainer's
-#: one-pass variance, 7γ(1 + μ²/σ²) (:func:`auditor.core.stats.one_pass_variance_error`),
-#: exceeds this: the applied σ may then be off by ~25% or more.
+#: one-pass variance, γ(2(1 + ρ²) + 4ρ√(1 + ρ²) + ρ²) with ρ = |μ|/σ
+#: (:func:`auditor.core.stats.one_pass_variance_error`), exceeds this: the applied σ may then be off by ~25% or more.
 PRECISION_LOSS_THRESHOLD = 0.5
 
 
@@ -86,27 +86,46 @@ def empty_global(st: Step, exp: Part, judged: np.ndarray, exp_axes, f: Findings)
 
 def precision_loss(st: Step, exp: Part, judged: np.ndarray, f: Findings) -> None:
     """``precision_loss``: the predicted relative error of the one-pass variance,
-    7γ(1 + μ²/σ²) (:func:`auditor.core.stats.one_pass_variance_error`), exceeds
+    γ(2(1 + ρ²) + 4ρ√(1 + ρ²) + ρ²) with ρ = |μ|/σ
+    (:func:`auditor.core.stats.one_pass_variance_error`, γ of
+    :func:`auditor.core.stats.accumulated_gamma_array`), exceeds
     :data:`PRECISION_LOSS_THRESHOLD` for a group some member of which applied a value.
     Groups with σ = 0 (all values equal, e.g. N = 1) are exempt: every value equals the
-    mean, so whitening maps them to 0 whatever the variance."""
-    g = st.gamma(exp)
-    n, mean, m2 = (exp.vals[k][exp.inv] for k in ("count", "mean", "m2"))
-    predicted = stats.one_pass_variance_error(g, n, mean, m2)
+    mean, so whitening maps them to 0 whatever the variance. A group whose reported sums
+    cancel to a variance ≤ 0 although its min < max (σ > 0) is flagged (predicted ``inf``):
+    its variance cannot be recomputed, so no applied variance can be judged."""
+    n, mean, m2, lo, hi = (exp.vals[k][exp.inv] for k in ("count", "mean", "m2", "lo", "hi"))
+    g = stats.accumulated_gamma_array(st.u, n, exp.size[exp.inv])
+    predicted = stats.one_pass_variance_error(g, n, mean, m2, lo, hi)
     var = np.where(n > 0, m2 / np.where(n > 0, n, 1.0), 0.0)
     any_applied = np.bincount(exp.inv, st.applied.astype(np.float64), minlength=len(exp.size)) > 0
     flag = judged & (n > 0) & (predicted > PRECISION_LOSS_THRESHOLD) & any_applied[exp.inv]
     if not flag.any():
         return
     idx = np.flatnonzero(flag)
+    cancelled = idx[np.isinf(predicted[idx])]
+    if len(cancelled):
+        w = cancelled[0]
+        f.flag(FaultKind.PRECISION_LOSS, ("cancelled",), cancelled,
+               lambda ranks, lo_=float(lo[w]), hi_=float(hi[w]), dt=dtypes_text(st.reports): (
+                   f"the reported Σv and Σv² ({dt}) of the group of {ranks_text(ranks)} give a variance "
+                   f"Σv²/N − mean² ≤ 0 although its values range over [{lo_:.7g}, {hi_:.7g}]: the sums "
+                   "cancel, so neither the correct variance nor the one applied can be judged (a "
+                   "variance ≤ -1e-8 whitens to NaN); subtract a shift (e.g. the previous step's mean) "
+                   "before reducing, or reduce in float64"),
+               {"variance_from_sums": float(var[w]), "min": float(lo[w]), "max": float(hi[w]),
+                "threshold": PRECISION_LOSS_THRESHOLD})
+        idx = idx[np.isfinite(predicted[idx])]
+        if not len(idx):
+            return
     worst = idx[np.argmax(predicted[idx])]
     ratio = abs(mean[worst]) / math.sqrt(var[worst])
     f.flag(FaultKind.PRECISION_LOSS, (), idx,
            lambda ranks, p=float(predicted[worst]), q=ratio, dt=dtypes_text(st.reports): (
                f"{ranks_text(ranks)} reduce Σv and Σv² in {dt} with |mean|/std = {q:.3g}: the one-pass "
-               f"variance SS/N − mean² can be off by {p:.3g}× its value (predicted 7γ(1 + mean²/var) > "
-               f"{PRECISION_LOSS_THRESHOLD}); subtract a shift (e.g. the previous step's mean) before reducing, "
-               "or reduce in float64"),
+               f"variance SS/N − mean² can be off by {p:.3g}× its value (predicted γ(2(1 + r²) + 4r√(1 + r²) "
+               f"+ r²) > {PRECISION_LOSS_THRESHOLD}, r = |mean|/std); subtract a shift (e.g. the previous "
+               "step's mean) before reducing, or reduce in float64"),
            {"max_predicted_relative_var_error": float(predicted[worst]), "abs_mean_over_std": ratio,
             "threshold": PRECISION_LOSS_THRESHOLD})
 

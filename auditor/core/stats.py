@@ -42,6 +42,10 @@ SUBNORMAL_SPACING: dict[str, float] = {
 assert SUBNORMAL_SPACING.keys() == UNIT_ROUNDOFF.keys()
 _S64 = SUBNORMAL_SPACING["float64"]
 
+#: float32's unit roundoff: torch's accumulate type for bfloat16/float16 reductions
+#: (:func:`accumulated_gamma_array`).
+_U32 = UNIT_ROUNDOFF["float32"]
+
 #: Whitening epsilon of slime's ``distributed_masked_whiten`` (added to the variance).
 WHITEN_EPSILON = 1e-8
 
@@ -264,6 +268,38 @@ def reduction_gamma_array(unit_roundoff: np.ndarray, terms: np.ndarray, ranks: n
     return unit_roundoff * (depth + PROBABILISTIC_LAMBDA * np.sqrt(np.maximum(ranks - 1.0, 0.0)))
 
 
+def accumulated_gamma_array(unit_roundoff: np.ndarray, terms: np.ndarray, ranks: np.ndarray) -> np.ndarray:
+    """γ of the statistics of a trainer that forms them with torch in a dtype of unit
+    roundoff u and all-reduces them as a float32 vector (slime's ``distributed_masked_whiten``
+    given such values; what the wire ``dtype`` names, DESIGN.md §3 and
+    :mod:`auditor.trainer.wrap`), relative to Σ|terms| — the γ of the ``precision_loss``
+    prediction (:func:`one_pass_variance_error`). Arrays of shape (k,) of u, term counts N
+    and ranks P. For u > 2⁻²⁴ (bfloat16, float16, tf32):
+
+        γ = u₃₂·(L + 3 + λ·√(P−1)) + 3u,   L = ⌈log2 max(N, 2)⌉,  u₃₂ = 2⁻²⁴
+
+    * u₃₂·L — each rank's pairwise/cascade sum (Higham 2002, §4.2, eq. 4.6) runs in torch's
+      accumulate type (``at::acc_type``, aten/src/ATen/AccumulateType.h): float32 for
+      bfloat16/float16 inputs, on CPU and CUDA. Measured with torch 2.13 CPU: the bfloat16
+      ``sum`` of 10,000 ones is 9,984 (10,000 rounded once to bfloat16), where a bfloat16
+      accumulator stalls at 256;
+    * u₃₂·(3 + λ√(P−1)) — the float32 all-reduce (λ = 6, Higham & Mary 2019, Thm 3.1) and
+      the float32 mean and variance, as in :func:`reduction_gamma`;
+    * 3u — in the dtype: the products v² and v·m (exact for a 0/1 mask) and the one rounding
+      of each rank's float32 partial sum to the dtype (relative u of Σ|terms| in all).
+
+    A trainer that all-reduces a bfloat16/float16 *tensor* rounds each of the P − 1 ring
+    additions in that dtype (gloo: 1 + 7·2⁻⁹ over 8 ranks comes back 1.0 for some elements,
+    not 1.015625); the group tolerances (:func:`reduction_gamma`, every operation at u)
+    accept that, the prediction understates it by up to u·λ√(P−1) (docs/tolerance.md §3).
+    For float32 and float64 this is :func:`reduction_gamma`, bit for bit.
+    """
+    log = np.ceil(np.log2(np.maximum(terms, 2.0)))
+    ring = PROBABILISTIC_LAMBDA * np.sqrt(np.maximum(ranks - 1.0, 0.0))
+    return np.where(unit_roundoff > _U32, _U32 * ((log + 3.0) + ring) + 3.0 * unit_roundoff,
+                    unit_roundoff * ((log + 3.0) + ring))
+
+
 def mean_var_tolerance(
     gamma: np.ndarray | float, count, mean, m2, convention: VarianceConvention = "sample", *,
     spacing: np.ndarray | float, ranks: np.ndarray | float,
@@ -326,18 +362,39 @@ def mean_var_tolerance(
     return np.where(pos, 2.0 * gamma * rms + t_mu, 0.0), np.where(pos, 7.0 * gamma * ms * bessel + t_var, 0.0)
 
 
-def one_pass_variance_error(gamma, count, mean, m2):
-    """Predicted relative error of the one-pass variance SS/N − μ²: 7γ·(1 + μ²/σ²), σ² = M2/N.
+def one_pass_variance_error(gamma, count, mean, m2, lo=None, hi=None):
+    """Predicted relative error of the trainer's one-pass variance SS/N − μ² (σ² = M2/N,
+    ρ = |μ|/σ, γ of :func:`reduction_gamma`):
+
+        γ·(2(1 + ρ²) + 4ρ√(1 + ρ²) + ρ²)
+
+    the three terms of :func:`mean_var_tolerance`'s bound (SS/N: 2γ·rms²; μ²: 2|μ|·2γ·rms
+    + γμ²) over σ², before that bound loosens |μ|·rms to rms² (7γ(1 + ρ²)): the same
+    asymptote 7γρ² (Chan, Golub & LeVeque 1983, §2), 2γ instead of 7γ at μ = 0.
 
     The quantity behind ``precision_loss``: when it is large the trainer's variance is
     rounding noise. 0 for an empty group and for σ = 0 (every value equals the mean, so
-    whitening maps them all to 0 whatever the variance). Floats or float64 arrays of shape (k,).
+    whitening maps them all to 0 whatever the variance) — unless ``lo`` < ``hi`` (the
+    group's observed min and max, where known) proves σ > 0 and allows a variance that
+    whitening's ε does not swamp, ((hi − lo)/2)² > :data:`WHITEN_EPSILON` (σ² ≤ that): then a
+    variance ≤ 0 from the reported sums is the sums' own cancellation and the result is
+    ``inf`` (nothing about the trainer's variance can be judged). Values whose squares
+    underflow (|v| ~ 1e-31 in float32) cancel too, but any variance they have is ≪ ε and
+    whitens like 0. Floats or float64 arrays of shape (k,).
     """
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         count, mean, m2 = (np.asarray(x, dtype=np.float64) for x in (count, mean, m2))
         var = np.where(count > 0, m2 / np.where(count > 0, count, 1.0), 0.0)
-        out = np.where(var > 0, 7.0 * gamma * (1.0 + mean * mean / np.where(var > 0, var, 1.0)), 0.0)
+        safe = np.where(var > 0, var, 1.0)
+        ms = var + mean * mean
+        out = np.where(var > 0, gamma * (2.0 * ms + 4.0 * np.abs(mean) * np.sqrt(ms) + mean * mean) / safe, 0.0)
+        if lo is not None and hi is not None:
+            lo, hi = np.asarray(lo, dtype=np.float64), np.asarray(hi, dtype=np.float64)
+            half = np.where(lo < hi, (hi - lo) / 2.0, 0.0)  # 0 for NaN and the engines' unknown (+inf, −inf)
+            spread = half * half > WHITEN_EPSILON
+            out = np.where((count > 0) & ~(var > 0) & spread, np.inf, out)
     return out if out.ndim else float(out)
+
 
 def sum_tolerance(gamma: np.ndarray | float, abs_terms: np.ndarray | float, *,
                   spacing: np.ndarray | float, ranks: np.ndarray | float) -> np.ndarray | float:

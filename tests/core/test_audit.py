@@ -148,14 +148,15 @@ def test_correct_runs_with_empty_shards_and_single_token_groups_zero_faults():
 @pytest.mark.parametrize("ratio", [1e2, 2e2, 3e2, 1e3])
 def test_precision_loss_exactly_when_predicted(ratio):
     """A correct float32 group with |mean|/std = ratio (N = 4·250,000): no group fault ever;
-    precision_loss iff 7γ(1 + μ²/σ²) > PRECISION_LOSS_THRESHOLD, with
+    precision_loss iff γ(2(1 + ρ²) + 4ρ√(1 + ρ²) + ρ²) > PRECISION_LOSS_THRESHOLD, ρ = |μ|/σ, with
     γ = 2⁻²⁴(⌈log2 N⌉ + 3 + 6√(P−1)) (P = 4 ranks), and the evidence carries that number."""
     reps = trainer(SIZES, normal_shard(250_000, ratio, seed=3))
     v = core.audit_step(reps, SIZES, Spec())
     g = v.groups[0]
     sigma2 = g.var * (g.count - 1) / g.count
     gamma = 2.0**-24 * (math.ceil(math.log2(g.count)) + 3 + 6 * math.sqrt(3))
-    predicted = 7 * gamma * (1 + g.mean**2 / sigma2)
+    rho = abs(g.mean) / math.sqrt(sigma2)
+    predicted = gamma * (2 * (1 + rho**2) + 4 * rho * math.sqrt(1 + rho**2) + rho**2)
     f = by_kind(v)
     assert set(f) <= {"precision_loss"}
     assert ("precision_loss" in f) == (predicted > core.PRECISION_LOSS_THRESHOLD)
@@ -386,13 +387,16 @@ def test_4096_rank_step_fully_wrong_is_diagnosed_in_under_a_second():
 
 def test_gamma_formula_numbers():
     """γ = u(⌈log2 N⌉ + 3 + 6√(P−1)): float32, N = 1e7, P = 4 → 2⁻²⁴(27 + 6√3) = 2.228755e-06;
-    one-pass variance error at |mean|/std = 1e2 is 7γ(1 + 1e4) = 0.156028 < 0.5, at 1e3 it
-    is 15.601 > 0.5 (docs/tolerance.md)."""
+    one-pass variance error γ(2(1 + ρ²) + 4ρ√(1 + ρ²) + ρ²) at ρ = |mean|/std = 1e2 is
+    0.156022 < 0.5, at 1e3 it is 15.6013 > 0.5 (docs/tolerance.md)."""
     g = stats.reduction_gamma("float32", 1e7, 4)
     assert g == pytest.approx(2.0**-24 * (27 + 6 * math.sqrt(3)), rel=1e-12)
     assert g == pytest.approx(2.228755e-06, rel=1e-6)
-    assert 7 * g * (1 + 1e4) == pytest.approx(0.156028, abs=1e-6)
-    assert stats.one_pass_variance_error(g, 1e7, 1e3, 1e7) == pytest.approx(7 * g * (1 + 1e6), rel=1e-12)
+    assert stats.one_pass_variance_error(g, 1e7, 1e2, 1e7) == pytest.approx(0.156022, abs=1e-6)
+    assert stats.one_pass_variance_error(g, 1e7, 1e3, 1e7) == pytest.approx(15.6013, abs=1e-4)
+    rho = 1e3
+    assert stats.one_pass_variance_error(g, 1e7, 1e3, 1e7) == pytest.approx(
+        g * (2 * (1 + rho**2) + 4 * rho * math.sqrt(1 + rho**2) + rho**2), rel=1e-12)
 
 
 def test_cp_disagreement_is_judged_on_an_incomplete_step():

@@ -164,6 +164,30 @@ def test_a_step_of_values_whose_squares_underflow_is_accepted_and_audited(live_s
         (s["faults"], s["bad_steps"])
 
 
+def test_the_precision_model_over_http(live_server, run_id):
+    """The new-user trial's two bodies (docs/tolerance.md §3): a correct bfloat16 step of
+    2 × 1,000 values at mean 0 is consistent (it was precision_loss, 'off by 0.547×'); float32
+    sums of 100,000 values in [999.6, 1000.4] that cancel to a variance of 0, whitened with
+    var −0.1875, are precision_loss (they were consistent)."""
+    bf16 = [{"run_id": run_id, "statistic": "adv", "step": 0, "rank": r, "world_size": 2,
+             "coords": {"dp": r, "cp": 0, "tp": 0, "pp": 0}, "sizes": {"dp": 2, "cp": 1, "tp": 1, "pp": 1},
+             "local": {"count": 1000, "sum": 0.0, "sum_sq": 1000.0, "min": -3.0, "max": 3.0},
+             "applied": {"count": 2000, "sum": 0.0, "sum_sq": 2000.0, "mean": 0.0, "var": 1.0005002501250626},
+             "dtype": "bfloat16"} for r in (0, 1)]
+    cancel = [{"run_id": run_id, "statistic": "big", "step": 0, "rank": 0, "world_size": 1,
+               "coords": {"dp": 0, "cp": 0, "tp": 0, "pp": 0}, "sizes": {"dp": 1, "cp": 1, "tp": 1, "pp": 1},
+               "local": {"count": 100000, "sum": 1e8, "sum_sq": 1e11, "min": 999.6, "max": 1000.4},
+               "applied": {"count": 100000, "sum": 1e8, "sum_sq": 1e11, "mean": 1000.0, "var": -0.1875},
+               "dtype": "float32"}]
+    for body in (bf16, [{**cancel[0], "run_id": run_id + "-b"}]):
+        r = post(live_server, body)
+        assert r.status_code == 200, r.text
+    (adv,) = report_of(live_server, run_id)["statistics"]
+    assert (adv["steps_consistent"], adv["faults"]) == (1, {})
+    (big,) = report_of(live_server, run_id + "-b")["statistics"]
+    assert (big["steps_inconsistent"], big["faults"]) == (1, {"precision_loss": 1})
+
+
 def test_a_step_whose_applied_sums_underflow_audits_consistent(live_server, run_id):
     """The one-pass var of the underflowed applied sums (−5.6e-63) against the merged 0 is
     inside the tolerances' underflow floor (stats.mean_var_tolerance): consistent, 0 σ."""
