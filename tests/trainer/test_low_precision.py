@@ -67,6 +67,9 @@ def _worker(rank: int, world: int, port: int, spool: str, dtype_name: str) -> di
 
     set_step(0)
     wrap_distributed_whiten(own, client=client, run_id="wrap")(x[:100], torch.ones(100, dtype=dt))
+    # the new-user trial: 1,000 values per rank, 2 ranks (every such step was precision_loss)
+    set_step(0)
+    wrap_distributed_whiten(own, client=client, run_id="wrap1k")(x, torch.ones(1000, dtype=dt))
     client.close()
     dist.destroy_process_group()
     return out
@@ -101,6 +104,9 @@ def test_low_precision_values_are_reduced_in_float32_and_audited(tmp_path, dtype
     assert (ok["steps_consistent"], ok["steps_inconsistent"], ok["faults"]) == (1, 0, {}), ok
     assert ok["applied_error_sigma"] < 1e-5
     assert (wrap["steps_consistent"], wrap["steps_inconsistent"]) == (1, 0), wrap
+    wrap1k = stats["wrap1k"]
+    assert (wrap1k["steps_consistent"], wrap1k["steps_inconsistent"], wrap1k["faults"]) == (1, 0, {}), wrap1k
+    assert {by[("wrap1k", 0, r)]["dtype"] for r in (0, 1)} == {dtype_name}
     # the reference bug, in low precision: caught with the float32 reference numbers
     assert (bug["steps_consistent"], bug["steps_inconsistent"]) == (1, 1), bug
     (bad,) = bug["bad_steps"]
