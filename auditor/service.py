@@ -514,8 +514,8 @@ class Service:
 
             # the series exist until this transaction ends (Store.lock_series); one deleted
             # since this process cached it: drop the caches and try again
-            if store.lock_series(conn, (info.id for info in series_of.values())) != len(
-                    {info.id for info in series_of.values()}):
+            sids = {info.id for info in series_of.values()}
+            if store.lock_series(conn, sids) != len(sids):
                 raise _StaleCaches()
 
             rows: dict[tuple, tuple] = {}

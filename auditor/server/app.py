@@ -493,18 +493,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     async def body_of(request: Request) -> bytes | Response:
         encoding = request.headers.get("content-encoding", "").strip().lower()
-        if encoding not in ("", "identity"):  # else a gzip body read as JSON: "invalid JSON at line 1"
+        # a gzip body read as JSON would be a 422 "invalid JSON at line 1"
+        header, msg = (("content-encoding", f"Content-Encoding {encoding!r} is not supported: send the body "
+                                            "uncompressed") if encoding not in ("", "identity")
+                       else ("content-type", json_media_type_error(request.headers.get("content-type"))))
+        if msg is not None:
             svc_of(request).metrics.rejected.labels("media_type").inc()
-            msg = f"Content-Encoding {encoding!r} is not supported: send the body uncompressed"
             return problem(415, "unsupported_media_type", msg, request.url.path, headers={"Connection": "close"},
-                           errors=[{"field": "content-encoding", "loc": ["header", "content-encoding"],
-                                    "type": "media_type", "msg": msg}])
-        media = json_media_type_error(request.headers.get("content-type"))
-        if media is not None:
-            svc_of(request).metrics.rejected.labels("media_type").inc()
-            return problem(415, "unsupported_media_type", media, request.url.path, headers={"Connection": "close"},
-                           errors=[{"field": "content-type", "loc": ["header", "content-type"],
-                                    "type": "media_type", "msg": media}])
+                           errors=[{"field": header, "loc": ["header", header], "type": "media_type", "msg": msg}])
         try:
             return await read_body(request, settings.max_body_bytes, settings.body_timeout_seconds,
                                    settings.body_deadline_seconds)
