@@ -120,6 +120,13 @@ def _seq_sum(xs, dtype) -> Any:
     return acc
 
 
+def _local_sum(x: np.ndarray) -> Any:
+    """A rank's sum of its values in their dtype, accumulated left to right (``add.accumulate``
+    is sequential on every CPU; ``np.sum``'s pairwise blocks follow the SIMD width numpy
+    dispatches to, so its float32 roundings, and the corpus, differed between machines)."""
+    return np.cumsum(x, dtype=x.dtype)[-1] if x.size else x.dtype.type(0)
+
+
 # ------------------------------------------------------------------ case generation
 def _spec(rng: random.Random, kind: str, sizes) -> dict:
     if rng.random() < 0.45:
@@ -235,7 +242,7 @@ class _Trainer:
             if rng.random() < 0.15 and n:
                 vals = np.round(vals * 2) / 2  # ties: several equal values (slime's outcome rewards)
             v64 = vals.astype(np.float64)
-            d = {"count": float(n), "sum": float(v64.sum()), "sum_sq": float((v64 * v64).sum()),
+            d = {"count": float(n), "sum": math.fsum(v64.tolist()), "sum_sq": math.fsum((v64 * v64).tolist()),
                  "_vals": vals}
             if n and rng.random() < 0.85:
                 d["min"], d["max"] = float(v64.min()), float(v64.max())
@@ -312,7 +319,7 @@ class _Trainer:
             if kind == "moments":
                 v = local[e]["_vals"]
                 vr = v.astype(red)
-                partial[e] = (np.sum(vr, dtype=red), np.sum(vr * vr, dtype=red), red(v.size))
+                partial[e] = (_local_sum(vr), _local_sum(vr * vr), red(v.size))
         for e in self.elems:
             if e in skipped:
                 applied[e] = None
