@@ -146,11 +146,28 @@ step_audits = sa.Table(
     sa.Column("tolerance_sigma", sa.Float),  # audit.StepVerdict.tolerance_sigma
     sa.Column("fault_kinds", sa.String(256)),  # comma-separated, for listings
     sa.Column("groups", sa.JSON),  # correct statistic per expected group: [[key, mb, count, mean, var]]
-    sa.Index("ix_step_audits_open", "verdict", "first_seen"),
     # step history filtered by verdict (GET .../steps?verdict=), keyset-paginated by step
     sa.Index("ix_step_audits_series_verdict_step", "series_id", "verdict", "step"),
-    sa.Index("ix_step_audits_complete_at_audit", "complete_at_audit"),
 )
+
+# The sweep's two indexes are partial (revision 0007): a step row inserted with its verdict
+# (complete in hand), or audited with every report, enters neither. Their predicates are the
+# very expressions of the sweep's queries (Store.due_steps, Store.reaudit_steps), compiled
+# per dialect (SQLite: ``complete_at_audit IS 0``, PostgreSQL: ``IS false``): SQLite uses a
+# partial index only for a query whose WHERE contains its predicate term for term.
+# ``verdict`` (always NULL here) stays the first column of ix_step_audits_open: SQLite,
+# without statistics, takes ``verdict IS NULL`` for an equality on it and searches the
+# index by first_seen; on ``(first_seen)`` alone it scanned the primary key in order
+# instead, every step of every series. tests/db/test_store.py checks both plans on both
+# databases.
+_open = step_audits.c.verdict.is_(None)
+_incomplete = step_audits.c.complete_at_audit.is_(False)
+# open steps by first_seen (Store.due_steps: those past the grace period)
+sa.Index("ix_step_audits_open", step_audits.c.verdict, step_audits.c.first_seen,
+         sqlite_where=_open, postgresql_where=_open)
+# steps audited while reports were missing, in key order (Store.reaudit_steps)
+sa.Index("ix_step_audits_complete_at_audit", step_audits.c.series_id, step_audits.c.step,
+         sqlite_where=_incomplete, postgresql_where=_incomplete)
 
 faults = sa.Table(
     "faults",

@@ -21,9 +21,47 @@ def tables(engine) -> set[str]:
         return set(sa.inspect(conn).get_table_names()) - {"alembic_version"}
 
 
+def _where(text) -> str | None:
+    """An index predicate as text, comparable across reflection and compilation:
+    ``(complete_at_audit IS FALSE)`` -> ``complete_at_audit is false``."""
+    if text is None:
+        return None
+    text = " ".join(str(text).split()).lower()
+    while text.startswith("(") and text.endswith(")"):
+        text = text[1:-1]
+    return text
+
+
+def indexes(engine, table: str) -> dict[str, tuple]:
+    """The indexes of a migrated table (not those of its constraints): ``{name: (columns,
+    unique, predicate)}``."""
+    with engine.connect() as conn:
+        dialect = conn.dialect.name
+        return {ix["name"]: (tuple(ix["column_names"]), bool(ix["unique"]),
+                             _where(ix.get("dialect_options", {}).get(f"{dialect}_where")))
+                for ix in sa.inspect(conn).get_indexes(table)
+                if "duplicates_constraint" not in ix}  # PostgreSQL: a UNIQUE constraint's own index
+
+
+def declared_indexes(engine, table: str) -> dict[str, tuple]:
+    """The indexes ``auditor.db.tables`` declares, their predicates as the engine's dialect
+    writes them in ``CREATE INDEX``."""
+    out = {}
+    for ix in metadata.tables[table].indexes:
+        ddl = str(sa.schema.CreateIndex(ix).compile(dialect=engine.dialect))
+        out[ix.name] = (tuple(c.name for c in ix.columns), bool(ix.unique),
+                        _where(ddl.split(" WHERE ", 1)[1]) if " WHERE " in ddl else None)
+    return out
+
+
 def test_upgrade_from_empty_then_downgrade_to_base(fresh_database_url):
-    """`auditor db upgrade` creates exactly the tables the code declares; `downgrade base`
-    removes them all."""
+    """`auditor db upgrade` creates exactly the tables the code declares, with its columns
+    and indexes (partial ones with its predicates, as each dialect renders them); alembic
+    finds nothing else to change but, on PostgreSQL, the two foreign keys revision 0006
+    dropped; `downgrade base` removes them all."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
     engine = make_engine(fresh_database_url)
     assert current_revision(engine) is None
     out = subprocess.run([sys.executable, "-m", "auditor", "db", "upgrade", "--database-url", fresh_database_url],
@@ -35,6 +73,13 @@ def test_upgrade_from_empty_then_downgrade_to_base(fresh_database_url):
         insp = sa.inspect(conn)
         for name, table in metadata.tables.items():
             assert {c["name"] for c in insp.get_columns(name)} == set(table.columns.keys()), name
+        diff = compare_metadata(MigrationContext.configure(conn), metadata)
+    for name in metadata.tables:
+        assert indexes(engine, name) == declared_indexes(engine, name), name
+    assert indexes(engine, "step_audits")["ix_step_audits_open"][2] == "verdict is null"
+    assert [(d[0], d[1].name) for d in diff] == (
+        [] if engine.dialect.name == "sqlite" else
+        [("add_fk", "fk_reports_series_id_series"), ("add_fk", "fk_step_audits_series_id_series")]), diff
     downgrade(fresh_database_url, "base")
     assert tables(engine) == set()
     upgrade(fresh_database_url)
@@ -131,4 +176,23 @@ def test_0003_backfill_lets_old_late_completed_steps_be_re_audited(fresh_databas
     (s,) = rep["statistics"]
     assert rep["consistent"] is False and (s["steps_inconsistent"], s["steps_incomplete"]) == (1, 0)
     assert s["bad_steps"][0]["previous_verdict"] == "incomplete" and "missing_report" not in s["faults"]
+    engine.dispose()
+
+
+def test_0007_partial_sweep_indexes_and_back(fresh_database_url):
+    """Revision 0007 makes the sweep's two step indexes partial (open steps; steps audited
+    while reports were missing, in key order) and its downgrade restores the full ones."""
+    upgrade(fresh_database_url, "0006")
+    engine = make_engine(fresh_database_url)
+    full = {"ix_step_audits_open": (("verdict", "first_seen"), False, None),
+            "ix_step_audits_complete_at_audit": (("complete_at_audit",), False, None),
+            "ix_step_audits_series_verdict_step": (("series_id", "verdict", "step"), False, None)}
+    false = "complete_at_audit is 0" if engine.dialect.name == "sqlite" else "complete_at_audit is false"
+    partial = {**full, "ix_step_audits_open": (("verdict", "first_seen"), False, "verdict is null"),
+               "ix_step_audits_complete_at_audit": (("series_id", "step"), False, false)}
+    assert indexes(engine, "step_audits") == full
+    upgrade(fresh_database_url, "0007")
+    assert indexes(engine, "step_audits") == partial
+    downgrade(fresh_database_url, "0006")
+    assert indexes(engine, "step_audits") == full
     engine.dispose()

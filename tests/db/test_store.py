@@ -288,6 +288,70 @@ def test_verdict_updates_find_the_step_row_by_its_key_on_sqlite(store):
             assert any("(series_id=? AND step=?)" in p or "(rowid=?)" in p for p in plan), plan
 
 
+def test_the_sweeps_queries_use_the_partial_step_indexes(fresh_database_url):
+    """The sweep's reads use the partial indexes of revision 0007, as each database plans
+    them: ``due_steps`` searches ``ix_step_audits_open`` (``WHERE verdict IS NULL``) by
+    first_seen and ``reaudit_steps`` reads ``ix_step_audits_complete_at_audit`` (``WHERE
+    complete_at_audit IS FALSE``); ``pending_steps`` keeps ``ix_step_audits_series_verdict_step``.
+    A query whose WHERE stopped implying an index's predicate (on SQLite: term for term,
+    ``IS 0`` and not ``= 0`` or ``IS FALSE``) would scan the table. 6,000 steps over three
+    series, 1 % open, 2 % audited incomplete; PostgreSQL ANALYZEd, SQLite as the service
+    leaves it (no statistics)."""
+    from auditor.db.engine import make_engine, upgrade
+
+    upgrade(fresh_database_url)
+    engine = make_engine(fresh_database_url)
+    store, now, n = Store(engine), 1e6, 6000
+    with store.write() as conn:
+        store.ensure_run(conn, "plans", 2, (1, 2, 1, 1), now)
+        sids = [store.ensure_series(conn, "plans", f"s{i}", "moments", {}, now).id for i in range(3)]
+        conn.execute(sa.text(
+            "WITH RECURSIVE g(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM g WHERE i < :n) "
+            "INSERT INTO step_audits (series_id, step, expected, received, first_seen, verdict, complete_at_audit, "
+            "audited_at) SELECT CASE i % 3 WHEN 0 THEN :a WHEN 1 THEN :b ELSE :c END, i, 2, "
+            "CASE WHEN i % 100 = 1 THEN 1 ELSE 2 END, i, CASE WHEN i > :open THEN NULL WHEN i % 50 = 1 "
+            "THEN 'incomplete' ELSE 'consistent' END, CASE WHEN i > :open THEN NULL ELSE i % 50 <> 1 END, i FROM g"),
+            {"n": n, "open": n - n // 100, "a": sids[0], "b": sids[1], "c": sids[2]})
+        if store.dialect == "postgresql":
+            conn.execute(sa.text("ANALYZE step_audits"))
+    seen: list[tuple[str, object]] = []
+
+    def capture(conn, cursor, statement, parameters, context, executemany):
+        seen.append((statement, parameters))
+
+    plans = {}
+    try:
+        with store.read() as conn:
+            for name, read in (("due", lambda: store.due_steps(conn, n - n // 100 + 10, 100)),
+                               ("reaudit", lambda: store.reaudit_steps(conn, 100)),
+                               ("pending", lambda: store.pending_steps(conn, sids[1]))):
+                sa.event.listen(engine, "before_cursor_execute", capture)
+                try:
+                    got = read()
+                finally:
+                    sa.event.remove(engine, "before_cursor_execute", capture)
+                statement, parameters = [x for x in seen if x[0].lstrip().upper().startswith("SELECT")][-1]
+                if store.dialect == "postgresql":
+                    plans[name] = [r[0] for r in conn.exec_driver_sql("EXPLAIN " + statement, parameters)]
+                else:
+                    plans[name] = [r[3] for r in conn.exec_driver_sql("EXPLAIN QUERY PLAN " + statement, parameters)]
+                assert got == {"due": sorted((sids[i % 3], i, 2) for i in range(5941, 5951)),
+                               "reaudit": sorted((sids[i % 3], i, 2, "incomplete") for i in range(51, 5941, 100)),
+                               "pending": 20}[name], (name, got)
+    finally:
+        engine.dispose()
+    text = {k: "\n".join(v) for k, v in plans.items()}
+    if store.dialect == "sqlite":
+        assert "SEARCH step_audits USING INDEX ix_step_audits_open (verdict=? AND first_seen<?)" in text["due"], text
+        assert "SCAN step_audits USING INDEX ix_step_audits_complete_at_audit" in text["reaudit"], text
+        assert "ix_step_audits_series_verdict_step (series_id=? AND verdict=?)" in text["pending"], text
+    else:
+        assert re.search(r"Index Scan on ix_step_audits_open\b.*\n.*Index Cond: \(first_seen <=", text["due"]), text
+        assert "Index Scan on ix_step_audits_complete_at_audit" in text["reaudit"], text
+        assert "Index Scan on ix_step_audits_series_verdict_step" in text["pending"], text
+    assert not any("Seq Scan" in t for t in text.values()), text
+
+
 def test_verdict_text_and_numbers_are_stored_as_given(store, run_id):
     """Fault messages and evidence with quotes, backslashes, braces, commas, NULL, unicode
     and newlines, NaN/Inf and tiny/huge σ figures and group values, in fresh and updated
