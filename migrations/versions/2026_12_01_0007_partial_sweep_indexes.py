@@ -4,9 +4,9 @@
 verdict IS NULL``) and ``ix_step_audits_complete_at_audit`` only steps audited while
 reports were missing (``WHERE complete_at_audit IS FALSE``), keyed ``(series_id, step)``,
 the order the sweep reads them in. A step row inserted with its verdict, the common case,
-enters neither: 8.04 -> 6.59 us of backend time per step row on PostgreSQL, 0.5-0.9 of
-3.4 us on SQLite (docs/performance.md, "Fourth round"). The predicates are written as each
-dialect renders the sweep's queries (SQLite: ``IS 0``), which SQLite needs to use them.
+enters neither: 0.80-0.82 of its CPU cost on PostgreSQL (backend), 0.76-0.87 on SQLite
+(docs/performance.md, "Fourth round"). The predicates are written as each dialect renders
+the sweep's queries (SQLite: ``IS 0``), which SQLite needs to use them.
 
 Both indexes are rebuilt: one scan of ``step_audits`` each, writes to it wait meanwhile.
 The downgrade restores the full indexes.
