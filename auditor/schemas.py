@@ -258,6 +258,11 @@ def _local_rules(loc) -> None:
         v = getattr(loc, name)
         if v is not None and v < 0 and v != _NEG_INF:
             raise RuleError(f"{name} must be >= 0, got {v}", name)
+    if c == 0:  # an empty mask: min/max by _range_error below
+        for name in ("sum", "sum_sq"):
+            v = getattr(loc, name)
+            if v is not None and v != 0 and _isfinite(v):
+                raise RuleError(_empty_sum_error(name, v), name)
     lo, hi = loc.min, loc.max
     if lo is not None or hi is not None:
         w = loc.weighted
@@ -267,6 +272,19 @@ def _local_rules(loc) -> None:
         msg = _range_error("max", hi, loc.count, loc.sum, loc.sum_sq, lo, weighted=w)
         if msg:
             raise RuleError(msg, "max")
+
+
+def _empty_sum_error(name: str, v: float) -> str:
+    """The message of ``local.<name>`` (``sum`` or ``sum_sq``) not 0 beside ``count`` 0.
+
+    The rule (:func:`_local_rules`, every kind): ``count = Σm`` with weights ``m >= 0`` is 0
+    only when every weight is 0, so each term ``m·v`` (``m·v²``) is ±0 for finite ``v`` and
+    their sum is exactly 0 in any precision and summation order (IEEE 754: x + (±0) = x;
+    no rounding). A non-zero finite sum beside it is not rounding: no masked data makes it.
+    NaN/±Inf stay accepted (``0·NaN`` is NaN: a masked-out NaN poisons ``Σm·v``; the audit
+    flags it ``non_finite``)."""
+    return (f"{name} must be 0 when count is 0, got {v!r}: count = Σm = 0 leaves no element masked in, and a "
+            "sum of no terms is exactly 0 in any precision")
 
 
 #: Slack of the range rules (:func:`_range_error`): the loosest rounding of any dtype a report
@@ -293,6 +311,10 @@ def _range_error(side: str, v, count, total, total_sq, lo=None, weighted: bool =
 
     Rules, on finite values only (NaN/±Inf go on to the audit as ``non_finite``):
 
+    * ``count == 0``: no value at all. min/max are over the elements with ``m != 0``
+      (DESIGN.md §3), and ``count = Σm = 0`` with ``m >= 0`` leaves none: an empty set has
+      no min or max (:class:`auditor.core.stats.Moments`: ``nan`` when N == 0; the hooks'
+      ``masked_moments`` sends null). A finite one is not what any masked data gives.
     * ``max >= min`` (``lo`` is ``min`` when checking ``max``).
     * ``|v| <= sqrt(sum_sq)·(1 + 2^-8) + 2^-7``: every masked-in element's square is a term
       of ``sum_sq = Σ m·v²``. Rounding is monotone, so a float sum of non-negative terms,
@@ -318,6 +340,9 @@ def _range_error(side: str, v, count, total, total_sq, lo=None, weighted: bool =
     ``sum_sq ≈ 170`` gave a consistent step an applied-error σ of 7.8e299."""
     if v is None or not _isfinite(v):
         return None
+    if count == 0:
+        return (f"{side} must be null when count is 0, got {v!r}: no element is masked in, so there is no {side} "
+                "(masked_moments sends null)")
     if side == "max" and lo is not None and _isfinite(lo) and lo > v:
         return f"min ({lo}) must be <= max ({v})"
     if not weighted and count is not None and not (_isfinite(count) and count == int(count)):
@@ -1001,6 +1026,8 @@ def _batch_holds(reports: list[FastReport]) -> bool:
     has_count, has_sum, has_sq = ~np.isnan(count), ~np.isnan(total), ~np.isnan(total_sq)
     with np.errstate(all="ignore"):
         suspect = (count < 0) | (total_sq < 0) | (rep_sq < 0) | (lo > hi)
+        # an empty mask: sum and sum_sq 0, no min/max (NaN, an absent field, compares False)
+        suspect |= (count == 0) & ((np.abs(total) > 0) | (total_sq > 0) | np.isfinite(lo) | np.isfinite(hi))
         # |min|, |max| <= sqrt(sum_sq)·(1 + 2^-8) + 2^-7 unless weighted (flag or fractional count)
         wt = (weighted != 0) | (has_count & (np.floor(count) != count))
         lim = np.sqrt(total_sq) * (1.0 + _RANGE_REL) + _RANGE_ABS

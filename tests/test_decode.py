@@ -438,6 +438,19 @@ _L = {"count": 2.0, "sum": 1.0, "sum_sq": 1.0, "min": 0.0, "max": 1.0}
     ({"local": {"count": 2.5, "sum": 2.0**-53, "sum_sq": 0.0}}, False),  # 0.4·2^-106 > 2·(2^16 + 2)·2^-126
     ({"applied": {"count": 4.0, "sum": -2.6e-31, "sum_sq": 0.0}}, True),
     ({"applied": {"count": 2.0, "sum": 2.0**-61, "sum_sq": 0.0}}, True),  # applied: no Cauchy-Schwarz rule
+    # an empty mask (count 0): sum and sum_sq exactly 0, min/max null (every kind: a sum of no terms is 0)
+    ({"local": {"count": 0.0, "sum": 0.0, "sum_sq": 0.0}}, True),
+    ({"local": {"count": 0.0, "sum": -0.0, "sum_sq": 0.0, "weighted": True}}, True),
+    ({"local": {"count": 0.0, "sum": 5.0, "sum_sq": 0.0}}, False),  # the reported case
+    ({"local": {"count": 0.0, "sum": -1e-300, "sum_sq": 0.0}}, False),  # no rounding makes it: refused at any size
+    ({"local": {"count": 0.0, "sum": 0.0, "sum_sq": 2.0**-149}}, False),
+    ({"local": {"count": 0.0, "sum": 0.0, "sum_sq": 0.0, "min": 0.0}}, False),
+    ({"local": {"count": 0.0, "sum": 0.0, "sum_sq": 0.0, "max": -3.5}}, False),
+    ({"local": {"count": 0.0, "sum": 0.0, "sum_sq": 0.0, "min": 0.0, "max": 0.0, "weighted": True}}, False),
+    ({"kind": "sum", "local": {"count": 0.0, "sum": 7.0}, "applied": {"sum": 7.0}}, False),
+    ({"kind": "sum", "local": {"count": 0.0, "sum": 0.0}, "applied": {"sum": 7.0}}, True),  # audited (empty_global)
+    ({"kind": "sum", "local": {"sum": 7.0}, "applied": {"sum": 7.0}}, True),  # no count: the rule does not apply
+    ({"kind": "norm", "local": {"count": 0.0, "sum_sq": 1.0}, "applied": {"sum_sq": 1.0}}, False),
     # the fields each kind requires, local and applied
     ({"local": {"count": 2.0, "sum": 1.0}}, False),
     ({"kind": "sum", "local": {"count": 2.0}}, False),
@@ -524,6 +537,10 @@ def test_shared_shapes_are_each_checked():
     ({"local": {"count": 2.0, "sum": 2.0, "sum_sq": 1.0}}, ("local", "sum_sq")),
     ({"local": {"count": 2.0, "sum": 1.0}}, ("local", "sum_sq")),
     ({"kind": "sum", "local": {"count": 2.0}}, ("local", "sum")),
+    ({"local": {"count": 0.0, "sum": 5.0, "sum_sq": 0.0}}, ("local", "sum")),
+    ({"local": {"count": 0.0, "sum": 0.0, "sum_sq": 5.0}}, ("local", "sum_sq")),
+    ({"local": {"count": 0.0, "sum": 0.0, "sum_sq": 0.0, "min": 1.0}}, ("local", "min")),
+    ({"local": {"count": 0.0, "sum": 0.0, "sum_sq": 0.0, "max": 1.0}}, ("local", "max")),
     ({"rank": 1}, ("rank",)), ({"coords": {"dp": 1}}, ("coords", "dp")), ({"sizes": {"dp": 2}}, ("world_size",)),
     ({"microbatch": 1}, ("microbatch",)), ({"group_ranks": [0, 0]}, ("group_ranks",)),
     ({"group_ranks": [1]}, ("group_ranks",)), ({"topology": "unknown"}, ("group_ranks",)),
