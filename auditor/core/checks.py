@@ -68,7 +68,9 @@ def skipped_collective(st: Step, f: Findings) -> None:
 
 def empty_global(st: Step, exp: Part, judged: np.ndarray, exp_axes, f: Findings) -> np.ndarray:
     """``empty_global``: the expected group holds no masked element (``moments``: count 0;
-    ``sum``: total 0; never for ``norm``). Returns the mask of those elements."""
+    ``sum``: total 0; never for ``norm``). Returns the mask of those elements. It does not
+    excuse the ranks' applied values: a ``sum`` of 0 is compared like any other (a rank that
+    divided by 7 is also ``group_mismatch``), a ``moments`` group by :func:`empty_mismatch`."""
     if st.kind == "moments":
         empty_groups = judged & (exp.vals["count"][exp.inv] == 0)
     elif st.kind == "sum":
@@ -82,6 +84,38 @@ def empty_global(st: Step, exp: Part, judged: np.ndarray, exp_axes, f: Findings)
                              f"no masked element: the {what} divides by zero (slime raises ValueError) — every "
                              "response token masked out, or the batch is empty")
     return empty_groups
+
+
+#: The applied fields of ``moments`` that an empty group pins down (:func:`empty_mismatch`),
+#: as (wire name, :class:`~auditor.core.step.Step` column).
+_EMPTY_FIELDS = (("count", "a_n"), ("sum", "a_sum"), ("sum_sq", "a_sum_sq"))
+
+
+def empty_mismatch(st: Step, exp: Part, at: np.ndarray) -> np.ndarray:
+    """``moments``: the elements ``at`` (of judged groups holding no masked element) whose
+    applied count, sum or sum_sq is not 0 — the mask of those that get ``group_mismatch``.
+
+    What is right for an empty group (DESIGN.md §4: slime raises at N = 0; the auditor says
+    ``empty_global``): its correct all-reduce is the sum of its members' local
+    (count, Σv, Σv²), every one of them 0 (an empty mask's sums are exactly 0, a wire rule:
+    ``schemas._local_rules``), and a sum of zeros is exactly 0 in any precision. So an
+    applied count or sum beyond the underflow floor of P partials
+    (:func:`auditor.core.stats.sum_underflow`, the tolerance :func:`stats.sum_tolerance`
+    gives a sum of |terms| 0) came from data outside the group — a wrong group, replicas or
+    a stale buffer — and the diagnosis names which. The applied mean and variance are not
+    judged: the group has none (S/N is 0/0), no element is whitened with them, and a guarded
+    trainer legitimately sends something (max(N, 1) gives mean 0, var 0). A rank that sent
+    only a mean/var is therefore judged on nothing here, and ``empty_global`` alone is its
+    finding."""
+    if not at.any():
+        return at
+    floor = stats.sum_underflow(st.spacing, exp.size[exp.inv])
+    off = np.zeros(st.n, dtype=bool)
+    with np.errstate(invalid="ignore"):
+        for _, col in _EMPTY_FIELDS:
+            v = getattr(st, col)
+            off |= np.isfinite(v) & (np.abs(v) > floor)
+    return at & st.applied & off
 
 
 def precision_loss(st: Step, exp: Part, judged: np.ndarray, f: Findings) -> None:
@@ -140,23 +174,47 @@ def gaps(st: Step, exp: Part, e_vals, idx: np.ndarray) -> np.ndarray:
 def group_mismatch(st: Step, exp: Part, e_vals, bad: np.ndarray, exp_axes, f: Findings) -> None:
     """``group_mismatch``: the elements ``bad`` applied a statistic that is not their judged
     expected group's within rounding. Evidence: the largest error in σ (``moments``) or
-    relative (``sum``/``norm``)."""
+    relative (``sum``/``norm``; ``inf`` against a correct value of 0). ``moments`` elements
+    of empty groups (:func:`empty_mismatch`) are their own finding (detail ``empty``)."""
     if not bad.any():
         return
     kind = st.kind
     what, verb = WHAT[kind], VERB[kind]
+    if kind == "moments" and (empty := bad & (e_vals[0] == 0)).any():
+        _empty_group_mismatch(st, empty, exp_axes, f)
+        bad = bad & ~empty
+        if not bad.any():
+            return
     if kind == "moments":
         found = gaps(st, exp, e_vals, np.flatnonzero(bad)).tolist()
         ev = {"max_error_sigma": float(max((g for g in found if math.isfinite(g)), default=math.inf))}
     else:
-        ref = np.abs(e_vals[0][bad])
-        rel = np.abs(st.a_val[bad] - e_vals[0][bad]) / np.where(ref > 0, ref, 1.0)
+        # relative to the correct value; infinite where that is 0 (as the rows' relative_error)
+        ref, diff = np.abs(e_vals[0][bad]), np.abs(st.a_val[bad] - e_vals[0][bad])
+        rel = np.where(ref > 0, diff / np.where(ref > 0, ref, 1.0), np.where(diff > 0, np.inf, 0.0))
         ev = {"max_relative_error": float(rel.max())}
     f.flag(FaultKind.GROUP_MISMATCH, (), bad,
            lambda ranks: f"{ranks_text(ranks)} {verb} a {what} that is not their expected group's "
                          f"(the reduction over {dims_text(exp_axes)}) beyond what {dtypes_text(st.reports)} rounding "
                          "explains",
            ev)
+
+
+def _empty_group_mismatch(st: Step, empty: np.ndarray, exp_axes, f: Findings) -> None:
+    """``group_mismatch`` of ``moments`` elements whose expected group is empty but whose
+    applied count or sums are not 0 (:func:`empty_mismatch`). Evidence: the fields that are
+    not 0 and the largest applied count among them (None when no count was sent)."""
+    idx = np.flatnonzero(empty)
+    fields = [name for name, col in _EMPTY_FIELDS
+              if np.any(np.isfinite(getattr(st, col)[idx]) & (getattr(st, col)[idx] != 0))]
+    counts = st.a_n[idx][np.isfinite(st.a_n[idx])]
+    f.flag(FaultKind.GROUP_MISMATCH, ("empty",), empty,
+           lambda ranks: (f"{ranks_text(ranks)} {VERB[st.kind]} a {WHAT[st.kind]} whose all-reduce returned "
+                          f"non-zero {', '.join(fields)} although their expected group (the reduction over "
+                          f"{dims_text(exp_axes)}) holds no masked element: a sum over it is exactly 0, so the "
+                          "collective reduced other ranks' data or a stale buffer"),
+           {"fields": fields, "expected_count": 0.0,
+            "max_applied_count": float(counts.max()) if len(counts) else None})
 
 
 def membership(st: Step, exp: Part, reduce_over, f: Findings) -> None:

@@ -239,7 +239,12 @@ def _audit(st: Step, history: "_Lazy", f: Findings):
     empty_groups = checks.empty_global(st, exp, judged, exp_axes, f)
     if kind == "moments":
         checks.precision_loss(st, exp, judged & ~empty_groups, f)
-    bad = judged & ~empty_groups & st.a_ok & ~match
+        # an empty group has no mean or variance to compare with: its ranks are judged on
+        # the applied count and sums alone (checks.empty_mismatch)
+        bad = judged & ~empty_groups & st.a_ok & ~match
+        bad |= checks.empty_mismatch(st, exp, judged & empty_groups)
+    else:  # a sum of 0 is still a value: every applied one is compared with it
+        bad = judged & st.a_ok & ~match
     checks.group_mismatch(st, exp, e_vals, bad, exp_axes, f)
     if bad.any():
         diagnose.diagnose(st, exp, bad, reduce_over, over_mb, history, f)

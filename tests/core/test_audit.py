@@ -274,6 +274,33 @@ def test_non_finite_and_empty_global():
     assert set(f) == {"empty_global"} and f["empty_global"].ranks == list(range(8))
 
 
+def test_empty_groups_still_judge_the_applied_values():
+    """A correct value of 0 is still a value. ``sum``: local sums 0 and 0, applied 0 and 7
+    (2 DP ranks): empty_global on both and group_mismatch on rank 1 (relative error inf).
+    ``moments``, every count 0: an applied count/sum/sum_sq not 0 is group_mismatch; a mean
+    and variance alone are not judged (the group has none) — empty_global only."""
+    sizes = (2, 1, 1, 1)
+
+    def rr(rank, **kw):
+        return core.RankReport(rank=rank, microbatch=0, dp=rank, cp=0, tp=0, pp=0, dtype="float32", **kw)
+
+    v = core.audit_step([rr(0, local_count=None, local_sum=0.0, local_sum_sq=None, applied_sum=0.0),
+                         rr(1, local_count=None, local_sum=0.0, local_sum_sq=None, applied_sum=7.0)],
+                        sizes, Spec(), kind="sum")
+    assert [(f.kind, f.ranks) for f in v.faults] == [("empty_global", [0, 1]), ("group_mismatch", [1])]
+    assert v.faults[1].evidence == {"max_relative_error": math.inf}
+    assert [r.relative_error for r in v.rows] == [0.0, math.inf]
+
+    empty = dict(local_count=0.0, local_sum=0.0, local_sum_sq=0.0)
+    zeros = dict(applied_count=0.0, applied_sum=0.0, applied_sum_sq=0.0)
+    for applied, want in [(dict(applied_count=5.0, applied_sum=10.0, applied_sum_sq=30.0), [1]),
+                          (dict(applied_count=0.0, applied_sum=0.0, applied_sum_sq=1e-3), [1]),
+                          (dict(applied_mean=0.25, applied_var=1.0), []), (zeros, [])]:
+        v = core.audit_step([rr(0, **empty, **zeros), rr(1, **empty, **applied)], sizes, Spec())
+        assert [(f.kind, f.ranks) for f in v.faults] == [("empty_global", [0, 1])] + (
+            [("group_mismatch", want)] if want else []), applied
+
+
 # --------------------------------------------------------------------- sum and norm
 
 

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from auditor.offline import audit_offline
 
 
 def post(server, reports: list[dict]):
@@ -30,6 +31,70 @@ def two_dp_ranks(run_id: str, statistic: str, locals_: list[dict], applied: list
     return [{"run_id": run_id, "statistic": statistic, "step": step, "rank": r, "world_size": 2,
              "coords": {"dp": r}, "sizes": {"dp": 2}, "local": loc, "applied": app, "dtype": dtype, "kind": kind}
             for r, (loc, app) in enumerate(zip(locals_, applied))]
+
+
+# ------------------------------------------------------------------ 1. a correct value of 0
+
+
+def zero_token_step(run_id: str, step: int = 0) -> list[dict]:
+    """The reported case: token counts 0 and 0; rank 0 divided by 0, rank 1 by 7."""
+    return two_dp_ranks(run_id, "tokens", [{"sum": 0.0}, {"sum": 0.0}], [{"sum": 0.0}, {"sum": 7.0}],
+                        kind="sum", step=step)
+
+
+def test_a_sum_of_zero_still_judges_each_rank_s_applied_value(live_server, run_id):
+    """Before: only empty_global. Now rank 1, which divided by 7, is group_mismatch too
+    (relative error inf against 0); rank 0, which got 0, is not."""
+    r = post(live_server, zero_token_step(run_id))
+    assert r.status_code == 200 and r.json()["steps_audited"] == 1, r.text
+    step = step_of(live_server, run_id, "tokens")
+    assert step["verdict"] == "inconsistent"
+    assert faults_of(step) == [("empty_global", [0, 1]), ("group_mismatch", [1])]
+    assert step["faults"][1]["evidence"] == {"max_relative_error": "inf"}
+    assert [(x["rank"], x["applied_mean"], x["correct_mean"], x["relative_error"], x["faults"]) for x in step["ranks"]] \
+        == [(0, 0.0, 0.0, 0.0, ["empty_global"]), (1, 7.0, 0.0, "inf", ["empty_global", "group_mismatch"])]
+
+
+def test_an_empty_moments_group_judges_the_applied_count_and_sums(live_server, run_id):
+    """count 0 on every rank: an applied (count, sum, sum_sq) of (5, 10, 30) came from data
+    outside the group (group_mismatch naming the fields); (0, 0, 0), and a guard's mean 0,
+    var 0 with no sums (nothing to compare: the group has no mean), are empty_global only."""
+    empty = {"count": 0.0, "sum": 0.0, "sum_sq": 0.0}
+    zeros = {"count": 0.0, "sum": 0.0, "sum_sq": 0.0}
+    cases = {"wrong": {"count": 5.0, "sum": 10.0, "sum_sq": 30.0}, "sum-only": {"count": 0.0, "sum": 3.0, "sum_sq": 0.0},
+             "guard": {"mean": 0.0, "var": 0.0}, "zeros": zeros}
+    for stat, app in cases.items():
+        r = post(live_server, two_dp_ranks(run_id, stat, [empty, empty], [zeros, app]))
+        assert r.status_code == 200 and r.json()["steps_audited"] == 1, r.text
+    wrong = step_of(live_server, run_id, "wrong")
+    assert faults_of(wrong) == [("empty_global", [0, 1]), ("group_mismatch", [1])]
+    assert wrong["faults"][1]["evidence"] == {"fields": ["count", "sum", "sum_sq"], "expected_count": 0.0,
+                                              "max_applied_count": 5.0}
+    assert "returned non-zero count, sum, sum_sq although their expected group" in wrong["faults"][1]["message"]
+    only_sum = step_of(live_server, run_id, "sum-only")
+    assert faults_of(only_sum) == [("empty_global", [0, 1]), ("group_mismatch", [1])]
+    assert only_sum["faults"][1]["evidence"]["fields"] == ["sum"]
+    for stat in ("guard", "zeros"):
+        s = step_of(live_server, run_id, stat)
+        assert (s["verdict"], faults_of(s)) == ("inconsistent", [("empty_global", [0, 1])]), stat
+
+
+def test_the_wrong_rank_of_a_zero_sum_is_named_by_auditor_audit(tmp_path, run_id):
+    """The same step through `auditor audit` (spool files, the service's decode and store
+    on a local database), beside a line whose count-0 local block holds a sum: that line is
+    skipped naming local.sum, and the step is group_mismatch on rank 1."""
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    lines = [json.dumps(r) for r in zero_token_step(run_id)]
+    bad = two_dp_ranks(run_id, "adv", [{"count": 0.0, "sum": 5.0, "sum_sq": 0.0}] * 2, [None, None])[0]
+    (spool / "rank0.jsonl").write_text("\n".join(lines + [json.dumps(bad)]) + "\n")
+    (report,), counts = audit_offline([spool], reader_process=False)
+    assert (counts["stored"], counts["invalid"]) == (2, 1)
+    (s,) = report["statistics"]
+    assert (s["statistic"], s["steps_inconsistent"], s["faults"]) == ("tokens", 1,
+                                                                     {"empty_global": 1, "group_mismatch": 1})
+    (bad_step,) = s["bad_steps"]
+    assert [(f["kind"], f["ranks"]) for f in bad_step["faults"]] == [("empty_global", [0, 1]), ("group_mismatch", [1])]
 
 
 # ------------------------------------------------------------------ 2. an empty mask holds nothing
