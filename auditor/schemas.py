@@ -22,7 +22,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter,
 
 from auditor import layout
 from auditor.config import WIRE_MAX_SIZE
-from auditor.core.stats import UNIT_ROUNDOFF
+from auditor.core.stats import SUBNORMAL_SPACING, UNIT_ROUNDOFF, mean_var_tolerance, reduction_gamma
 from auditor.core.types import DIMS, EXPERT_DIMS, Spec
 Dim = Literal["dp", "cp", "tp", "pp", "edp", "ep", "etp"]
 Kind = Literal["moments", "sum", "norm"]
@@ -434,28 +434,46 @@ assert set(_SMALLEST_NORMAL) == set(UNIT_ROUNDOFF)
 
 def _check_cauchy_schwarz(where: str, count, total, total_sq, dtype: str, weighted: bool = False) -> None:
     """Reject a rank's local ``sum_sq < sum²/count`` beyond what rounding and underflow can
-    produce (never ``applied``'s: see :func:`_report_rules`): no real data has negative variance (Cauchy–Schwarz, ``(Σm·v)² <= Σm · Σm·v²`` for weights
-    ``m >= 0``). Raises :class:`RuleError` at ``<where>.sum_sq``; no rule for a count
-    ``<= 0`` or a non-finite value (NaN/Inf go on to the audit).
+    produce (never ``applied``'s: see :func:`_report_rules`): no real data has negative
+    variance (Cauchy–Schwarz, ``(Σm·v)² <= Σm · Σm·v²`` for weights ``m >= 0``). Raises
+    :class:`RuleError` at ``<where>.sum_sq``; no rule for a count ``<= 0`` or a non-finite
+    value (NaN/Inf go on to the audit).
 
-    Refused when ``sum²/count − sum_sq > rel + abs``:
+    The variance the sums imply, ``var = sum_sq/count − (sum/count)²``, is refused when it is
+    below ``−(tv + abs/count)``, i.e. when ``sum²/count − sum_sq > count·tv + abs``:
 
-    * ``rel = 64·u·max(log2 count, 1)·max(sum²/count, sum_sq)``, ``u`` the dtype's unit
-      roundoff: the relative rounding of a (pairwise, as torch reduces) sum of ``count``
-      terms, with room for the dtype's rounding of the data.
+    * ``tv``: the engine's bound on the rounding of a correct one-pass variance whose true
+      value is 0 (:func:`auditor.core.stats.mean_var_tolerance` with M2 = 0, population
+      convention, one rank: ``7γ·μ² + τ_var``, μ = sum/count; Chan, Golub & LeVeque 1983, §2;
+      Higham 2002, §1.9 and eq. 4.6), with the γ the engine's tolerances use for a reduction
+      in the reported dtype (:func:`auditor.core.stats.reduction_gamma`:
+      ``u·(⌈log2 n⌉ + 3)``, every operation at the dtype's ``u``). So the wire refuses no
+      sums the engine would call a correctly rounded reduction of real data. Sums that cancel
+      (|mean|/std ≳ 1/√(7γ), ~400 for 2,000 float32 values: the true variance σ² is below
+      the bound, and rounding may leave ``sum²/count > sum_sq``) are stored, and the audit
+      says what the cancellation costs (``precision_loss``,
+      :func:`auditor.core.stats.one_pass_variance_error`, whose numerator is this bound at
+      σ = 0). Measured with torch 2.13 CPU float32 ``.sum()`` (n from 2 to 4·10⁶, |mean|/std
+      from 1e2 to 1e4, masked 2-D tensors too): ``sum²/count − sum_sq`` at most 2.6u·sum²/count,
+      against ``7γ`` ≥ 28u (tests/test_decode.py, tests/server/test_trust.py). The rule was
+      ``64u·max(log2 n, 1)`` relative, 2.3–8× looser than this, a model of its own.
+      ``reduction_gamma`` rather than the tighter ``accumulated_gamma_array`` (torch's
+      float32 accumulator for bfloat16/float16): sums formed in bfloat16 arithmetic are
+      correct data too.
     * ``abs = 2·(n + 1)·tiny``, ``tiny`` the dtype's smallest normal (:data:`_SMALLEST_NORMAL`):
-      the square of an element ``|v| < √tiny`` (~1.1e-19 in float32) is subnormal or, with
-      flush-to-zero (GPUs), 0, so each of the ``n`` squares may lose up to ``tiny``
-      (``v² < tiny``) that the relative bound does not see, and each of the ``n − 1`` additions
-      may lose up to ``tiny`` more when a partial sum is subnormal and flushed. Meanwhile
-      ``sum²/count`` (computed here in float64) stays positive: float32 values of
-      magnitude 1e-31 give ``sum_sq`` 0 but ``sum²/count`` ~1e-62. What ``sum``'s own
-      flushes add to ``sum²/count`` (< ``2·|sum|·tiny + n·tiny²``) is below ``rel`` unless
-      ``|sum| < n·tiny/(32u)``, and then below ``tiny``: the ``+ 1``. ``n = count`` for a
-      0/1 mask; a weighted mask (``weighted``, or a fractional count) sums an unknown
-      number of terms, taken as ``max(count, 2^16)`` as in the mean rule. Data whose
-      squares do not underflow is judged by ``rel`` alone (``abs`` is ~1e-33 for float32 at
-      2^16 terms; float16's ``tiny`` 2^-14 makes its ``abs`` the loosest).
+      flush-to-zero, which the engine's underflow floor τ does not cover. The square of an
+      element ``|v| < √tiny`` (~1.1e-19 in float32) is subnormal or, with flush-to-zero
+      (GPUs), 0, so each of the ``n`` squares may lose up to ``tiny`` (``v² < tiny``) that the
+      relative bound does not see, and each of the ``n − 1`` additions may lose up to ``tiny``
+      more when a partial sum is subnormal and flushed. Meanwhile ``sum²/count`` (computed
+      here in float64) stays positive: float32 values of magnitude 1e-31 give ``sum_sq`` 0
+      but ``sum²/count`` ~1e-62. What ``sum``'s own flushes add to ``sum²/count``
+      (< ``2·|sum|·tiny + n·tiny²``) is below the relative part (≥ 28u·sum²/count) unless
+      ``|sum| < n·tiny/(14u)``, and then below ``tiny``: the ``+ 1``.
+
+    ``n`` (the terms summed) is ``count`` for a 0/1 mask; a weighted mask (``weighted``, or a
+    fractional count) sums an unknown number of terms, taken as ``max(count, 2^16)`` as in
+    the mean rule, in γ and in ``abs``.
     """
     if (count is None or total is None or total_sq is None or not count > 0
             or not (_isfinite(count) and _isfinite(total) and _isfinite(total_sq))):
@@ -464,8 +482,11 @@ def _check_cauchy_schwarz(where: str, count, total, total_sq, dtype: str, weight
     if total_sq >= floor:  # the common case; the slack below is >= 0
         return
     n = max(count, _WEIGHTED_TERMS) if weighted or count != int(count) else count
-    slack = 64.0 * UNIT_ROUNDOFF[dtype] * max(math.log2(max(count, 2.0)), 1.0) * max(floor, total_sq) \
-        + 2.0 * (n + 1.0) * _SMALLEST_NORMAL[dtype]
+    with np.errstate(all="ignore"):  # sum² beyond float range: floor and slack are inf, nothing refused
+        gamma = reduction_gamma(dtype, n, 1)
+        _, tv = mean_var_tolerance(gamma, count, total / count, 0.0, "population",
+                                   spacing=SUBNORMAL_SPACING[dtype], ranks=1.0)
+        slack = count * float(tv) + 2.0 * (n + 1.0) * _SMALLEST_NORMAL[dtype]
     if floor - total_sq > slack:
         raise RuleError(
             f"{where}.sum_sq ({total_sq!r}) is below {where}.sum²/{where}.count ({floor!r}) "

@@ -496,6 +496,34 @@ def test_each_batch_rule_agrees(change, accepted, size, where):
         assert canon(fast) == canon(slow)
 
 
+def test_correct_torch_float32_sums_that_cancel_pass_both_decoders():
+    """Local sums of float32 values formed with torch (``.sum()`` of x and of x·x, as slime
+    does), |mean|/std from 1e2 to 1e4, 2 to 100,000 values: both decoders accept every one,
+    also those whose sums imply a negative variance (sum²/count > sum_sq, below float32
+    rounding); the largest such excess measured is ~1.1u·sum_sq against the rule's
+    7γ = 7u(⌈log2 n⌉ + 3) ≥ 28u (stats.mean_var_tolerance). The same sums with sum_sq 1e-4
+    low are refused at local.sum_sq."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(7)
+    reports, cancelled = [], 0
+    for i, (rho, n) in enumerate(itertools.product((1e2, 1e3, 3e3, 1e4), (2, 100, 2_000, 100_000))):
+        x = (rho + torch.randn(n, generator=g, dtype=torch.float64)).to(torch.float32)
+        s, ss = float(x.sum()), float((x * x).sum())
+        cancelled += s * s / n > ss
+        reports.append({**BASE, "step": i, "local": {"count": float(n), "sum": s, "sum_sq": ss,
+                                                     "min": float(x.min()), "max": float(x.max())}})
+    assert cancelled >= 3  # the case in question is there
+    for batch in (reports[:4], reports * 3):  # report by report, and the fast decoder's array tests
+        body = json.dumps({"reports": batch}).encode()
+        slow, errors, _ = validate_report_batch(body, 10)
+        assert slow is not None and decode_report_batch(body) is not None, errors
+    low = dict(reports[9], local={**reports[9]["local"], "sum_sq": reports[9]["local"]["sum_sq"] * (1 - 1e-4)})
+    for batch in ([low], [*reports, low]):
+        body = json.dumps({"reports": batch}).encode()
+        _, errors, _ = validate_report_batch(body, 10)
+        assert decode_report_batch(body) is None and [e["loc"][2:] for e in errors] == [("local", "sum_sq")]
+
+
 def test_shared_shapes_are_each_checked():
     """Reports with an order share their shape checks: a rank whose coords break the
     order among 64 ranks that keep it is still refused; group_ranks and spec texts

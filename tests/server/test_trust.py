@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from auditor.offline import audit_offline
 
@@ -131,3 +132,59 @@ def test_an_empty_mask_reported_as_masked_moments_does_is_stored(live_server, ru
     r = post(live_server, two_dp_ranks(run_id, "adv", [data, empty], [glob, glob]))
     assert r.status_code == 200 and r.json() == {"accepted": 2, "duplicates": 0, "steps_audited": 1}, r.text
     assert step_of(live_server, run_id, "adv")["verdict"] == "consistent"
+
+
+# ------------------------------------------------------------------ 3. float32 sums that cancel
+
+
+def float32_step(run_id: str, rho: float, n: int = 2000, seed: int = 0) -> list[dict]:
+    """2 DP ranks of n float32 values each, mean ρ, std 1, reduced like slime: each rank's
+    Σv, Σv² in float32 with torch (``.sum()``), the float32 all-reduce of the partials,
+    mean = S/N, var = (SS/N − mean²)·N/(N − 1) in float32."""
+    g = torch.Generator().manual_seed(seed)
+    xs = [(rho + torch.randn(n, generator=g, dtype=torch.float64)).to(torch.float32) for _ in range(2)]
+    parts = [torch.stack([x.sum(), (x * x).sum(), torch.tensor(float(n))]) for x in xs]
+    S, SS, N = parts[0] + parts[1]
+    mean = S / N
+    var = (SS / N - mean * mean) * N / (N - 1)
+    applied = {"count": float(N), "sum": float(S), "sum_sq": float(SS), "mean": float(mean), "var": float(var)}
+    return two_dp_ranks(run_id, "adv", [{"count": float(n), "sum": float(p[0]), "sum_sq": float(p[1]),
+                                         "min": float(x.min()), "max": float(x.max())} for x, p in zip(xs, parts)],
+                        [applied, applied])
+
+
+def test_correct_float32_sums_that_cancel_are_stored_and_judged(live_server, run_id):
+    """|mean|/std ≈ 1e3 and 3e3: at 3e3 rank 0's float32 sums imply a negative variance
+    (sum²/count − sum_sq = +1.1u·sum_sq: below float32 rounding) — correct data all the
+    same, so it is stored, and the engine says what the cancellation costs: precision_loss
+    (predicted relative variance error 8.44 and 115; the applied var at 3e3 is −1.0). At
+    1e2 the step is consistent."""
+    want = {1e2: None, 1e3: (8.43864342068224, 981.3806026115187), 3e3: (114.9795776271436, 3622.5269541579764)}
+    for rho, loss in want.items():
+        reports = float32_step(f"{run_id}-{int(rho)}", rho)
+        if rho == 3e3:
+            loc = reports[0]["local"]
+            assert loc["sum"] ** 2 / loc["count"] - loc["sum_sq"] == pytest.approx(6.3567e-8 * loc["sum_sq"], rel=1e-3)
+            assert reports[0]["applied"]["var"] == pytest.approx(-1.00025, abs=1e-5)
+        r = post(live_server, reports)
+        assert r.status_code == 200 and r.json()["steps_audited"] == 1, (rho, r.text)
+        step = step_of(live_server, f"{run_id}-{int(rho)}", "adv")
+        if loss is None:
+            assert (step["verdict"], step["faults"]) == ("consistent", []), rho
+            continue
+        assert step["verdict"] == "inconsistent" and faults_of(step) == [("precision_loss", [0, 1])], rho
+        ev = step["faults"][0]["evidence"]
+        assert (ev["max_predicted_relative_var_error"], ev["abs_mean_over_std"]) == pytest.approx(loss, rel=1e-9)
+
+
+def test_sums_beyond_float32_rounding_are_still_a_422(live_server, run_id):
+    """The same ρ = 1e3 step with rank 1's sum_sq 1e-4 low (1,700 u, the rule's slack is
+    7γ = 98 u here): the values would have negative variance, refused at local.sum_sq."""
+    reports = float32_step(run_id, 1e3)
+    loc = reports[1]["local"]
+    reports[1] = {**reports[1], "local": {**loc, "sum_sq": loc["sum_sq"] * (1 - 1e-4)}}
+    r = post(live_server, reports)
+    assert r.status_code == 422, r.text
+    (err,) = r.json()["errors"]
+    assert err["field"] == "reports[1].local.sum_sq" and "beyond float32 rounding" in err["msg"]
+    assert live_server.get(f"/v1/runs/{run_id}").status_code == 404
