@@ -34,7 +34,7 @@ from auditor import core, layout
 from auditor import status as statuses
 from auditor.core import DIMS, EXPERT_DIMS, REPLACEABLE, RankReport
 from auditor.db.store import (
-    COLUMNS, COMPARED, Arrival, RunRow, SeriesRow, Store, VerdictItem, elements, json_safe, rank_report, report_row,
+    COLUMNS, COMPARED, Arrival, CleanSteps, RunRow, SeriesRow, StepRowExists, Store, VerdictItem, elements, json_safe, rank_report, report_row,
 )
 from auditor.schemas import DEFAULT_SPECS, Report, RunRegistration, StatisticSpec
 from auditor.status import STATUSES
@@ -179,10 +179,16 @@ class _Due:
     fresh: bool = False
 
 
-class _StepRowExists(Exception):
-    """A step this ingest completed in hand had a step row after all (reports deleted
-    under a kept step row, or a concurrent report outside the step's expected key space):
-    the transaction is rolled back and the batch ingested again the general way."""
+@dataclass(slots=True)
+class _Fresh:
+    """The steps of one series this transaction inserted every report of (no step row yet:
+    :meth:`Service._fresh_steps`), key order: ``rows[i]`` the ``reports`` rows of
+    ``steps[i]`` (as many as it expects)."""
+
+    info: SeriesInfo
+    topo: Topology
+    steps: list[int]
+    rows: list[list[tuple]]
 
 
 @dataclass
@@ -201,6 +207,8 @@ class _StaleCaches(Exception):
 OPEN_STEP_ROWS = 65_536
 #: A row's place in its step: (microbatch, rank), the key order of the rows in hand.
 _IN_STEP = operator.itemgetter(2, 3)
+#: A row's step: (series_id, step).
+_STEP_KEY = operator.itemgetter(0, 1)
 
 
 class _OpenStepRows:
@@ -418,7 +426,7 @@ class Service:
         try:
             try:
                 return self._ingest_retrying(batch, now, in_hand=True)
-            except _StepRowExists:
+            except StepRowExists:
                 return self._ingest_retrying(batch, now, in_hand=False)
         except ConflictError as exc:
             if record_refused and exc.against_stored:
@@ -583,18 +591,20 @@ class Service:
                         i = next(index_of[k] for k in sorted(rows) if k[:2] == (p.series_id, p.step))
                         raise _microbatch_conflict(i, batch[i], p.expected // placed_of[p.series_id][0])
                 by_id = {info.id: info for info in series_of.values()}
-                by_step: dict[tuple[int, int], list[tuple]] = defaultdict(list)
-                for row in (ordered if all_new else (rows[k] for k in sorted(inserted_keys))):
-                    by_step[row[:2]].append(row)
+                by_step = {sk: list(g) for sk, g in itertools.groupby(
+                    ordered if all_new else (rows[k] for k in sorted(inserted_keys)), _STEP_KEY)}
                 # the runs' incarnations as this transaction verified or read them (_OpenStepRows)
                 born_of = {rid: c[1] for rid, c in cached.items()}
                 born_of.update({rid: born for rid, (_, born, _) in new_runs.items() if born is not None})
                 todo: list[_Due] = []
+                fresh_of: dict[int, _Fresh] = {}
                 for sk in sorted(fresh):
-                    info = by_id[sk[0]]
-                    n = added[sk]
-                    todo.append(_Due(info, topo_of[info.run_id],
-                                     Arrival(sk[0], sk[1], n, n, None), None, by_step[sk], fresh=True))
+                    f = fresh_of.get(sk[0])
+                    if f is None:
+                        info = by_id[sk[0]]
+                        f = fresh_of[sk[0]] = _Fresh(info, topo_of[info.run_id], [], [])
+                    f.steps.append(sk[1])
+                    f.rows.append(by_step[sk])
                 done.extend(fresh)
                 for p in progress:
                     sk = (p.series_id, p.step)
@@ -617,9 +627,7 @@ class Service:
                     mine = by_step[sk] if p.received == added[sk] else None if born is None else \
                         self._open.rows(sk, (info.run_id, born), by_step[sk], p.received)
                     todo.append(_Due(info, topo_of[info.run_id], p, previous, mine))
-                if fresh and len(todo) > len(fresh):  # both kinds: key order
-                    todo.sort(key=lambda d: (d.arrival.series_id, d.arrival.step))
-                out.audited += self._audit_steps(conn, todo, now)
+                out.audited += self._audit_steps(conn, todo, now, fresh_of)
         if grown or done:  # committed: keep the rows of the steps left open, drop those complete
             self._open.update(grown, done)
         self._runs.update({rid: (t, born) for rid, (t, born, _) in new_runs.items()})
@@ -645,7 +653,7 @@ class Service:
         transaction's report of the step waits on these keys and then conflicts (a
         duplicate, or a 409), so it inserts none and makes no step row, before or after.
         Not covered by that argument, and caught by the INSERT's ``ON CONFLICT DO
-        NOTHING`` (:class:`_StepRowExists`: the batch is ingested again the general way):
+        NOTHING`` (:class:`StepRowExists`: the batch is ingested again the general way):
         a step row left by the deletion of its reports (``delete_rank_range``), a
         concurrent report saying another ``num_microbatches`` (today a 409 at its step
         row), and an expert placement without an ``order``, where the dense-coordinate
@@ -657,7 +665,7 @@ class Service:
         """Run the engine on one step (``history``: its lazy loader). Never raises: an
         exception of the engine (or findings that cannot be stored) becomes the verdict
         ``audit_error`` with the exception as the step's one fault, logged once; nothing else
-        of the batch is affected. (:class:`_StepRowExists` from the history loader's flush
+        of the batch is affected. (:class:`StepRowExists` from the history loader's flush
         is the batch's, not the step's: it passes.)"""
         try:
             v = core.audit_step(
@@ -668,7 +676,7 @@ class Service:
             json.dumps(json_safe([[[list(g.key), g.microbatch, g.count, g.mean, g.var] for g in v.groups],
                                   [f.evidence for f in v.faults]]), allow_nan=False)  # storable
             return v
-        except _StepRowExists:  # raised by the history loader's flush: the batch, not this step
+        except StepRowExists:  # raised by the history loader's flush: the batch, not this step
             raise
         except Exception as exc:  # noqa: BLE001 - contained to this step (verdict audit_error)
             log.exception("audit of %s/%s step %d raised; recorded as audit_error", info.run_id, info.statistic, step)
@@ -677,19 +685,37 @@ class Service:
             fault = core.Fault(core.FaultKind.AUDIT_ERROR, message, [], {"exception": type(exc).__name__})
             return core.StepVerdict("audit_error", [fault], [], [], None, None)
 
-    def _audit_steps(self, conn: sa.Connection, due: Sequence["_Due"], now: float) -> list[tuple[int, int, str]]:
+    def _audit_steps(self, conn: sa.Connection, due: Sequence["_Due"], now: float,
+                     fresh: dict[int, _Fresh] | None = None) -> list[tuple[int, int, str]]:
         """Audit steps (key order) inside the caller's transaction and record their verdicts
-        with one :meth:`auditor.db.store.Store.record_verdicts`; return ``(series_id, step,
+        with :meth:`auditor.db.store.Store.record_verdicts`; return ``(series_id, step,
         verdict)`` of those recorded (not those another transaction recorded first).
 
-        The clean steps of each series are judged together by
-        :func:`auditor.core.audit_clean` (one array pass over all of them); every other step
-        (or every step, if that pass raises) by :func:`auditor.core.audit_step`, the one
-        source of every finding. A step's reports are the rows in hand (``_Due.rows``) or
-        read back. Verdicts wait to be written until the end, except that a step whose
-        diagnosis needs the series' history first writes those of the steps before it, so
-        it sees them as it did when each verdict was written at once."""
+        ``fresh``: per series id, steps this transaction inserted every report of (no step
+        row yet). Their clean steps are judged by :func:`auditor.core.batch.clean_columns`
+        (one array pass per series) and recorded as columns (:class:`CleanSteps`: no object
+        per step); the others join ``due``. The clean steps of ``due`` with their reports in
+        hand are judged together by :func:`auditor.core.audit_clean`; every other step (or
+        every step, if that pass raises) by :func:`auditor.core.audit_step`, the one source
+        of every finding. A step's reports are the rows in hand (``_Due.rows``) or read
+        back. Verdicts wait to be written until the end, except that a step whose diagnosis
+        needs the series' history first writes those of the steps before it, so it sees
+        them as it did when each verdict was written at once."""
         store = self.store
+        clean: list[CleanSteps] = []
+        unclean: list[_Due] = []
+        for sid in sorted(fresh or ()):
+            f = fresh[sid]
+            expected = [len(rs) for rs in f.rows]
+            c = self._clean(f.info, f.topo, f.rows, expected)
+            if c is not None and c.index:
+                clean.append(CleanSteps.of(sid, f.steps, expected, c))
+            judged = set(c.index) if c is not None else set()
+            if len(judged) < len(f.steps):
+                unclean += [_Due(f.info, f.topo, Arrival(sid, st, n, n, None), None, rs, fresh=True)
+                            for i, (st, n, rs) in enumerate(zip(f.steps, expected, f.rows)) if i not in judged]
+        if unclean:  # both kinds: key order
+            due = sorted([*due, *unclean], key=lambda d: (d.arrival.series_id, d.arrival.step)) if due else unclean
         rows = {(d.arrival.series_id, d.arrival.step): d.rows for d in due}
         for d in due:
             if d.rows is None and core.batch.eligible(d.info.engine_spec, d.info.kind,
@@ -699,20 +725,30 @@ class Service:
         fast = self._audit_clean(due, rows)
         pending: list[VerdictItem] = []
         recorded: list[tuple[int, int, str]] = []
+        unstored: dict[int, set[int]] | None = None
 
-        # steps whose rows are inserted with their verdicts: not stored yet, they still
-        # count as steps of their series for hang localisation (as count_arrivals' rows did)
-        unstored: dict[int, set[int]] = defaultdict(set)
-        for d in due:
-            if d.fresh:
-                unstored[d.arrival.series_id].add(d.arrival.step)
-
-        def flush() -> None:
-            for it, ok in zip(pending, store.record_verdicts(conn, pending, now)):
+        def flush(upto: tuple[int, int] | None = None) -> None:
+            """Record the pending verdicts and the clean steps before ``upto`` (all: None)."""
+            nonlocal clean
+            if upto is None:
+                take, clean = clean, []
+            else:
+                take, rest = [], []
+                for c in clean:
+                    if c.series_id == upto[0]:
+                        before, after = c.split(upto[1])
+                        take.append(before)
+                        rest.append(after)
+                    else:
+                        (take if c.series_id < upto[0] else rest).append(c)
+                clean = rest
+            for it, ok in zip(pending, store.record_verdicts(conn, pending, now, take)):
                 if ok:
                     recorded.append((it.series_id, it.step, it.verdict.verdict))
                 elif it.fresh:
-                    raise _StepRowExists(it.series_id, it.step)
+                    raise StepRowExists(it.series_id, it.step)
+            for c in take:
+                recorded.extend(zip(itertools.repeat(c.series_id), c.steps, itertools.repeat("consistent")))
             pending.clear()
 
         for d in due:
@@ -727,41 +763,55 @@ class Service:
                 n = len(rank_reports)
                 load = store.history(conn, info.id, p.step)
 
-                def history(load=load):
-                    flush()  # the verdicts of the steps before this one, as history
+                def history(load=load, key=key):
+                    flush(key)  # the verdicts of the steps before this one, as history
                     return load()
 
                 v = self._judge(conn, info, d.topo, p.step, p.expected, rank_reports, history)
             progress = None
             if any(f.kind == core.FaultKind.MISSING_REPORT for f in v.faults):
+                if unstored is None:  # steps whose rows are inserted with their verdicts: not stored
+                    unstored = defaultdict(set)  # yet, they still count as steps of their series
+                    for x in due:  # for hang localisation (as count_arrivals' rows did)
+                        if x.fresh:
+                            unstored[x.arrival.series_id].add(x.arrival.step)
+                    for sid, f in (fresh or {}).items():
+                        unstored[sid].update(f.steps)
                 progress = self._progress(conn, info, d.topo, unstored.get(info.id, ()))
             pending.append(VerdictItem(p.series_id, p.step, v, n >= p.expected, d.previous, progress, d.fresh,
                                        p.expected, p.received))
         flush()
         return recorded
 
-    def _audit_clean(self, due: Sequence["_Due"], rows: dict) -> dict[tuple[int, int], core.StepVerdict]:
-        """The verdicts :func:`auditor.core.audit_clean` gives, per (series_id, step), of the
-        steps in ``due`` whose reports are in ``rows``. An exception is logged and leaves
-        every step to the exact engine."""
-        out: dict[tuple[int, int], core.StepVerdict] = {}
+    def _clean(self, info: SeriesInfo, topo: Topology, steps: Sequence[Sequence[tuple]],
+               expected: Sequence[int]) -> core.batch.Clean | None:
+        """:func:`auditor.core.batch.clean_columns` of steps of one series (``steps[i]``: the
+        ``reports`` rows of step ``i``, ``expected[i]`` the reports it expects); None when
+        the series is not eligible. An exception is logged and gives None: the exact engine
+        judges every step instead."""
+        if not core.batch.eligible(info.engine_spec, info.kind, "known" if topo.known else "unknown"):
+            return None
         try:
-            for _, group in itertools.groupby(due, key=lambda d: d.arrival.series_id):
-                group = [d for d in group if rows.get((d.arrival.series_id, d.arrival.step)) is not None]
-                if not group:
-                    continue
-                info, topo = group[0].info, group[0].topo
-                if not core.batch.eligible(info.engine_spec, info.kind, "known" if topo.known else "unknown"):
-                    continue
-                el = elements([rows[(d.arrival.series_id, d.arrival.step)] for d in group])
-                verdicts = core.audit_clean(el, np.array([d.arrival.expected for d in group]), topo.sizes,
-                                            info.engine_spec, info.kind)
-                for d, v in zip(group, verdicts):
-                    if v is not None:
-                        out[(d.arrival.series_id, d.arrival.step)] = v
+            return core.batch.clean_columns(elements(steps), np.array(expected), topo.sizes, info.engine_spec,
+                                            info.kind)
         except Exception:  # noqa: BLE001 - the exact engine judges every step instead
             log.exception("the batched audit raised; auditing each step on its own")
-            return {}
+            return None
+
+    def _audit_clean(self, due: Sequence["_Due"], rows: dict) -> dict[tuple[int, int], core.StepVerdict]:
+        """The verdicts :func:`auditor.core.batch.clean_columns` gives, per (series_id,
+        step), of the steps in ``due`` whose reports are in ``rows`` (:meth:`_clean`)."""
+        out: dict[tuple[int, int], core.StepVerdict] = {}
+        for _, group in itertools.groupby(due, key=lambda d: d.arrival.series_id):
+            group = [d for d in group if rows.get((d.arrival.series_id, d.arrival.step)) is not None]
+            if not group:
+                continue
+            c = self._clean(group[0].info, group[0].topo, [rows[(d.arrival.series_id, d.arrival.step)] for d in group],
+                            [d.arrival.expected for d in group])
+            if c is not None:
+                for i, v in zip(c.index, c.verdicts()):
+                    d = group[i]
+                    out[(d.arrival.series_id, d.arrival.step)] = v
         return out
 
     def _audit(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, p: Arrival, now: float,

@@ -69,21 +69,63 @@ def eligible(spec: Spec, kind: str, topology: str = "known") -> bool:
             and spec.factorisation == "dense" and not (kind == "norm" and spec.replicated_along is not None))
 
 
+@dataclass(slots=True)
+class Clean:
+    """The consistent steps of one :func:`clean_columns` pass, as columns (one entry per
+    step, in step order): ``index`` their positions in [0, k); the σ figures of
+    :class:`~auditor.core.types.StepVerdict` (``cp_sigma`` = ``cp_disagreement_sigma``,
+    ``err_sigma`` = ``applied_error_sigma``, ``tol_sigma`` = ``tolerance_sigma``; float or
+    None, in units of the correct standard deviation); ``groups`` per step its groups as
+    ``[key, microbatch, count, mean, var]`` lists (``key`` a list of ints: the coordinates
+    outside ``reduce_over``; the other three finite floats), the
+    :class:`~auditor.core.types.GroupStat` fields in the store's JSON form."""
+
+    index: list[int]
+    cp_sigma: list[float | None]
+    err_sigma: list[float | None]
+    tol_sigma: list[float | None]
+    groups: list[list[list]]
+
+    def verdicts(self) -> list[StepVerdict]:
+        """The :class:`~auditor.core.types.StepVerdict` of each step of ``index`` (what
+        :func:`~auditor.core.verdict.audit_step` returns for it, without ``rows`` and
+        ``GroupStat.ranks``)."""
+        return [StepVerdict("consistent", [], [], [GroupStat(tuple(g[0]), g[1], [], g[2], g[3], g[4]) for g in groups],
+                            cp, err, tol)
+                for cp, err, tol, groups in zip(self.cp_sigma, self.err_sigma, self.tol_sigma, self.groups)]
+
+
+def _no_clean() -> Clean:
+    """No clean step."""
+    return Clean([], [], [], [], [])
+
+
 def audit_clean(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec,
                 kind: str = "moments", topology: str = "known") -> list[StepVerdict | None]:
     """The verdict of each of ``k = len(expected)`` steps that is clean (see the module),
-    else None. ``expected``: int (k,), the reports each step expects (world ×
-    microbatches); ``sizes``: (dp, cp, tp, pp). Never raises on odd data (it makes the step
-    unclean); a caller may still contain an exception by auditing every step exactly."""
-    k = len(expected)
-    out: list[StepVerdict | None] = [None] * k
-    if not k or not len(el.step) or not eligible(spec, kind, topology):
-        return out
+    else None: :func:`clean_columns` as :class:`~auditor.core.types.StepVerdict` objects.
+    ``expected``: int (k,), the reports each step expects (world × microbatches);
+    ``sizes``: (dp, cp, tp, pp). Never raises on odd data (it makes the step unclean); a
+    caller may still contain an exception by auditing every step exactly."""
+    out: list[StepVerdict | None] = [None] * len(expected)
+    c = clean_columns(el, expected, sizes, spec, kind, topology)
+    for s, v in zip(c.index, c.verdicts()):
+        out[s] = v
+    return out
+
+
+def clean_columns(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec,
+                  kind: str = "moments", topology: str = "known") -> Clean:
+    """The clean steps among ``k = len(expected)`` steps (see the module) and their verdict
+    figures as columns (:class:`Clean`), without a Python object per step: what the ingest
+    stores for steps complete in hand. Same arguments and guarantees as :func:`audit_clean`."""
+    if not len(expected) or not len(el.step) or not eligible(spec, kind, topology):
+        return _no_clean()
     with np.errstate(all="ignore"):
-        return _audit(el, np.asarray(expected, dtype=np.int64), sizes, spec, kind, out)
+        return _audit(el, np.asarray(expected, dtype=np.int64), sizes, spec, kind)
 
 
-def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, kind: str, out: list) -> list:
+def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, kind: str) -> Clean:
     k = len(expected)
     moments = kind == "moments"
     F, none = el.values, np.isnan(el.values)
@@ -101,7 +143,7 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, kind: s
     clean = ((np.bincount(el.step, minlength=k) == expected) & (expected % world == 0)
              & (np.bincount(el.step, (~ok).astype(np.float64), minlength=k) == 0))
     if not clean.any():
-        return out
+        return _no_clean()
     keep = clean[el.step]
     step, ints, F, none = el.step[keep], el.ints[keep], F[keep], none[keep]
     dtypes = [d for d, x in zip(el.dtype, keep.tolist()) if x]
@@ -302,21 +344,24 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, kind: s
             if differ.any():
                 bad[step[I[differ]]] = True
 
-    # the groups, each step's in order of its first element
+    # the groups, each step's in order of its first element (stored as JSON: finite only)
+    flag(~(np.isfinite(values[0]) & np.isfinite(values[1]) & np.isfinite(values[2])))
+    keep_s = np.flatnonzero(clean & ~bad)
+    if not len(keep_s):
+        return _no_clean()
     _, first = np.unique(inv, return_index=True)
     first.sort()
+    first = first[clean[step[first]] & ~bad[step[first]]]  # the groups of the steps kept, step by step
     outside = [j for j, d in enumerate(DIMS) if d not in reduce_over]
     gkeys = coords[first][:, outside].tolist()
     mbs = [0] * len(first) if over_mb else coords[first, 4].tolist()
-    gvals = zip(values[0][first].tolist(), values[1][first].tolist(), values[2][first].tolist())
-    groups: list[list[GroupStat]] = [[] for _ in range(k)]
-    for s, gk, mb, (cnt, mean, var) in zip(step[first].tolist(), gkeys, mbs, gvals):
-        groups[s].append(GroupStat(tuple(gk), mb, [], cnt, mean, var))
-
-    for s in np.flatnonzero(clean & ~bad).tolist():
-        out[s] = StepVerdict("consistent", [], [], groups[s], cp_sigma[s], err_sigma[s],
-                             tol_sigma[s] if tol_all_finite[s] else None)
-    return out
+    entries = list(map(list, zip(gkeys, mbs, values[0][first].tolist(), values[1][first].tolist(),
+                                 values[2][first].tolist())))
+    cuts = np.concatenate(([0], np.cumsum(np.bincount(step[first], minlength=k)[keep_s]))).tolist()
+    ks = keep_s.tolist()
+    return Clean(ks, [cp_sigma[s] for s in ks], [err_sigma[s] for s in ks],
+                 [tol_sigma[s] if tol_all_finite[s] else None for s in ks],
+                 [entries[a:b] for a, b in zip(cuts, cuts[1:])])
 
 
 def _max_finite(where: np.ndarray, values: np.ndarray, k: int) -> list[float | None]:

@@ -25,6 +25,7 @@ per batch over ``unnest`` arrays, not once per step.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import math
@@ -32,7 +33,7 @@ import operator
 import sqlite3
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
 
 import msgspec
 import numpy as np
@@ -158,6 +159,51 @@ class VerdictItem:
     received: int = 0
 
 
+@dataclass(slots=True)
+class CleanSteps:
+    """Consistent verdicts of steps of one series that have no step row yet (every report
+    of each was inserted by the recording transaction: ``Service._fresh_steps``), as
+    columns (one entry per step, steps ascending) from
+    :func:`auditor.core.batch.clean_columns`: :meth:`Store.record_verdicts` INSERTs their
+    step rows with ``received = expected``, no faults, no object per step."""
+
+    series_id: int
+    steps: list[int]
+    expected: list[int]
+    cp_sigma: list[float | None]
+    err_sigma: list[float | None]
+    tol_sigma: list[float | None]
+    #: per step its groups as JSON text (``[[key, mb, count, mean, var], ...]``)
+    groups: list[str]
+
+    @classmethod
+    def of(cls, series_id: int, steps: Sequence[int], expected: Sequence[int], clean: batch.Clean) -> "CleanSteps":
+        """The steps of ``clean`` (``clean.index`` into ``steps`` and ``expected``)."""
+        return cls(series_id, [steps[i] for i in clean.index], [expected[i] for i in clean.index],
+                   clean.cp_sigma, clean.err_sigma, clean.tol_sigma,
+                   [_json_encode(g).decode() for g in clean.groups])
+
+    def split(self, step: int) -> tuple["CleanSteps", "CleanSteps"]:
+        """The steps before ``step`` and those from it on."""
+        i = bisect.bisect_left(self.steps, step)
+        return (CleanSteps(self.series_id, *(x[:i] for x in self._columns())),
+                CleanSteps(self.series_id, *(x[i:] for x in self._columns())))
+
+    def _columns(self) -> tuple[list, ...]:
+        return self.steps, self.expected, self.cp_sigma, self.err_sigma, self.tol_sigma, self.groups
+
+    def entries(self) -> Iterator[tuple]:
+        """:func:`_series_params` entries: (step, verdict, cp σ, applied error σ, previous, progress)."""
+        return zip(self.steps, itertools.repeat("consistent"), self.cp_sigma, self.err_sigma,
+                   itertools.repeat(None), itertools.repeat(None))
+
+
+class StepRowExists(Exception):
+    """A step row :meth:`Store.record_verdicts` was to INSERT with its verdict (a ``fresh``
+    item, :class:`CleanSteps`) existed after all: the caller's transaction is rolled back
+    and the batch ingested again the general way (``Service._ingest``)."""
+
+
 def _bind(name: str, type_: Any) -> Any:
     """A typed parameter that PostgreSQL can type even where it only meets IS NULL."""
     return sa.cast(sa.bindparam(name, type_=type_), type_)
@@ -270,11 +316,13 @@ def _series_statement() -> Any:
     return series.update().where(s.id == sid).values(**values)
 
 
-def _series_params(series_id: int, items: Sequence[VerdictItem], now: float) -> dict:
-    """One parameter set of :func:`_series_statement` for ``items`` of one series (key
-    order) whose net effect is that of recording them one by one: verdict deltas summed,
-    the lowest/highest inconsistent step, the largest σ with the first step that reached
-    it, the newest step's σ figures. Re-audits and progress come one item at a time."""
+def _series_params(series_id: int, entries: Sequence[tuple], now: float) -> dict:
+    """One parameter set of :func:`_series_statement` for ``entries`` of one series (key
+    order), each ``(step, verdict, cp σ, applied error σ, previous, progress)`` (see
+    :class:`VerdictItem`), whose net effect is that of recording them one by one: verdict
+    deltas summed, the lowest/highest inconsistent step, the largest σ with the first step
+    that reached it, the newest step's σ figures. Re-audits and progress come one entry at
+    a time."""
     d: dict[str, Any] = {"sid": series_id, "now": now, "recompute": 0, "has_progress": 0, "ranks_behind": None,
                          "v_progress": None}
     for v in VERDICTS:
@@ -282,31 +330,38 @@ def _series_params(series_id: int, items: Sequence[VerdictItem], now: float) -> 
     for v in REPLACEABLE:
         d[f"s_{v}"] = 0
     bad = []
-    for it in items:
-        v = it.verdict.verdict
+    wcp = wcp_step = wae = wae_step = None
+    for step, v, cp, ae, previous, progress in entries:
         d[f"d_{v}"] += 1
         if v == "inconsistent":
-            bad.append(it.step)
-        if it.previous is not None:  # the same verdict again: steps_<v> unchanged, one more superseded
-            d[f"d_{it.previous}"] -= 1
-            d[f"s_{it.previous}"] += 1
-            if it.previous == "inconsistent" and v != "inconsistent":
+            bad.append(step)
+        if previous is not None:  # the same verdict again: steps_<v> unchanged, one more superseded
+            d[f"d_{previous}"] -= 1
+            d[f"s_{previous}"] += 1
+            if previous == "inconsistent" and v != "inconsistent":
                 d["recompute"] = 1  # the step no longer counts as bad
-        if it.progress is not None:
-            d.update(has_progress=1, ranks_behind=it.progress["ranks_behind"], v_progress=json_safe(it.progress))
+        if progress is not None:
+            d.update(has_progress=1, ranks_behind=progress["ranks_behind"], v_progress=json_safe(progress))
+        if cp is not None and (wcp is None or wcp < cp) and math.isfinite(cp):
+            wcp, wcp_step = cp, step
+        if ae is not None and (wae is None or wae < ae) and math.isfinite(ae):
+            wae, wae_step = ae, step
     d["bad_lo"], d["bad_hi"] = (min(bad), max(bad)) if bad else (None, None)
-    for key, attr in (("wcp", "cp_disagreement_sigma"), ("wae", "applied_error_sigma")):
-        best = best_step = None
-        for it in items:
-            x = finite_or_none(getattr(it.verdict, attr))
-            if x is not None and (best is None or best < x):
-                best, best_step = x, it.step
-        d[key], d[key + "_step"] = best, best_step
-    last = max(items, key=lambda it: it.step)
-    d["lstep"] = last.step
-    d["cp"] = finite_or_none(last.verdict.cp_disagreement_sigma)
-    d["ae"] = finite_or_none(last.verdict.applied_error_sigma)
+    d["wcp"], d["wcp_step"], d["wae"], d["wae_step"] = wcp, wcp_step, wae, wae_step
+    last = max(entries, key=_FIRST)
+    d["lstep"] = last[0]
+    d["cp"] = finite_or_none(last[2])
+    d["ae"] = finite_or_none(last[3])
     return d
+
+
+def _item_entry(it: VerdictItem) -> tuple:
+    """The :func:`_series_params` entry of an item."""
+    v = it.verdict
+    return it.step, v.verdict, v.cp_disagreement_sigma, v.applied_error_sigma, it.previous, it.progress
+
+
+_FIRST = operator.itemgetter(0)
 
 
 def json_safe(obj: Any) -> Any:
@@ -699,7 +754,8 @@ class Store:
             return {k: v[::-1] for k, v in hist.items()}
         return load
 
-    def record_verdicts(self, conn: sa.Connection, items: Sequence["VerdictItem"], now: float) -> list[bool]:
+    def record_verdicts(self, conn: sa.Connection, items: Sequence["VerdictItem"], now: float,
+                        clean: Sequence[CleanSteps] = ()) -> list[bool]:
         """Record the verdicts of many steps, their faults and the series aggregates, in a
         bounded number of statements (at most ten, however many steps; on PostgreSQL each
         one backend execution, except the series UPDATE, one per series).
@@ -728,7 +784,9 @@ class Store:
         ``Service._ingest``) have no step row yet: it is INSERTed with the verdict,
         ``expected``, ``received`` and ``first_seen = now`` (``ON CONFLICT DO NOTHING``: an
         existing row loses, nothing of it written); the row ends as :meth:`count_arrivals`
-        followed by the verdict UPDATE would leave it.
+        followed by the verdict UPDATE would leave it. ``clean`` holds more such steps, all
+        consistent, as columns (:class:`CleanSteps`); if any of their rows existed,
+        :class:`StepRowExists` is raised (the caller rolls back).
 
         Lock order: the ``step_audits`` rows (key order), then the ``series`` rows (id
         order), then the ``series_faults`` rows (key order). The series rows are updated
@@ -747,19 +805,22 @@ class Store:
         if any(keys[i] > keys[i + 1] for i in range(len(keys) - 1)):  # the service passes them in key order
             order.sort(key=keys.__getitem__)
         won = [False] * len(items)
-        if not order:
+        clean = [c for c in clean if c.steps]
+        if not order and not clean:
             return won
         values = {i: self._verdict_values(items[i]) for i in order}
         cur = conn.connection.driver_connection.cursor()
         try:
-            if self.dialect == "postgresql":
+            if clean:
+                self._clean_step_rows(cur, clean, now)
+            if order and self.dialect == "postgresql":
                 self._pg_step_rows(cur, items, order, values, now, won)
-            else:
+            elif order:
                 self._sqlite_step_rows(conn, cur, items, order, values, now, won)
         finally:
             cur.close()
         mine = [i for i in order if won[i]]
-        if not mine:
+        if not mine and not clean:
             return won
 
         old_faults: dict[tuple[int, int], dict[str, int]] = defaultdict(dict)
@@ -773,16 +834,21 @@ class Store:
                 old_faults[(sid, st)][kind] = cnt
             conn.execute(faults.delete().where(where))
 
-        by_series: dict[int, list[VerdictItem]] = defaultdict(list)
+        by_series: dict[int, list[tuple]] = defaultdict(list)
         for i in mine:
-            by_series[items[i].series_id].append(items[i])
+            by_series[items[i].series_id].append(_item_entry(items[i]))
+        mixed = set(by_series) & {c.series_id for c in clean}
+        for c in clean:
+            by_series[c.series_id].extend(c.entries())
         series_params = []
         for sid in sorted(by_series):
-            its = by_series[sid]
-            if any(it.previous is not None or it.progress is not None for it in its):
-                series_params += [_series_params(sid, [it], now) for it in its]
+            entries = by_series[sid]
+            if sid in mixed:
+                entries.sort(key=_FIRST)  # items and clean steps of one series: key order
+            if any(e[4] is not None or e[5] is not None for e in entries):
+                series_params += [_series_params(sid, [e], now) for e in entries]
             else:
-                series_params.append(_series_params(sid, its, now))
+                series_params.append(_series_params(sid, entries, now))
         conn.execute(self._series_stmt, series_params)
 
         fault_rows = [(items[i].series_id, items[i].step, str(f.kind), compress_ranks(f.ranks), f.message,
@@ -845,6 +911,40 @@ class Store:
         for i in order:
             won[i] = (items[i].series_id, items[i].step) in done
 
+    def _clean_step_rows(self, cur, clean: Sequence[CleanSteps], now: float) -> None:
+        """INSERT the step rows of ``clean`` (:meth:`record_verdicts`), one statement per
+        :data:`_SQLITE_CHUNK_SIZES` chunk (SQLite) or one over ``unnest`` (PostgreSQL).
+        Raises :class:`StepRowExists` if any of them existed (the caller rolls back)."""
+        rep = itertools.repeat
+        n = sum(len(c.steps) for c in clean)
+        if self.dialect == "postgresql":
+            cols = [list(itertools.chain.from_iterable(x)) for x in zip(*(
+                (rep(c.series_id, len(c.steps)), c.steps, rep("consistent", len(c.steps)), rep(True, len(c.steps)),
+                 c.cp_sigma, c.err_sigma, c.tol_sigma, rep(None, len(c.steps)), c.groups, c.expected, c.expected)
+                for c in clean))]
+            cur.execute(self._step_sql_of["insert"],
+                        (now, now, *(_pg_array(k, col) for k, col in zip(_PG_VERDICT_KINDS + ("int", "int"), cols))))
+            inserted = len(cur.fetchall())
+        else:
+            inserted = self._sqlite_step_inserts(cur, list(itertools.chain.from_iterable(
+                zip(rep(c.series_id), c.steps, c.expected, c.expected, rep(now), rep("consistent"), rep(True),
+                    c.cp_sigma, c.err_sigma, c.tol_sigma, rep(None), c.groups, rep(now))
+                for c in clean)))
+        if inserted != n:
+            raise StepRowExists()
+
+    def _sqlite_step_inserts(self, cur, ps: Sequence[tuple]) -> int:
+        """SQLite: INSERT fresh step rows (``ps``: the ``insert`` statement's parameters per
+        row) in multi-row ``VALUES`` statements (half the cost per row of an
+        ``executemany``); the number inserted (``ON CONFLICT DO NOTHING``)."""
+        sql, n = self._step_sql_of, 0
+        for k, start, end in _size_runs(len(ps), _SQLITE_CHUNK_SIZES):
+            text = sql["insert_rows"].format(values=", ".join([sql["row"]] * k))
+            for j in range(start, end, k):
+                cur.execute(text, list(itertools.chain.from_iterable(ps[j:j + k])))
+                n += cur.rowcount
+        return n
+
     def _sqlite_step_rows(self, conn: sa.Connection, cur, items: Sequence[VerdictItem], order: list[int],
                           values: dict[int, tuple], now: float, won: list[bool]) -> None:
         """SQLite: the step rows of :meth:`record_verdicts`, an ``executemany`` per kind
@@ -873,12 +973,8 @@ class Store:
         savepoint = conn.begin_nested()
         n = 0
         for kind, ps in by_kind.items():
-            if kind == "insert":  # multi-row VALUES: half the cost per row of an executemany
-                for k, start, end in _size_runs(len(ps), _SQLITE_CHUNK_SIZES):
-                    text = sql["insert_rows"].format(values=", ".join([sql["row"]] * k))
-                    for j in range(start, end, k):
-                        cur.execute(text, [x for p in ps[j:j + k] for x in p])
-                        n += cur.rowcount
+            if kind == "insert":
+                n += self._sqlite_step_inserts(cur, ps)
             else:
                 cur.executemany(sql[kind], ps)
                 n += cur.rowcount

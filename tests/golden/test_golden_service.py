@@ -84,3 +84,54 @@ def test_stored_verdicts_equal_the_golden_corpus(service):
                 assert got["ranks"] == _safe(want["rows"]), where
             covered += 1
     assert covered >= 0.85 * total
+
+
+#: Cases per batch of the many-steps test: every batch mixes runs, topologies, kinds, clean
+#: and faulty steps (several needing the series' history), incomplete steps and the sweep.
+BATCH_CASES = 40
+
+
+def _stored(service, prefix: str) -> dict:
+    """Every step row and series row of the runs ``<prefix>-*``, keyed by (case, statistic,
+    step) and (case, statistic), without ids and times."""
+    import sqlalchemy as sa
+
+    from auditor.db.tables import series, step_audits
+
+    drop = {"id", "series_id", "run_id", "first_seen", "audited_at", "updated_at", "created_at"}
+    with service.store.read() as conn:
+        srows = conn.execute(sa.select(series).where(series.c.run_id.like(f"{prefix}-%"))).mappings().all()
+        of = {r["id"]: (r["run_id"].split("-", 1)[1], r["statistic"]) for r in srows}
+        steps = conn.execute(sa.select(step_audits).where(step_audits.c.series_id.in_(list(of)))).mappings().all()
+    return {"series": {of[r["id"]]: {k: v for k, v in r.items() if k not in drop} for r in srows},
+            "steps": {(*of[r["series_id"]], r["step"]): {k: v for k, v in r.items() if k not in drop} for r in steps}}
+
+
+def test_many_steps_per_batch_store_what_the_general_path_stores(service, monkeypatch):
+    """The corpus's cases sent :data:`BATCH_CASES` cases per batch: steps completed in hand
+    (their clean ones recorded as columns, ``CleanSteps``) leave the same step rows
+    (verdict, σ figures, fault kinds, groups, counts) and series rows as the general path
+    (step row upserted, then its verdict UPDATEd), the sweep included."""
+    inserted = []
+    clean_rows = service.store._clean_step_rows
+    monkeypatch.setattr(service.store, "_clean_step_rows",
+                        lambda cur, clean, now: (inserted.append(sum(len(c.steps) for c in clean)),
+                                                 clean_rows(cur, clean, now))[1])
+    cases = [c for c in generate.cases(regenerate.SEED, CASES) if not c.raw]
+    tag = f"{time.time_ns()}"
+    for prefix, in_hand in ((f"cols{tag}", True), (f"general{tag}", False)):
+        for lo in range(0, len(cases), BATCH_CASES):
+            batch = []
+            for case in cases[lo:lo + BATCH_CASES]:
+                try:
+                    batch += [Report.model_validate(b) for s in case.steps
+                              for b in generate.wire_reports(case, s, f"{prefix}-{case.id}")]
+                except ValidationError:
+                    continue
+            service.ingest(batch) if in_hand else service._ingest_retrying(batch, None, in_hand=False)
+        service.sweep(grace_seconds=0.0, now=time.time() + 10)
+    cols, general = _stored(service, f"cols{tag}"), _stored(service, f"general{tag}")
+    assert len(cols["steps"]) >= 0.85 * sum(len(c.steps) for c in cases)
+    assert sum(inserted) >= 150  # clean steps recorded as columns (173 of them)
+    assert cols["series"] == general["series"]
+    assert cols["steps"] == general["steps"]

@@ -41,7 +41,7 @@ def test_an_engine_exception_is_contained_to_its_step(service, monkeypatch):
     """The engine raising on step 1 of a 3-step batch: the batch is stored, steps 0 and 2
     get their verdicts, step 1 is recorded ``audit_error`` with the exception in its one
     fault, the run is not reported consistent, and the step still reads back. The batched
-    pass over clean steps (``audit_clean``) raising too only sends every step to the exact
+    pass over clean steps (``clean_columns``) raising too only sends every step to the exact
     engine."""
     run_id = f"contain-{uuid.uuid4().hex[:8]}"
     real = core.audit_step
@@ -49,7 +49,7 @@ def test_an_engine_exception_is_contained_to_its_step(service, monkeypatch):
     def boom(*args, **kwargs):
         raise RuntimeError("synthetic batched-engine bug")
 
-    monkeypatch.setattr(core, "audit_clean", boom)
+    monkeypatch.setattr(core.batch, "clean_columns", boom)
 
     def flaky(reports, *args, **kwargs):
         if reports and all(r.local_count == 65.0 or r.local_count == 85.0 for r in reports) and flaky.step == 1:
