@@ -303,6 +303,26 @@ _RANGE_ABS = 2.0**-7
 _WEIGHTED_TERMS = 2.0**16
 
 
+def _is_empty_identity(side: str, v: float, count) -> bool:
+    """Whether ``local.<side>`` (``"min"`` or ``"max"``) value ``v`` is the identity of its
+    reduction beside ``count`` 0: ``min = +inf`` or ``max = -inf``, what a trainer's
+    ``x.masked_fill(~mask, inf).min()`` (``-inf`` and ``.max()``) returns for an all-masked
+    tensor. Such a value means "no min/max", exactly as null: :class:`LocalStats` turns it
+    into None at decode (the stored row holds NULL, ``non_finite`` stays empty, the audit
+    sees an absent min/max; an empty set has none, :func:`_range_error`). JSON has no
+    infinity: the wire carries it as the ``Infinity``/``-Infinity`` tokens (Python's
+    ``json.dumps``, the client's encoding) or a number beyond float range (``1e400``); msgspec
+    reads neither, so such a body always takes the pydantic path (:func:`parse_report_batch`)
+    and a :class:`FastLocal` never holds one (``FastReport.values_finite``).
+
+    Each side on its own (a trainer may send only one). Not identities, and unchanged (stored,
+    flagged ``non_finite`` by the audit): ``min = -inf`` or ``max = +inf`` with count 0 (the
+    opposite identity: not what any reduction of nothing returns), any infinity beside a
+    count > 0 or a count that is absent, NaN or non-zero (there were elements: an infinite
+    min/max is a value), and NaN."""
+    return count == 0 and v == (_INF if side == "min" else _NEG_INF)
+
+
 def _range_error(side: str, v, count, total, total_sq, lo=None, weighted: bool = False) -> str | None:
     """The message of the first rule ``local.<side>`` (``"min"`` or ``"max"``, value ``v``)
     breaks against the other moments of its block, else None. Shared by :class:`LocalStats`
@@ -314,7 +334,9 @@ def _range_error(side: str, v, count, total, total_sq, lo=None, weighted: bool =
     * ``count == 0``: no value at all. min/max are over the elements with ``m != 0``
       (DESIGN.md §3), and ``count = Σm = 0`` with ``m >= 0`` leaves none: an empty set has
       no min or max (:class:`auditor.core.stats.Moments`: ``nan`` when N == 0; the hooks'
-      ``masked_moments`` sends null). A finite one is not what any masked data gives.
+      ``masked_moments`` sends null). A finite one is not what any masked data gives. The
+      reductions' identities ``min = +inf``/``max = -inf`` mean null and never get here
+      (:func:`_is_empty_identity`); the opposite infinities stay ``non_finite``.
     * ``max >= min`` (``lo`` is ``min`` when checking ``max``).
     * ``|v| <= sqrt(sum_sq)·(1 + 2^-8) + 2^-7``: every masked-in element's square is a term
       of ``sum_sq = Σ m·v²``. Rounding is monotone, so a float sum of non-negative terms,
@@ -377,7 +399,9 @@ class LocalStats(_Strict):
     """This rank's own masked statistics before the all-reduce (float64 recommended).
 
     ``moments``: count, sum, sum_sq required (min, max optional). ``sum``: sum required.
-    ``norm``: sum_sq required, replicated_sum_sq optional.
+    ``norm``: sum_sq required, replicated_sum_sq optional. With count 0, ``min = +Infinity``
+    and ``max = -Infinity`` (the identities of min/max reductions) are read as null
+    (:func:`_is_empty_identity`).
     """
 
     count: float | None = None
@@ -398,6 +422,8 @@ class LocalStats(_Strict):
     @classmethod
     def _range(cls, v: float | None, info: ValidationInfo) -> float | None:
         d = info.data
+        if v is not None and _is_empty_identity(info.field_name, v, d.get("count")):
+            return None  # no min/max, as null (stored NULL, not non_finite)
         msg = _range_error(info.field_name, v, d.get("count"), d.get("sum"), d.get("sum_sq"), d.get("min"),
                            weighted=d.get("weighted", False))
         if msg:

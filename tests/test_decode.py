@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
 from collections import Counter
 
 import msgspec
@@ -494,6 +495,50 @@ def test_each_batch_rule_agrees(change, accepted, size, where):
     assert (fast is not None) == accepted
     if fast is not None:
         assert canon(fast) == canon(slow)
+
+
+_E = {"count": 0.0, "sum": 0.0, "sum_sq": 0.0}
+
+
+@pytest.mark.parametrize("local, read", [
+    # the identities of min/max reductions beside count 0: no min/max, as null
+    ({**_E, "min": "Infinity", "max": "-Infinity"}, (None, None)),
+    ({**_E, "min": "1e400", "max": "-1e400"}, (None, None)),  # beyond float range: the same infinities
+    ({**_E, "min": "Infinity"}, (None, None)),  # each side on its own
+    ({**_E, "max": "-Infinity"}, (None, None)),
+    ({**_E, "count": 0, "min": "Infinity", "max": "-Infinity", "weighted": True}, (None, None)),
+    # not identities: as before (stored, non_finite)
+    ({**_E, "min": "-Infinity", "max": "Infinity"}, (-math.inf, math.inf)),
+    ({**_E, "min": "-Infinity"}, (-math.inf, None)),
+    ({"count": 1.0, "sum": 0.5, "sum_sq": 0.25, "min": "Infinity", "max": "-Infinity"}, (math.inf, -math.inf)),
+    ({"count": 0.5, "sum": 0.0, "sum_sq": 0.0, "min": "Infinity", "max": "-Infinity", "weighted": True},
+     (math.inf, -math.inf)),
+    ({"count": "NaN", "sum": 0.0, "sum_sq": 0.0, "min": "Infinity", "max": "-Infinity"}, (math.inf, -math.inf)),
+    ({**_E, "min": "NaN", "max": "NaN"}, ("nan", "nan")),
+])
+@pytest.mark.parametrize("size, where", [(1, 0), (5, 1), (40, 17)])
+def test_an_empty_mask_s_min_max_identities_read_as_null(local, read, size, where):
+    """count 0 with min = +Infinity / max = -Infinity (``masked_fill(~mask, ±inf).min()/.max()``
+    of an all-masked tensor) are read as null: by pydantic (msgspec reads no infinity, so
+    the fast decoder refuses the body and parse_report_batch answers pydantic's), and the
+    result is the report the fast decoder gives for the same body with nulls. Other
+    infinities stay as sent (non_finite at the audit)."""
+    def body(loc: dict) -> bytes:  # the values as JSON tokens
+        reports = [dict(BASE, step=i, local=dict(_L)) for i in range(size)]
+        reports[where] = {**reports[where], "local": {k: "@%s@" % v if isinstance(v, str) else v
+                                                      for k, v in loc.items()}}
+        return re.sub(r'"@([^@]*)@"', r"\1", json.dumps({"reports": reports})).encode()
+
+    text = body(local)
+    assert decode_report_batch(text) is None
+    reports, errors, n = parse_report_batch(text, 10)
+    assert errors == [] and n == size and all(isinstance(r, Report) for r in reports)
+    got = reports[where].local
+    assert tuple("nan" if v is not None and math.isnan(v) else v for v in (got.min, got.max)) == read
+    if read == (None, None):
+        nulls = body({**local, "min": None, "max": None})
+        fast = decode_report_batch(nulls)
+        assert fast is not None and canon(fast) == canon(reports)
 
 
 def test_correct_torch_float32_sums_that_cancel_pass_both_decoders():

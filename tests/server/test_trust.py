@@ -1,6 +1,7 @@
 """Three trust problems, each through the real service (HTTP, SQLite file and PostgreSQL) and
 `auditor audit`: a correct value of 0 still judges every applied value; an empty mask's
-local block cannot carry values; correct float32 sums that cancel are stored and judged."""
+local block cannot carry values (its min/max identities ±Infinity read as null); correct
+float32 sums that cancel are stored and judged."""
 
 from __future__ import annotations
 
@@ -132,6 +133,74 @@ def test_an_empty_mask_reported_as_masked_moments_does_is_stored(live_server, ru
     r = post(live_server, two_dp_ranks(run_id, "adv", [data, empty], [glob, glob]))
     assert r.status_code == 200 and r.json() == {"accepted": 2, "duplicates": 0, "steps_audited": 1}, r.text
     assert step_of(live_server, run_id, "adv")["verdict"] == "consistent"
+
+
+INF = float("inf")
+
+
+def post_json(server, reports: list[dict]):
+    """POST with ``Infinity`` tokens, as the client encodes them (``json.dumps``; httpx's
+    ``json=`` refuses non-finite floats)."""
+    return server.post("/v1/reports", content=json.dumps({"reports": reports}).encode(),
+                       headers={"content-type": "application/json"})
+
+
+def stored_min_max(database_url: str, run_id: str, statistic: str) -> list[tuple]:
+    """``(rank, local_min, local_max, non_finite)`` of the stored rows of step 0, by rank."""
+    import sqlalchemy as sa
+
+    from auditor.db import tables as t
+    from auditor.db.engine import make_engine
+
+    engine = make_engine(database_url)
+    try:
+        with engine.connect() as conn:
+            q = (sa.select(t.reports.c.rank, t.reports.c.local_min, t.reports.c.local_max, t.reports.c.non_finite)
+                 .join(t.series, t.series.c.id == t.reports.c.series_id)
+                 .where(t.series.c.run_id == run_id, t.series.c.statistic == statistic, t.reports.c.step == 0)
+                 .order_by(t.reports.c.rank))
+            return [tuple(r) for r in conn.execute(q)]
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.parametrize("size", [2, 40])  # 40: beside 19 steps the fast decoder alone would read
+def test_an_empty_mask_s_min_max_identities_are_read_as_null(live_server, run_id, size):
+    """count 0 with min = +Infinity and max = -Infinity, what ``masked_fill(~mask, ±inf)``
+    and ``.min()``/``.max()`` give for an all-masked tensor: the identities of the
+    reductions, "no min/max" exactly as null. Before: stored as infinities and the correct
+    step inconsistent, non_finite on rank 1 (a false alarm). Now: stored NULL, no
+    non_finite, the step consistent; re-sending it with null min/max is the same report."""
+    data = {"count": 4.0, "sum": 2.0, "sum_sq": 3.0, "min": -0.5, "max": 1.5}
+    glob = {"count": 4.0, "sum": 2.0, "sum_sq": 3.0}
+    empty = {"count": 0.0, "sum": 0.0, "sum_sq": 0.0, "min": INF, "max": -INF}
+    reports = [r for s in range(size // 2) for r in two_dp_ranks(run_id, "adv", [data, data if s else empty],
+                                                                 [glob, glob], step=s)]
+    r = post_json(live_server, reports)
+    assert r.status_code == 200 and r.json() == {"accepted": size, "duplicates": 0, "steps_audited": size // 2}, r.text
+    step = step_of(live_server, run_id, "adv")
+    assert (step["verdict"], step["faults"]) == ("consistent", [])
+    assert stored_min_max(live_server.database_url, run_id, "adv") == [(0, -0.5, 1.5, None), (1, None, None, None)]
+    again = two_dp_ranks(run_id, "adv", [data, {**empty, "min": None, "max": None}], [glob, glob])
+    r = post(live_server, again)
+    assert r.status_code == 200 and r.json() == {"accepted": 0, "duplicates": 2, "steps_audited": 0}, r.text
+
+
+@pytest.mark.parametrize("empty, stored", [
+    ({"count": 1.0, "sum": 0.5, "sum_sq": 0.25, "min": INF, "max": -INF}, (1, INF, -INF, "local_min,local_max")),
+    ({"count": 0.0, "sum": 0.0, "sum_sq": 0.0, "min": -INF, "max": INF}, (1, -INF, INF, "local_min,local_max")),
+])
+def test_infinities_that_are_not_an_empty_mask_s_identities_stay_non_finite(live_server, run_id, empty, stored):
+    """The same infinities beside count 1 are values (there was an element), and the
+    opposite ones (min = -Infinity, max = +Infinity) beside count 0 are no reduction's
+    identity: both stored as sent and flagged non_finite on rank 1, as before."""
+    data = {"count": 4.0, "sum": 2.0, "sum_sq": 3.0, "min": -0.5, "max": 1.5}
+    glob = {"count": 4.0 + empty["count"], "sum": 2.0 + empty["sum"], "sum_sq": 3.0 + empty["sum_sq"]}
+    r = post_json(live_server, two_dp_ranks(run_id, "adv", [data, empty], [glob, glob]))
+    assert r.status_code == 200 and r.json() == {"accepted": 2, "duplicates": 0, "steps_audited": 1}, r.text
+    step = step_of(live_server, run_id, "adv")
+    assert (step["verdict"], faults_of(step)) == ("inconsistent", [("non_finite", [1])])
+    assert stored_min_max(live_server.database_url, run_id, "adv") == [(0, -0.5, 1.5, None), stored]
 
 
 # ------------------------------------------------------------------ 3. float32 sums that cancel
