@@ -695,7 +695,7 @@ class Service:
         row yet). Their clean steps are judged by :func:`auditor.core.batch.clean_columns`
         (one array pass per series) and recorded as columns (:class:`CleanSteps`: no object
         per step); the others join ``due``. The clean steps of ``due`` with their reports in
-        hand are judged together by :func:`auditor.core.audit_clean`; every other step (or
+        hand are judged by the same pass, as StepVerdicts (:meth:`_audit_clean`); every other step (or
         every step, if that pass raises) by :func:`auditor.core.audit_step`, the one source
         of every finding. A step's reports are the rows in hand (``_Due.rows``) or read
         back. Verdicts wait to be written until the end, except that a step whose diagnosis
