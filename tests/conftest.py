@@ -33,15 +33,28 @@ def backend(request) -> str:
     return request.param
 
 
-@pytest.fixture(scope="session")
-def database_url(backend, tmp_path_factory):
-    """A fresh, empty database of the session's backend."""
+def _session_database(backend, tmp_path_factory, tag: str):
+    """A fresh, empty database of ``backend`` for the session (dropped after it)."""
     if backend == "sqlite":
-        yield f"sqlite:///{tmp_path_factory.mktemp('db') / 'auditor.db'}"
+        yield f"sqlite:///{tmp_path_factory.mktemp(tag) / 'auditor.db'}"
         return
-    url, drop = _pg_database("session")
+    url, drop = _pg_database(tag)
     yield url
     drop()
+
+
+@pytest.fixture(scope="session")
+def database_url(backend, tmp_path_factory):
+    """A fresh, empty database of the session's backend, for the in-process tests."""
+    yield from _session_database(backend, tmp_path_factory, "session")
+
+
+@pytest.fixture(scope="session")
+def live_database_url(backend, tmp_path_factory):
+    """The live server's own database: its sweep (grace 2 s) must never audit the open
+    steps of in-process tests, which pass ``now`` far from the clock (a step left open
+    between two ingests at ``now=1000`` was swept as incomplete on a loaded machine)."""
+    yield from _session_database(backend, tmp_path_factory, "live")
 
 
 @pytest.fixture
@@ -56,11 +69,11 @@ def fresh_database_url(backend, tmp_path):
 
 
 @pytest.fixture(scope="session")
-def live_server(database_url, tmp_path_factory):
+def live_server(live_database_url, tmp_path_factory):
     """One service process per backend for the session (grace 2 s, sweep every 0.2 s).
     Tests isolate themselves with unique run ids (:func:`run_id`)."""
     server = ServerProcess(
-        database_url, tmp_path_factory.mktemp("logs") / "server.log",
+        live_database_url, tmp_path_factory.mktemp("logs") / "server.log",
         AUDITOR_GRACE_SECONDS="2", AUDITOR_SWEEP_INTERVAL_SECONDS="0.2",
     ).start()
     yield server
