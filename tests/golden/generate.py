@@ -245,7 +245,12 @@ class _Trainer:
             d = {"count": float(n), "sum": math.fsum(v64.tolist()), "sum_sq": math.fsum((v64 * v64).tolist()),
                  "_vals": vals}
             if n and rng.random() < 0.85:
-                d["min"], d["max"] = float(v64.min()), float(v64.max())
+                # the builtins, not ndarray.min/max: which of 0.0 and -0.0 numpy's SIMD
+                # reductions return follows the vector width (AVX-512 gave 0.0 where AVX2
+                # gave -0.0), so the corpus differed between machines; min/max return the
+                # first of equal values on every CPU
+                xs = v64.tolist()
+                d["min"], d["max"] = min(xs), max(xs)
             return d
         if self.kind == "sum":
             return {"sum": 0.0 if empty else float(rng.choice((0, rng.randint(1, 600), rng.randint(1, 600))))}
