@@ -34,6 +34,8 @@ import gc
 import hmac
 import json
 import logging
+import math
+import re
 import threading
 import time
 import urllib.parse
@@ -597,7 +599,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         "next_cursor": str | null}``. Pass ``next_cursor`` back as ``cursor`` for the next
         page (opaque; null on the last page). Times are Unix seconds."""
         s = svc_of(request)
-        after = decode_cursor(cursor, lambda v: (float(v[0]), str(v[1])))
+        after = decode_cursor(cursor, runs_key)
 
         def page():
             rows, last = s.service.runs_page(limit=limit, after=after, status=status)
@@ -652,7 +654,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         statistic (``moments`` only; null for ``sum``/``norm``); ``tolerance_sigma`` is the
         most a correct reduction's rounding can show. 404 for an unknown run or statistic."""
         s = svc_of(request)
-        after = decode_cursor(cursor, int)
+        after = decode_cursor(cursor, step_key)
 
         def page():
             out = s.service.steps(run_id, statistic, start=start, stop=stop, verdict=verdict, limit=limit,
@@ -731,7 +733,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         status: Literal["inconsistent", "incomplete", "consistent", "pending"] | None = None,
     ) -> HTMLResponse:
         s = svc_of(request)
-        after = decode_cursor(cursor, lambda v: (float(v[0]), str(v[1])))
+        after = decode_cursor(cursor, runs_key)
         rows, last = s.service.runs_page(limit=100, after=after, status=status)
         return HTMLResponse(web.render_runs_page(rows, next_cursor=encode_cursor(list(last)) if last else None,
                                                  status=status, root_path=request.scope.get("root_path", "")))
@@ -864,14 +866,46 @@ def encode_cursor(value: Any) -> str:
     return base64.urlsafe_b64encode(json.dumps(value, separators=(",", ":")).encode()).decode().rstrip("=")
 
 
+#: The largest step (the wire's bound, auditor.schemas): a steps cursor holds a step.
+MAX_STEP = 2**62
+_RUN_ID_RE = re.compile(RUN_ID_PATTERN)
+
+
+def step_key(v: Any) -> int:
+    """The keyset position of a steps cursor: a step, an integer in [0, :data:`MAX_STEP`].
+    Anything else raises ValueError (a value outside the column's range reached the
+    database before: OverflowError on SQLite, DataError on PostgreSQL, a 500)."""
+    if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_STEP:
+        raise ValueError(f"not a step: {v!r}")
+    return v
+
+
+def runs_key(v: Any) -> tuple[float, str]:
+    """The keyset position of a runs cursor: ``[created_at, run_id]``, a finite number and a
+    run id of the wire's pattern. Anything else raises ValueError (a NUL or a lone
+    surrogate in the run id, or a number beyond float range, failed in the driver: a 500)."""
+    if not isinstance(v, list) or len(v) != 2:
+        raise ValueError("not [created_at, run_id]")
+    at, run_id = v
+    if isinstance(at, bool) or not isinstance(at, (int, float)):
+        raise ValueError(f"not a time: {at!r}")
+    at = float(at)  # OverflowError for an integer beyond float range
+    if not math.isfinite(at):
+        raise ValueError(f"not a time: {at!r}")
+    if not isinstance(run_id, str) or len(run_id) > 128 or not _RUN_ID_RE.fullmatch(run_id):
+        raise ValueError(f"not a run id: {run_id!r}")
+    return at, run_id
+
+
 def decode_cursor(cursor: str | None, parse) -> Any:
-    """The position of :func:`encode_cursor`'s ``cursor`` (``parse`` checks its shape); a
-    cursor that is not one of ours is a 422 naming ``cursor``."""
+    """The position of :func:`encode_cursor`'s ``cursor`` (``parse`` checks its shape and the
+    range of each value: :func:`step_key`, :func:`runs_key`); a cursor that is not one of
+    ours is a 422 naming ``cursor``, never a query with its values."""
     if not cursor:  # absent, or empty (`?cursor=`: the first page)
         return None
     try:
         return parse(json.loads(base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))))
-    except (ValueError, TypeError, IndexError, KeyError, RecursionError, binascii.Error):
+    except (ValueError, TypeError, IndexError, KeyError, RecursionError, OverflowError, binascii.Error):
         raise RequestValidationError([{"loc": ("query", "cursor"), "type": "value_error", "input": cursor,
                                        "msg": "not a cursor of this listing: pass back the next_cursor of the "
                                               "previous page unchanged"}]) from None

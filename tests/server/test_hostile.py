@@ -726,6 +726,46 @@ def test_characters_a_database_rejects_in_paths_and_queries_are_422(server):
     assert assert_problem(r, 422, "validation")["errors"][0]["field"] == "reports[0].run_id"
 
 
+def test_crafted_cursors_are_422_naming_the_cursor_and_real_ones_still_page(server, run_id):
+    """A cursor is opaque base64 of JSON, so a caller can craft one holding values outside its
+    column's range: a step beyond BIGINT or infinite (OverflowError on SQLite, DataError on
+    PostgreSQL), a run id with NUL or a lone surrogate, a time beyond float range - each was a
+    500 (and the connection dropped). Every one is now a 422 naming query.cursor, on the API
+    listings and the runs page; the cursors the service hands out still page."""
+    import base64
+
+    def cursor(text: str) -> str:
+        return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+    reports = [r for step in range(3) for r in reference_reports(run_id, buggy=False, step=step)]
+    assert post(server, reports + reference_reports(run_id + "-b", buggy=False)).status_code == 200
+    steps = f"/v1/runs/{run_id}/statistics/advantages/steps"
+    for text in ["1e400", "-1e400", "Infinity", "NaN", str(2**63), str(2**64), str(2**62 + 1), "-5", "1.5",
+                 "true", '"3"', "[1]"]:
+        r = server.get(steps, params={"cursor": cursor(text)})
+        body = assert_problem(r, 422, "validation")
+        assert body["errors"][0]["field"] == "query.cursor", (text, body)
+    for text in ['[1e400,"a"]', '[Infinity,"a"]', '[NaN,"a"]', '[1,"a\\u0000"]', '[1,"\\ud800"]',
+                 '[' + "9" * 400 + ',"a"]', '[1,"' + "x" * 129 + '"]', '[true,"a"]', '["1","a"]', '[1,5]',
+                 '[1,"a",3]', '[1,"a b"]']:
+        for path in ("/v1/runs", "/"):
+            r = server.get(path, params={"cursor": cursor(text)})
+            body = assert_problem(r, 422, "validation")
+            assert body["errors"][0]["field"] == "query.cursor", (path, text, body)
+    # the service's own cursors: three pages of one step each, then none
+    seen, after = [], None
+    for _ in range(3):
+        page = server.get(steps, params={"limit": 1, **({"cursor": after} if after else {})}).json()
+        seen += [s["step"] for s in page["steps"]]
+        after = page["next_cursor"]
+    assert seen == [0, 1, 2] and after is None
+    first = server.get("/v1/runs", params={"limit": 1}).json()
+    assert first["next_cursor"] is not None
+    assert server.get("/v1/runs", params={"limit": 1, "cursor": first["next_cursor"]}).status_code == 200
+    assert server.get("/", params={"cursor": first["next_cursor"]}).status_code == 200
+    assert server.get("/healthz").status_code == 200
+
+
 def test_a_request_body_is_freed_by_reference_counting_not_the_cycle_collector():
     """Reading a body leaves no reference cycle holding its chunks: 20 bodies of 1 MiB in
     64 KiB chunks, read through a real Starlette request with the cycle collector off, leave
