@@ -315,8 +315,10 @@ NO_KEY: tuple[bytes, int, bytes] = (b"", -1, b"")
 
 def line_key(line: bytes) -> tuple[bytes, int, bytes] | None:
     """``(run_id, step, statistic)`` of an encoded report (the JSON strings still quoted), or
-    None if one of them is missing. Only an ordering hint for :func:`SpoolReader`: nothing
-    is validated, and a wrong key only changes which batch a line travels in."""
+    None if one of them is missing or the step is not a number Python reads (more than
+    ``sys.get_int_max_str_digits()`` digits: a garbage line, which the decoder then names).
+    Only an ordering hint for :func:`SpoolReader`: nothing is validated, a wrong key only
+    changes which batch a line travels in, and no line makes it raise."""
     try:  # the client's compact encoding: a few bytes.find, no regex
         r = line.index(b'"run_id":"') + 9
         s = line.index(b'"statistic":"') + 12
@@ -327,7 +329,7 @@ def line_key(line: bytes) -> tuple[bytes, int, bytes] | None:
         found = dict(reversed(_KEY_FIELDS.findall(line)))  # the first of each
         try:
             return found[b"run_id"], int(found[b"step"]), found[b"statistic"]
-        except KeyError:
+        except (KeyError, ValueError):  # ValueError: a step of more digits than int() reads
             return None
 
 

@@ -384,3 +384,25 @@ def test_audit_names_the_field_each_invalid_line_breaks(tmp_path):
     assert out.returncode == 0, out.stderr
     skipped = [ln[ln.index(f"{path}:"):] for ln in out.stderr.splitlines() if "invalid report skipped" in ln]
     assert skipped == [f"{path}:{i + 1}: invalid report skipped: {why}" for i, (_, why) in enumerate(bad) if why]
+
+
+def test_a_line_whose_step_int_cannot_read_is_skipped_not_a_crash(tmp_path):
+    """A garbage spool line whose step has 5,000 digits (more than int() reads) ended
+    `auditor audit` with a traceback and exit 2 (the merge key's int() raised ValueError in
+    the spool reader) and nothing was audited. It is now one invalid line named by file and
+    line, in both ways of reading, and the reference step beside it is audited consistent."""
+    a, b = reference_reports("huge-step", buggy=False)
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    path = spool / "rank0.jsonl"
+    junk = ['{"run_id":"huge-step","statistic":"advantages","step":' + "9" * 5000 + ',"rank":0}',
+            '{"run_id": "huge-step", "statistic": "advantages", "step": ' + "9" * 5000 + "}"]
+    path.write_text("\n".join([json.dumps(a), *junk, json.dumps(b)]) + "\n")
+    for reader_process in (False, True):
+        (report,), counts = audit_offline([spool], reader_process=reader_process)
+        assert (report["status"], counts["invalid"], counts["stored"]) == ("consistent", 2, 2)
+    out = _auditor("audit", str(spool), "--check", "--quiet")
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    assert [ln[ln.index(f"{path}:"):].split(": ")[0] for ln in out.stderr.splitlines() if "invalid report" in ln] == \
+        [f"{path}:2", f"{path}:3"]

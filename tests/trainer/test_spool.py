@@ -135,3 +135,8 @@ def test_line_key_is_read_without_decoding():
     line = b'{"run_id": "run-1", "step": 12, "statistic": "adv", "rank": 3, "spec": {"x": "\\"step\\":1"}}'
     assert line_key(line) == (b'"run-1"', 12, b'"adv"')
     assert line_key(b'{"run_id":"r","statistic":"a"}') is None
+    # a step of more digits than int() reads (4,300): no key, never a ValueError (it ended
+    # `auditor audit` and `auditor import` with a traceback)
+    for sep in (b"", b" "):
+        huge = b'{"run_id":%s"r",%s"statistic":%s"a",%s"step":%s%s,"rank":0}' % (sep, sep, sep, sep, sep, b"9" * 5000)
+        assert line_key(huge) is None
