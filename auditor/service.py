@@ -34,7 +34,7 @@ from auditor import core, layout
 from auditor import status as statuses
 from auditor.core import DIMS, EXPERT_DIMS, REPLACEABLE, RankReport
 from auditor.db.store import (
-    COLUMNS, COMPARED, Arrival, CleanSteps, RunRow, SeriesRow, StepRowExists, Store, VerdictItem, elements, json_safe, rank_report, report_row,
+    COLUMNS, COMPARED, Arrival, CleanSteps, ReportsExist, RunRow, SeriesRow, StepRowExists, Store, VerdictItem, elements, json_safe, rank_report, report_row,
 )
 from auditor.schemas import DEFAULT_SPECS, Report, RunRegistration, StatisticSpec
 from auditor.status import STATUSES
@@ -416,7 +416,9 @@ class Service:
         meanwhile (``DELETE /v1/runs``, retention, maybe on another replica): the caches are
         dropped and the batch is tried once more. A step completed in hand whose step row
         existed after all (:meth:`_fresh_steps`) rolls the batch back; it is ingested again
-        without completing steps in hand.
+        without completing steps in hand. So does a batch holding a stored report (a
+        re-send: :class:`ReportsExist` from the bulk insert, which has no savepoint); it is
+        ingested again report by report (``bulk=False``: ``Store.insert_returning``).
 
         A :class:`ConflictError` (409) stores nothing of the batch; after its rollback, the
         reports that contradicted a stored series are counted against it in a small write
@@ -424,10 +426,18 @@ class Service:
         e.g. while ``auditor audit`` bisects a batch), so the report can say that a run id
         was reused or a rank re-sent different values. The ConflictError is raised either way."""
         try:
-            try:
-                return self._ingest_retrying(batch, now, in_hand=True)
-            except StepRowExists:
-                return self._ingest_retrying(batch, now, in_hand=False)
+            in_hand = bulk = True
+            while True:
+                try:
+                    return self._ingest_retrying(batch, now, in_hand, bulk)
+                except StepRowExists:
+                    if not in_hand:
+                        raise
+                    in_hand = False
+                except ReportsExist:
+                    if not bulk:
+                        raise
+                    bulk = False
         except ConflictError as exc:
             if record_refused and exc.against_stored:
                 self._record_refused(exc, batch, time.time() if now is None else now)
@@ -461,18 +471,20 @@ class Service:
         except Exception:  # noqa: BLE001 - counting must never turn the 409 into a 500
             log.exception("could not count the reports refused by a %s", exc.error)
 
-    def _ingest_retrying(self, batch: Sequence[Report], now: float | None, in_hand: bool) -> IngestOutcome:
+    def _ingest_retrying(self, batch: Sequence[Report], now: float | None, in_hand: bool,
+                         bulk: bool = True) -> IngestOutcome:
         try:
-            return self._ingest(batch, now, in_hand)
+            return self._ingest(batch, now, in_hand, bulk)
         except Exception as exc:
             if not (isinstance(exc, _StaleCaches) or _is_integrity_error(exc)):
                 raise
             self._runs.clear()
             self._series.clear()
             self._open.clear()
-            return self._ingest(batch, now, in_hand)
+            return self._ingest(batch, now, in_hand, bulk)
 
-    def _ingest(self, batch: Sequence[Report], now: float | None = None, in_hand: bool = True) -> IngestOutcome:
+    def _ingest(self, batch: Sequence[Report], now: float | None = None, in_hand: bool = True,
+                bulk: bool = True) -> IngestOutcome:
         """Store a validated batch in one transaction and audit the steps it completes.
 
         Re-sent identical reports are counted as duplicates and change nothing. Raises
@@ -557,8 +569,9 @@ class Service:
 
             # Key order: concurrent transactions take index locks in one order (no deadlocks).
             ordered = [rows[k] for k in sorted(rows)]
-            # Fast path: one bulk statement that stores every row, or nothing if any key exists.
-            all_new = bool(ordered) and store.insert_all_new(conn, ordered)
+            # Fast path: one bulk statement that stores every row, or ReportsExist if any key
+            # exists (the batch is then tried again with bulk=False: Service.ingest).
+            all_new = bool(ordered) and bulk and store.insert_all_new(conn, ordered)
             if all_new:
                 inserted_keys: Any = rows.keys()
             else:  # re-sends: find out row by row what is stored, and whether it is identical
@@ -652,8 +665,9 @@ class Service:
         inserted ``expected`` of them, this transaction holds every place: another
         transaction's report of the step waits on these keys and then conflicts (a
         duplicate, or a 409), so it inserts none and makes no step row, before or after.
-        Not covered by that argument, and caught by the INSERT's ``ON CONFLICT DO
-        NOTHING`` (:class:`StepRowExists`: the batch is ingested again the general way):
+        Not covered by that argument, and caught by the step rows' insert (SQLite's ``ON
+        CONFLICT DO NOTHING`` count, PostgreSQL's ``COPY`` unique violation:
+        :class:`StepRowExists`, the batch is ingested again the general way):
         a step row left by the deletion of its reports (``delete_rank_range``), a
         concurrent report saying another ``num_microbatches`` (today a 409 at its step
         row), and an expert placement without an ``order``, where the dense-coordinate

@@ -198,6 +198,13 @@ class CleanSteps:
                    itertools.repeat(None), itertools.repeat(None))
 
 
+class ReportsExist(Exception):
+    """:meth:`Store.insert_all_new` met a stored report (its key, or its coordinates in its
+    step): the caller's transaction is rolled back (part of the batch may be inserted; on
+    PostgreSQL the unique violation aborted it) and the batch ingested again with
+    :meth:`Store.insert_returning`, which finds out report by report (``Service.ingest``)."""
+
+
 class StepRowExists(Exception):
     """A step row :meth:`Store.record_verdicts` was to INSERT with its verdict (a ``fresh``
     item, :class:`CleanSteps`) existed after all: the caller's transaction is rolled back
@@ -233,7 +240,8 @@ def _verdict_sql(dialect: str) -> dict[str, str]:
     parameter set, ~30 µs of backend time each): ``insert`` and ``arrivals`` in array
     (= key) order (``WITH ORDINALITY ... ORDER BY``, so their locks are taken in key order),
     ``update`` (first audits and re-audits together, ``RETURNING`` the keys it won),
-    ``faults`` (ids in key order).
+    ``faults`` (ids in key order); ``copy``: the step rows of clean steps complete in hand
+    (:meth:`Store._clean_step_rows`).
     """
     cols = ", ".join(_VERDICT_COLUMNS)
     if dialect != "postgresql":
@@ -256,6 +264,8 @@ def _verdict_sql(dialect: str) -> dict[str, str]:
               "%s::text[], %s::text[]")
     names = "sid, st, verdict, complete, cp, ae, tol, kinds, groups"
     return {
+        "copy": f"COPY step_audits (series_id, step, expected, received, first_seen, {cols}, audited_at) "
+                "FROM STDIN (FORMAT BINARY)",
         "insert": f"INSERT INTO step_audits (series_id, step, expected, received, first_seen, {cols}, audited_at) "
                   f"SELECT v.sid, v.st, v.exp, v.rec, %s, {v}, %s "
                   f"FROM unnest({arrays}, %s::int[], %s::int[]) WITH ORDINALITY AS v({names}, exp, rec, ord) "
@@ -414,6 +424,11 @@ def _pg_array(kind: str, xs: Sequence) -> str:
     return "{" + body + "}"
 
 
+#: Wire types of the binary ``COPY`` of fresh step rows (``_verdict_sql``'s ``copy``): the
+#: ``groups`` JSON goes as text, which is also json's binary form (``json_recv`` parses it).
+_PG_STEP_COPY_TYPES = ("int8", "int8", "int4", "int4", "float8", "text", "bool", "float8", "float8", "float8",
+                       "text", "text", "float8")
+
 #: Element kinds of the arrays of the PostgreSQL step-row statements (``_verdict_sql``).
 _PG_VERDICT_KINDS = ("int", "int", "text", "bool", "float", "float", "float", "text", "text")
 
@@ -547,9 +562,29 @@ class Store:
         return _run_row(conn.execute(sa.select(runs).where(runs.c.run_id == run_id)).one())
 
     def runs_created_at(self, conn: sa.Connection, run_ids: Iterable[str]) -> dict[str, float]:
-        """``{run_id: created_at}`` of those of ``run_ids`` that exist (one indexed read)."""
-        return dict(conn.execute(sa.select(runs.c.run_id, runs.c.created_at)
-                                 .where(runs.c.run_id.in_(sorted(run_ids)))).all())
+        """``{run_id: created_at}`` of those of ``run_ids`` that exist (one indexed read;
+        :meth:`_fetch_in`)."""
+        return dict(self._fetch_in(conn, "SELECT run_id, created_at FROM runs WHERE run_id {}", sorted(run_ids)))
+
+    def _fetch_in(self, conn: sa.Connection, sql: str, values: list) -> list[tuple]:
+        """Every row of driver SQL ``sql`` whose ``{}`` is made a membership test of
+        ``values``: ``= ANY(%s)`` with one array parameter (PostgreSQL), ``IN (?, ...)`` per
+        500 values (SQLite, whose statements bind at most 32,766 variables, 999 before 3.32).
+        On the driver's cursor: the ingest reads this way once or twice per batch, and
+        SQLAlchemy's statement building and expanding ``IN`` took 90-120 µs of a 2 µs read."""
+        cur = conn.connection.driver_connection.cursor()
+        try:
+            if self.dialect == "postgresql":
+                cur.execute(sql.format("= ANY(%s)"), (values,))
+                return cur.fetchall()
+            out: list[tuple] = []
+            for i in range(0, len(values), 500):
+                part = values[i:i + 500]
+                cur.execute(sql.format(f"IN ({', '.join('?' * len(part))})"), part)
+                out += cur.fetchall()
+            return out
+        finally:
+            cur.close()
 
     def ensure_series(self, conn: sa.Connection, run_id: str, statistic: str, kind: str, spec: dict,
                       now: float) -> SeriesRow:
@@ -585,19 +620,23 @@ class Store:
     # ------------------------------------------------------------------------ reports
     def insert_all_new(self, conn: sa.Connection, rows: list[tuple]) -> bool:
         """Insert ``rows`` (tuples in :data:`COLUMNS` order, in key order) with one bulk
-        driver call inside a savepoint. True if every row was stored; False, with nothing
-        stored, if any key already exists (the caller then uses :meth:`insert_returning`).
+        driver call: True when every row was stored. Raises :class:`ReportsExist` if any key
+        (or any step's coordinates) is stored already; the caller rolls its transaction
+        back and inserts with :meth:`insert_returning` instead. False, with nothing done,
+        for a PostgreSQL batch under ``_PG_COPY_MIN_ROWS`` rows (one ``INSERT ...
+        RETURNING`` costs fewer round trips than ``COPY``).
 
         PostgreSQL: binary ``COPY`` (a duplicate key fails it with a unique violation, after
-        waiting for a concurrent writer of that key like any insert); batches under
-        ``_PG_COPY_MIN_ROWS`` rows return False at once (SAVEPOINT + COPY + RELEASE cost more
-        round trips than they save). SQLite: ``INSERT ... ON CONFLICT DO NOTHING`` of up to
-        :data:`_SQLITE_ROWS_PER_INSERT` rows per statement (:meth:`_sqlite_insert`), all rows
-        stored iff the change count matches.
-        """
+        waiting for a concurrent writer of that key like any insert). SQLite: ``INSERT ... ON
+        CONFLICT DO NOTHING`` of up to :data:`_SQLITE_ROWS_PER_INSERT` rows per statement
+        (:meth:`_sqlite_insert`), all rows stored iff the change count matches.
+
+        No savepoint: a batch holding a stored report (a re-send) is rare, and rolling the
+        whole transaction back then costs less than a savepoint on every batch did
+        (SAVEPOINT and RELEASE were 7.6 % of a PostgreSQL ingest of 1,000-report batches,
+        docs/performance.md)."""
         if self.dialect == "postgresql" and len(rows) < _PG_COPY_MIN_ROWS:
             return False
-        savepoint = conn.begin_nested()
         cur = conn.connection.driver_connection.cursor()
         try:
             if self.dialect == "postgresql":
@@ -609,14 +648,11 @@ class Store:
                         for row in rows:
                             copy.write_row(row)
                 except psycopg.errors.UniqueViolation:
-                    savepoint.rollback()
-                    return False
+                    raise ReportsExist() from None
             elif self._sqlite_insert(cur, rows) != len(rows):
-                savepoint.rollback()
-                return False
+                raise ReportsExist()
         finally:
             cur.close()
-        savepoint.commit()
         return True
 
     def _sqlite_insert(self, cur, rows: list[tuple]) -> int:
@@ -912,25 +948,33 @@ class Store:
             won[i] = (items[i].series_id, items[i].step) in done
 
     def _clean_step_rows(self, cur, clean: Sequence[CleanSteps], now: float) -> None:
-        """INSERT the step rows of ``clean`` (:meth:`record_verdicts`), one statement per
-        :data:`_SQLITE_CHUNK_SIZES` chunk (SQLite) or one over ``unnest`` (PostgreSQL).
-        Raises :class:`StepRowExists` if any of them existed (the caller rolls back)."""
+        """INSERT the step rows of ``clean`` (:meth:`record_verdicts`), in key order: one
+        binary ``COPY`` (PostgreSQL) or one multi-row ``VALUES`` statement per
+        :data:`_SQLITE_CHUNK_SIZES` chunk (SQLite, ``ON CONFLICT DO NOTHING``). Raises
+        :class:`StepRowExists` if any of them existed; the caller rolls the transaction back
+        (on PostgreSQL the unique violation has aborted it already).
+
+        Why ``COPY`` and not ``INSERT ... SELECT FROM unnest(...) ON CONFLICT DO NOTHING``:
+        no array literals to build and parse, and a plain insert instead of a speculative
+        one per row: 6.5-11.7 -> 3.1-4.4 µs per step row (5,000-row statements,
+        docs/performance.md). A clean step's row cannot exist but in the cases
+        ``Service._fresh_steps`` names, so a failed COPY is as rare as a short INSERT count."""
         rep = itertools.repeat
-        n = sum(len(c.steps) for c in clean)
+        rows = list(itertools.chain.from_iterable(
+            zip(rep(c.series_id), c.steps, c.expected, c.expected, rep(now), rep("consistent"), rep(True),
+                c.cp_sigma, c.err_sigma, c.tol_sigma, rep(None), c.groups, rep(now))
+            for c in clean))
         if self.dialect == "postgresql":
-            cols = [list(itertools.chain.from_iterable(x)) for x in zip(*(
-                (rep(c.series_id, len(c.steps)), c.steps, rep("consistent", len(c.steps)), rep(True, len(c.steps)),
-                 c.cp_sigma, c.err_sigma, c.tol_sigma, rep(None, len(c.steps)), c.groups, c.expected, c.expected)
-                for c in clean))]
-            cur.execute(self._step_sql_of["insert"],
-                        (now, now, *(_pg_array(k, col) for k, col in zip(_PG_VERDICT_KINDS + ("int", "int"), cols))))
-            inserted = len(cur.fetchall())
-        else:
-            inserted = self._sqlite_step_inserts(cur, list(itertools.chain.from_iterable(
-                zip(rep(c.series_id), c.steps, c.expected, c.expected, rep(now), rep("consistent"), rep(True),
-                    c.cp_sigma, c.err_sigma, c.tol_sigma, rep(None), c.groups, rep(now))
-                for c in clean)))
-        if inserted != n:
+            import psycopg
+
+            try:
+                with cur.copy(self._step_sql_of["copy"]) as copy:
+                    copy.set_types(_PG_STEP_COPY_TYPES)
+                    for row in rows:
+                        copy.write_row(row)
+            except psycopg.errors.UniqueViolation:
+                raise StepRowExists() from None
+        elif self._sqlite_step_inserts(cur, rows) != len(rows):
             raise StepRowExists()
 
     def _sqlite_step_inserts(self, cur, ps: Sequence[tuple]) -> int:
@@ -1124,9 +1168,8 @@ class Store:
         ids = sorted(set(series_ids))
         if not ids:
             return 0
-        return len(conn.execute(
-            sa.select(series.c.id).where(series.c.id.in_(ids)).order_by(series.c.id).with_for_update(key_share=True)
-        ).all())
+        lock = " ORDER BY id FOR KEY SHARE" if self.dialect == "postgresql" else ""
+        return len(self._fetch_in(conn, "SELECT id FROM series WHERE id {}" + lock, ids))
 
     def idle_runs(self, conn: sa.Connection, before: float, limit: int) -> list[str]:
         """Runs with no activity since ``before`` (newest series update, else creation), oldest first."""

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from factory import reference_reports
 
 from auditor import core
-from auditor.db.store import COLUMNS, KEY, Store, VerdictItem, rank_report, report_row
+from auditor.db.store import COLUMNS, KEY, ReportsExist, Store, VerdictItem, rank_report, report_row
 from auditor.schemas import Report
 
 
@@ -46,9 +46,10 @@ def test_runs_and_series_are_created_once_and_read_back(store, run_id):
 
 
 def test_bulk_insert_is_all_or_nothing_and_reads_back_the_engine_input(store, run_id):
-    """insert_all_new stores every row of a new batch (True) or nothing (False, a key
-    exists); insert_returning then names the keys it stored; step_reports gives the engine
-    the same RankReports as the rows in hand (rank_report)."""
+    """insert_all_new stores every row of a new batch (True), or raises ReportsExist when
+    a key exists (the caller's transaction is then rolled back: nothing of it stays);
+    insert_returning names the keys it stored; step_reports gives the engine the same
+    RankReports as the rows in hand (rank_report)."""
     now = time.time()
     with store.write() as conn:
         store.ensure_run(conn, run_id, 2, (1, 2, 1, 1), now)
@@ -58,7 +59,13 @@ def test_bulk_insert_is_all_or_nothing_and_reads_back_the_engine_input(store, ru
         assert store.insert_all_new(conn, rows) is (store.dialect == "sqlite")  # PG: < 32 rows go row by row
         inserted = store.insert_returning(conn, rows)
         assert inserted == (set() if store.dialect == "sqlite" else {r[:4] for r in rows})
-        assert store.insert_all_new(conn, rows) is False
+    with store.write() as conn:
+        if store.dialect == "sqlite":
+            with pytest.raises(ReportsExist):
+                store.insert_all_new(conn, rows)
+        else:
+            assert store.insert_all_new(conn, rows) is False
+    with store.write() as conn:
         assert store.insert_returning(conn, rows) == set()
         stored = store.fetch_reports(conn, [r[:4] for r in rows])
         assert {k: v[:-1] for k, v in stored.items()} == {r[:4]: r[:-1] for r in rows}
@@ -71,7 +78,7 @@ def test_bulk_insert_of_any_size_stores_each_row_once(store, run_id):
     """Batches of 1, 17, 256, 529 (256 + 256 + 16 + 1) and 300 rows (SQLite inserts 256, 16
     and then single rows per statement) are stored whole and read back equal, in every
     chunk's place; a batch with one stored key, in a 256-row chunk or among the single rows
-    at its end, stores nothing and returns False."""
+    at its end, raises ReportsExist, and its transaction's rollback leaves nothing of it."""
     now = time.time()
     with store.write() as conn:
         store.ensure_run(conn, run_id, 2, (1, 2, 1, 1), now)
@@ -91,8 +98,8 @@ def test_bulk_insert_of_any_size_stores_each_row_once(store, run_id):
     for at in (100, 299):  # in the first 256-row statement; the last single row
         again = sorted(r for s in range(step, step + 150) for r in _rows(run_id, sid, now, step=s))
         again[at] = (*again[at][:1], 1, *again[at][2:])  # step 1's key (either rank): stored above
-        with store.write() as conn:
-            assert store.insert_all_new(conn, again) is False
+        with pytest.raises(ReportsExist), store.write() as conn:
+            store.insert_all_new(conn, again)
         with store.read() as conn:
             assert store.fetch_reports(conn, [r[:4] for r in again if r[1] >= step]) == {}
 
