@@ -195,6 +195,11 @@ class Step:
         # NaN on the wire is stored as NULL: that is non_finite, not "mean only"
         self.mean_only = given[3] & ~var_known & ~self.nf_mask
         self.a_ok = np.isfinite(self.a_mean) & (np.isfinite(self.a_var) | self.mean_only)
+        #: a rank that sent an applied block of finite values from which no finite (mean,
+        #: var) follows: a count of 0 (S/N = 0/0) or one so small that S/N overflows. It
+        #: whitened with no usable statistic: in a group holding elements that is a mismatch
+        #: (the correct count is > 0), never an element left unjudged (_audit)
+        self.no_transform = self.applied & ~self.nf_mask & ~self.a_ok
         self.bad_local |= ~(np.isfinite(self.l_n) & np.isfinite(self.l_mean) & np.isfinite(self.l_m2))
 
     def _value_columns(self) -> None:

@@ -241,7 +241,9 @@ def _audit(st: Step, history: "_Lazy", f: Findings):
         checks.precision_loss(st, exp, judged & ~empty_groups, f)
         # an empty group has no mean or variance to compare with: its ranks are judged on
         # the applied count and sums alone (checks.empty_mismatch)
-        bad = judged & ~empty_groups & st.a_ok & ~match
+        # a rank whose applied sums give no mean (count 0: its all-reduce returned zeros)
+        # is judged too: its group holds elements, so that count is wrong (Step.no_transform)
+        bad = judged & ~empty_groups & (st.a_ok | st.no_transform) & ~match
         bad |= checks.empty_mismatch(st, exp, judged & empty_groups)
     else:  # a sum of 0 is still a value: every applied one is compared with it
         bad = judged & st.a_ok & ~match

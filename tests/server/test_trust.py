@@ -81,6 +81,31 @@ def test_an_empty_moments_group_judges_the_applied_count_and_sums(live_server, r
         assert (s["verdict"], faults_of(s)) == ("inconsistent", [("empty_global", [0, 1])]), stat
 
 
+@pytest.mark.parametrize("applied", [
+    {"count": 0.0, "sum": 0.0, "sum_sq": 0.0},               # the all-reduce returned zeros
+    {"count": 0.0, "sum": 0.0, "sum_sq": 0.0, "mean": 0.0},  # ... and a guard whitened with mean 0
+    {"count": 0.0, "sum": 10.0, "sum_sq": 30.0},             # S/N = 10/0: no finite mean
+])
+def test_an_applied_count_of_0_beside_a_group_holding_elements_is_a_mismatch(live_server, run_id, applied):
+    """A new-user probe: rank 0 of a 2-rank DP group holding 8 elements sent an applied block
+    whose count is 0. Its sums give no mean (S/N = 0/0 or x/0), and the engine judged only
+    ranks with a finite applied mean, so the step was audited consistent, no fault (a wrong
+    one called consistent). Now rank 0 is group_mismatch: the correct count is 8, and rank 1,
+    which applied the correct sums, is not named."""
+    data = [{"count": 4.0, "sum": 2.0, "sum_sq": 3.0, "min": -0.5, "max": 1.5},
+            {"count": 4.0, "sum": 6.0, "sum_sq": 11.0, "min": 0.5, "max": 2.5}]
+    right = {"count": 8.0, "sum": 8.0, "sum_sq": 14.0}
+    r = post(live_server, two_dp_ranks(run_id, "adv", data, [applied, right]))
+    assert r.status_code == 200 and r.json()["steps_audited"] == 1, r.text
+    step = step_of(live_server, run_id, "adv")
+    assert step["verdict"] == "inconsistent"
+    assert ("group_mismatch", [0]) in faults_of(step) and all(1 not in ranks for _, ranks in faults_of(step))
+    rows = {x["rank"]: x["faults"] for x in step["ranks"]}
+    assert "group_mismatch" in rows[0] and rows[1] == []
+    report = live_server.get(f"/v1/runs/{run_id}/report").json()
+    assert (report["status"], report["consistent"]) == ("inconsistent", False)
+
+
 def test_the_wrong_rank_of_a_zero_sum_is_named_by_auditor_audit(tmp_path, run_id):
     """The same step through `auditor audit` (spool files, the service's decode and store
     on a local database), beside a line whose count-0 local block holds a sum: that line is
