@@ -261,11 +261,21 @@ class ReportSource:
 
     def _run_call(self, run_id: str, method: str, path: str, local, **http) -> dict:
         """``method /v1/runs/{run_id}{path}`` over HTTP, or ``local(service)``; an unknown run
-        (404, :class:`auditor.service.NotFound`) raises :class:`UsageError` naming it."""
+        (404, :class:`auditor.service.NotFound`) raises :class:`UsageError` naming it, and so
+        does a RUN_ID no run can have (``big1?x=1``, ``big1/report?``: in the URL they
+        addressed run ``big1``, whose status ``check`` then reported as theirs)."""
+        from urllib.parse import quote
+
+        from auditor.trainer.settings import is_wire_run_id
+
+        if not is_wire_run_id(run_id):
+            raise UsageError(f"{run_id!r} is not a run id: a run id is 1 to 128 of A-Z a-z 0-9 . _ : - "
+                             "(not only dots)")
         if self._service is None:
             import httpx
 
-            r = httpx.request(method, f"{self.url}/v1/runs/{run_id}{path}", headers=self.headers, **http)
+            r = httpx.request(method, f"{self.url}/v1/runs/{quote(run_id, safe='')}{path}", headers=self.headers,
+                              **http)
             if r.status_code == 404:
                 listing = httpx.get(f"{self.url}/v1/runs", params={"limit": 1}, headers=self.headers,
                                     timeout=self.read_timeout)

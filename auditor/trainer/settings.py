@@ -78,6 +78,11 @@ def usable_run_id(run_id: str | None) -> str | None:
 _WIRE_RUN_ID = re.compile(r"(?=.*[^.])[A-Za-z0-9._:-]{1,128}")
 
 
+def is_wire_run_id(run_id: str) -> bool:
+    """Whether the service can store and address ``run_id`` (the wire contract's run id)."""
+    return _WIRE_RUN_ID.fullmatch(run_id) is not None
+
+
 def _run_id_setting(var: str, raw: str | None) -> str | None:
     """:func:`usable_run_id` of ``raw``, or None (said once) when the service would refuse it
     (every report dead-lettered as a 422): the run id is then agreed per job instead."""

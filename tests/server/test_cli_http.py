@@ -121,3 +121,24 @@ def test_a_host_that_never_answers_fails_within_the_timeout(silent_host, cmd, tm
     else:
         assert f"no answer from {silent_host}/healthz within 1 s (ReadTimeout" in err, err
     assert elapsed < 15, elapsed  # (the interpreter's start-up included)
+
+
+def test_a_run_id_no_run_can_have_is_exit_2_never_another_run_s_status(live_server, run_id):
+    """A new-user probe: `auditor check 'RUN/report?' --url` requested /v1/runs/RUN/report?/report
+    and printed RUN's status as its own (exit 0 for a run that does not exist: a CI gate passed
+    by another run), `check 'RUN?x=1'` and `check 'RUN#frag'` ended in a traceback
+    (AttributeError on the run summary /v1/runs/RUN answered). Every RUN_ID outside the wire
+    pattern is now one line naming it, exit 2, before any request, over HTTP and on the
+    database alike; the run itself still passes."""
+    from factory import reference_reports
+
+    assert live_server.post("/v1/reports", json={"reports": reference_reports(run_id, buggy=False)}).status_code == 200
+    out = auditor("check", run_id, "--url", live_server.url)
+    assert out.returncode == 0 and "consistent" in out.stdout, out.stdout + out.stderr
+    cases = [("check", bad, "--url", live_server.url)
+             for bad in (f"{run_id}/report?", f"{run_id}?x=1", f"{run_id}#frag", "..", "a b")]
+    cases += [("report", f"{run_id}/report?", "--url", live_server.url),
+              ("check", f"{run_id}/report?", "--database-url", live_server.database_url)]
+    for cmd, bad, *source in cases:
+        err = one_line_error(auditor(cmd, bad, *source))
+        assert f"{bad!r} is not a run id" in err, (cmd, bad, source, err)
