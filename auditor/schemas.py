@@ -1202,6 +1202,7 @@ class RunRegistration(_Strict):
             if self.sizes != Sizes() or self.order is not None:
                 raise RuleError("topology 'unknown': omit sizes and order",
                                 "sizes" if self.sizes != Sizes() else "order")
+            self._spec_rules()
             return
         if self.sizes.world_size != self.world_size:
             raise RuleError(
@@ -1216,6 +1217,33 @@ class RunRegistration(_Strict):
                 layout.parse_order(self.order)
             except ValueError as exc:
                 raise RuleError(f"order: {exc}", "order") from None
+        self._spec_rules()
+
+    def _spec_rules(self) -> None:
+        """Each statistic's spec against the registered topology, as a report's spec is
+        judged against its own (:func:`_extended_rules`): a placement needs a known topology
+        and coordinates inside its dims, expert dims need the expert factorisation. A
+        registration that broke them was stored, and every report of the statistic was then
+        a 500 (the ingest resolves the placement against the run's sizes). RuleError at
+        ``statistics.<name>.spec...``."""
+        for name, st in self.statistics.items():
+            spec = st.spec
+            if spec is None:
+                continue
+            if self.topology == "unknown":
+                if spec.placement:
+                    raise RuleError("spec.placement needs a known topology", "statistics", name, "spec", "placement")
+                continue
+            core = spec.to_core()
+            if core.factorisation == "expert" and not self.sizes.has_expert:
+                raise RuleError("spec names expert dims (edp, ep, etp) but sizes carry no expert factorisation",
+                                "statistics", name, "spec")
+            try:
+                core.placed(self.sizes.as_dict())
+            except ValueError as exc:  # "spec.placement.<dim> holds ..."
+                m = re.match(r"spec\.placement\.(\w+)", str(exc))
+                raise RuleError(str(exc), "statistics", name, "spec", "placement",
+                                *([m.group(1)] if m else [])) from None
 
 
 class IngestResult(BaseModel):

@@ -73,6 +73,35 @@ def test_report_outside_the_placement_is_409_naming_it(live_server, run_id):
     assert (stat["steps_consistent"], stat["faults"]) == (1, {})
 
 
+@pytest.mark.parametrize("topology, spec, field", [
+    ({"world_size": 2, "sizes": {"dp": 2}}, {"reduce_over": ["dp"], "replicas": [], "placement": {"dp": [5]}},
+     "statistics.tok/a.spec.placement.dp"),
+    ({"world_size": 2, "sizes": {"dp": 2}}, {"placement": {"dp": [-3]}}, "statistics.tok/a.spec.placement.dp"),
+    ({"world_size": 2, "sizes": {"dp": 2}}, {"placement": {"cp": [1]}}, "statistics.tok/a.spec.placement.cp"),
+    ({"world_size": 4, "sizes": {"dp": 4, "ep": 2, "edp": 2}},
+     {"reduce_over": ["ep"], "replicas": [], "placement": {"ep": [2]}}, "statistics.tok/a.spec.placement.ep"),
+    ({"world_size": 2, "sizes": {"dp": 2}}, {"reduce_over": ["ep"], "replicas": []}, "statistics.tok/a.spec"),
+    ({"world_size": 2, "topology": "unknown"}, {"placement": {"dp": [0]}}, "statistics.tok/a.spec.placement"),
+])
+def test_a_registered_spec_is_judged_against_the_registered_topology(live_server, run_id, topology, spec, field):
+    """A new-user probe: PUT /v1/runs accepted a statistic placed outside the registered sizes
+    (dp=[5] on dp=2), and every report of that statistic was then a 500 (the ingest resolves
+    the placement against the run's sizes: ValueError) - a series no trainer could ever
+    report to. A registration now keeps the rules a report's own spec keeps: a 422 naming
+    statistics.<name>.spec(.placement.<dim>), nothing registered; the run then takes its
+    reports as any other."""
+    r = live_server.put(f"/v1/runs/{run_id}", json={**topology, "statistics": {"tok/a": {"kind": "sum", "spec": spec}}})
+    assert r.status_code == 422, r.text
+    assert [e["field"] for e in r.json()["errors"]] == [field]
+    assert live_server.get(f"/v1/runs/{run_id}").status_code == 404
+    if topology.get("topology") != "unknown":
+        world = topology["world_size"]
+        reports = [_sum_report(run_id, k, 0, world, statistic="tok/a", sizes=topology["sizes"],
+                               coords={"dp": k}) for k in range(world)]
+        r = _post(live_server, reports)
+        assert r.status_code == 200 and r.json()["steps_audited"] == 1, r.text
+
+
 def test_statistic_names_with_a_slash_reach_the_step_endpoint(live_server, run_id):
     """Statistic names may hold "/" (the schema allows it): the per-step endpoint answers
     200 for grad_norm_sq/experts (it answered 404 before) and 404 for an unknown step."""
