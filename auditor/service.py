@@ -25,7 +25,7 @@ import threading
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import numpy as np
 import sqlalchemy as sa
@@ -183,12 +183,16 @@ class _Due:
 class _Fresh:
     """The steps of one series this transaction inserted every report of (no step row yet:
     :meth:`Service._fresh_steps`), key order: ``rows[i]`` the ``reports`` rows of
-    ``steps[i]`` (as many as it expects)."""
+    ``steps[i]`` (as many as it expects). ``judged``: ``clean`` holds what
+    :meth:`Service._clean` gives for them already (computed while the database stored the
+    rows: :meth:`Service._fresh_of`)."""
 
     info: SeriesInfo
     topo: Topology
     steps: list[int]
     rows: list[list[tuple]]
+    judged: bool = False
+    clean: core.batch.Clean | None = None
 
 
 @dataclass
@@ -209,6 +213,11 @@ OPEN_STEP_ROWS = 65_536
 _IN_STEP = operator.itemgetter(2, 3)
 #: A row's step: (series_id, step).
 _STEP_KEY = operator.itemgetter(0, 1)
+
+
+def _by_step(rows: Iterable[tuple]) -> dict[tuple[int, int], list[tuple]]:
+    """``reports`` rows in key order, grouped by (series_id, step)."""
+    return {sk: list(g) for sk, g in itertools.groupby(rows, _STEP_KEY)}
 
 
 class _OpenStepRows:
@@ -569,9 +578,21 @@ class Service:
 
             # Key order: concurrent transactions take index locks in one order (no deadlocks).
             ordered = [rows[k] for k in sorted(rows)]
+            by_id = {info.id: info for info in series_of.values()}
+            early: tuple | None = None  # (added, fresh, by_step, fresh_of) of an all-new batch
+
+            def meanwhile() -> None:
+                """Every row is new: judge the steps complete in hand while the database
+                stores the rows (PostgreSQL's COPY; used only if it succeeds)."""
+                nonlocal early
+                added = Counter(k[:2] for k in rows)
+                fresh = self._fresh_steps(added, expected) if in_hand else set()
+                by_step = _by_step(ordered)
+                early = added, fresh, by_step, self._fresh_of(fresh, by_step, by_id, topo_of, judge=True)
+
             # Fast path: one bulk statement that stores every row, or ReportsExist if any key
             # exists (the batch is then tried again with bulk=False: Service.ingest).
-            all_new = bool(ordered) and bulk and store.insert_all_new(conn, ordered)
+            all_new = bool(ordered) and bulk and store.insert_all_new(conn, ordered, meanwhile)
             if all_new:
                 inserted_keys: Any = rows.keys()
             else:  # re-sends: find out row by row what is stored, and whether it is identical
@@ -590,34 +611,28 @@ class Service:
                     out.duplicates += len(leftover)
             out.accepted = len(inserted_keys)
 
-            added = Counter(k[:2] for k in inserted_keys)
-            if added:
-                # Steps complete in hand: this transaction inserted as many reports of the
-                # step as it expects (placed ranks × num_microbatches), so they are all of its
-                # reports and its step row cannot exist yet (Service._fresh_steps): audit them
-                # with the rows in hand and insert their step rows with the verdict.
+            # Steps complete in hand (fresh): this transaction inserted as many reports of the
+            # step as it expects (placed ranks × num_microbatches), so they are all of its
+            # reports and its step row cannot exist yet (Service._fresh_steps): audit them with
+            # the rows in hand and insert their step rows with the verdict.
+            if all_new and early is not None:
+                added, fresh, by_step, fresh_of = early
+            else:
+                added = Counter(k[:2] for k in inserted_keys)
                 fresh = self._fresh_steps(added, expected) if in_hand else set()
+                by_step = _by_step(ordered if all_new else (rows[k] for k in sorted(inserted_keys)))
+                fresh_of = self._fresh_of(fresh, by_step, by_id, topo_of, judge=False)
+            if added:
                 progress = store.count_arrivals(conn, {k: n for k, n in added.items() if k not in fresh},
                                                 expected, now)
                 for p in progress:
                     if p.expected != expected[(p.series_id, p.step)]:
                         i = next(index_of[k] for k in sorted(rows) if k[:2] == (p.series_id, p.step))
                         raise _microbatch_conflict(i, batch[i], p.expected // placed_of[p.series_id][0])
-                by_id = {info.id: info for info in series_of.values()}
-                by_step = {sk: list(g) for sk, g in itertools.groupby(
-                    ordered if all_new else (rows[k] for k in sorted(inserted_keys)), _STEP_KEY)}
                 # the runs' incarnations as this transaction verified or read them (_OpenStepRows)
                 born_of = {rid: c[1] for rid, c in cached.items()}
                 born_of.update({rid: born for rid, (_, born, _) in new_runs.items() if born is not None})
                 todo: list[_Due] = []
-                fresh_of: dict[int, _Fresh] = {}
-                for sk in sorted(fresh):
-                    f = fresh_of.get(sk[0])
-                    if f is None:
-                        info = by_id[sk[0]]
-                        f = fresh_of[sk[0]] = _Fresh(info, topo_of[info.run_id], [], [])
-                    f.steps.append(sk[1])
-                    f.rows.append(by_step[sk])
                 done.extend(fresh)
                 for p in progress:
                     sk = (p.series_id, p.step)
@@ -645,6 +660,23 @@ class Service:
             self._open.update(grown, done)
         self._runs.update({rid: (t, born) for rid, (t, born, _) in new_runs.items()})
         self._series.update(new_series)
+        return out
+
+    def _fresh_of(self, fresh: set[tuple[int, int]], by_step: dict[tuple[int, int], list[tuple]],
+                  by_id: dict[int, SeriesInfo], topo_of: dict[str, Topology], judge: bool) -> dict[int, _Fresh]:
+        """The steps ``fresh`` (:meth:`_fresh_steps`) per series id, with their rows from
+        ``by_step``; ``judge``: with :meth:`_clean`'s result too."""
+        out: dict[int, _Fresh] = {}
+        for sk in sorted(fresh):
+            f = out.get(sk[0])
+            if f is None:
+                info = by_id[sk[0]]
+                f = out[sk[0]] = _Fresh(info, topo_of[info.run_id], [], [])
+            f.steps.append(sk[1])
+            f.rows.append(by_step[sk])
+        if judge:
+            for f in out.values():
+                f.clean, f.judged = self._clean(f.info, f.topo, f.rows, [len(rs) for rs in f.rows]), True
         return out
 
     @staticmethod
@@ -721,7 +753,7 @@ class Service:
         for sid in sorted(fresh or ()):
             f = fresh[sid]
             expected = [len(rs) for rs in f.rows]
-            c = self._clean(f.info, f.topo, f.rows, expected)
+            c = f.clean if f.judged else self._clean(f.info, f.topo, f.rows, expected)
             if c is not None and c.index:
                 clean.append(CleanSteps.of(sid, f.steps, expected, c))
             judged = set(c.index) if c is not None else set()

@@ -618,7 +618,8 @@ class Store:
         return SeriesRow(row.id, row.run_id, row.statistic, row.kind, row.spec), _run_row(row)
 
     # ------------------------------------------------------------------------ reports
-    def insert_all_new(self, conn: sa.Connection, rows: list[tuple]) -> bool:
+    def insert_all_new(self, conn: sa.Connection, rows: list[tuple],
+                       meanwhile: Callable[[], None] | None = None) -> bool:
         """Insert ``rows`` (tuples in :data:`COLUMNS` order, in key order) with one bulk
         driver call: True when every row was stored. Raises :class:`ReportsExist` if any key
         (or any step's coordinates) is stored already; the caller rolls its transaction
@@ -630,6 +631,11 @@ class Store:
         waiting for a concurrent writer of that key like any insert). SQLite: ``INSERT ... ON
         CONFLICT DO NOTHING`` of up to :data:`_SQLITE_ROWS_PER_INSERT` rows per statement
         (:meth:`_sqlite_insert`), all rows stored iff the change count matches.
+
+        ``meanwhile()`` is called once the rows are sent and before their result is awaited
+        (PostgreSQL: before the COPY's end, so the backend stores them meanwhile), or after
+        the insert (SQLite); not when False is returned. Work it does is lost if
+        :class:`ReportsExist` follows.
 
         No savepoint: a batch holding a stored report (a re-send) is rare, and rolling the
         whole transaction back then costs less than a savepoint on every batch did
@@ -647,10 +653,15 @@ class Store:
                         copy.set_types(self._copy_types)
                         for row in rows:
                             copy.write_row(row)
+                        if meanwhile is not None:
+                            meanwhile()
                 except psycopg.errors.UniqueViolation:
                     raise ReportsExist() from None
-            elif self._sqlite_insert(cur, rows) != len(rows):
-                raise ReportsExist()
+            else:
+                if self._sqlite_insert(cur, rows) != len(rows):
+                    raise ReportsExist()
+                if meanwhile is not None:
+                    meanwhile()
         finally:
             cur.close()
         return True

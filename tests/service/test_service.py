@@ -153,8 +153,8 @@ def test_a_run_deleted_while_an_ingest_is_in_flight_leaves_no_row_behind(fresh_d
     wrote, go = threading.Event(), threading.Event()
     insert = first.store.insert_all_new
 
-    def insert_then_wait(conn, rows):
-        out = insert(conn, rows)
+    def insert_then_wait(conn, rows, meanwhile=None):
+        out = insert(conn, rows, meanwhile)
         wrote.set()
         assert go.wait(30)
         return out
