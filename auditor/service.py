@@ -34,7 +34,7 @@ from auditor import core, layout
 from auditor import status as statuses
 from auditor.core import DIMS, EXPERT_DIMS, REPLACEABLE, RankReport
 from auditor.db.store import (
-    COLUMNS, COMPARED, Arrival, CleanSteps, ReportsExist, RunRow, SeriesRow, StepRowExists, Store, VerdictItem, elements, json_safe, rank_report, report_row,
+    COLUMNS, COMPARED, Arrival, CleanSteps, ReportsExist, RowDeleted, RunRow, SeriesRow, StepRowExists, Store, VerdictItem, elements, json_safe, rank_report, report_row,
 )
 from auditor.schemas import DEFAULT_SPECS, Report, RunRegistration, StatisticSpec
 from auditor.status import STATUSES
@@ -202,6 +202,15 @@ class IngestOutcome:
     audited: list[tuple[int, int, str]] = field(default_factory=list)  # (series_id, step, verdict)
 
 
+class Contended(Exception):
+    """A write kept meeting concurrent deletions of the runs it touches; nothing of it was
+    stored (the API answers 503 with Retry-After)."""
+
+
+#: Attempts of an ingest or registration that meets concurrent deletions of its runs.
+_ATTEMPTS = 3
+
+
 class _StaleCaches(Exception):
     """A run this process has cached was deleted (and maybe created anew) by another
     process: :meth:`Service.ingest` drops its caches and tries the batch once more."""
@@ -347,10 +356,17 @@ class Service:
         raises :class:`ConflictError` if it contradicts what is stored."""
         now = time.time() if now is None else now
         topo = Topology.of(reg.world_size, reg.sizes, reg.order, reg.topology)
-        with self.store.write() as conn:
-            self._ensure_run(conn, run_id, topo, now, index=None)
-            for name, st in reg.statistics.items():
-                self._ensure_series(conn, run_id, name, st.kind, st.spec, now, index=None)
+        for attempt in range(1, _ATTEMPTS + 1):
+            try:
+                with self.store.write() as conn:
+                    self._ensure_run(conn, run_id, topo, now, index=None)
+                    for name, st in reg.statistics.items():
+                        self._ensure_series(conn, run_id, name, st.kind, st.spec, now, index=None)
+                break
+            except RowDeleted as exc:  # a concurrent DELETE of the run committed meanwhile
+                if attempt == _ATTEMPTS:
+                    raise Contended(f"run {run_id!r} was deleted {_ATTEMPTS} times while it was registered; "
+                                    "nothing was stored") from exc
         return self.get_run(run_id)
 
     def _ensure_run(self, conn: sa.Connection, run_id: str, topo: Topology, now: float, index: int | None,
@@ -482,15 +498,24 @@ class Service:
 
     def _ingest_retrying(self, batch: Sequence[Report], now: float | None, in_hand: bool,
                          bulk: bool = True) -> IngestOutcome:
-        try:
-            return self._ingest(batch, now, in_hand, bulk)
-        except Exception as exc:
-            if not (isinstance(exc, _StaleCaches) or _is_integrity_error(exc)):
-                raise
-            self._runs.clear()
-            self._series.clear()
-            self._open.clear()
-            return self._ingest(batch, now, in_hand, bulk)
+        """:meth:`_ingest`, tried again after a concurrent deletion of a run it touches
+        (:class:`_StaleCaches`, :class:`RowDeleted`: up to :data:`_ATTEMPTS` attempts, then
+        :class:`Contended`) or an integrity error (a cached run or series deleted: once),
+        with the process's caches dropped before each retry."""
+        for attempt in range(1, _ATTEMPTS + 1):
+            try:
+                return self._ingest(batch, now, in_hand, bulk)
+            except Exception as exc:
+                deleted = isinstance(exc, (_StaleCaches, RowDeleted))
+                if not (deleted or (attempt == 1 and _is_integrity_error(exc))):
+                    raise
+                self._runs.clear()
+                self._series.clear()
+                self._open.clear()
+                if attempt == _ATTEMPTS:
+                    raise Contended(f"the runs of this batch were deleted and created anew {_ATTEMPTS} times "
+                                    "while it was stored; nothing of it was stored") from exc
+        raise AssertionError("unreachable")
 
     def _ingest(self, batch: Sequence[Report], now: float | None = None, in_hand: bool = True,
                 bulk: bool = True) -> IngestOutcome:

@@ -198,6 +198,12 @@ class CleanSteps:
                    itertools.repeat(None), itertools.repeat(None))
 
 
+class RowDeleted(Exception):
+    """A run or series row an ``INSERT ... ON CONFLICT DO NOTHING`` found was gone by the
+    next statement: a concurrent ``DELETE /v1/runs/{run_id}`` committed in between. The
+    caller's transaction is rolled back and tried again (``Service._ingest_retrying``)."""
+
+
 class ReportsExist(Exception):
     """:meth:`Store.insert_all_new` met a stored report (its key, or its coordinates in its
     step): the caller's transaction is rolled back (part of the batch may be inserted; on
@@ -550,7 +556,10 @@ class Store:
     def ensure_run(self, conn: sa.Connection, run_id: str, world_size: int, sizes: tuple[int, int, int, int],
                    now: float, expert: tuple[int, int, int, int] | None = None, order: str | None = None,
                    known: bool = True) -> RunRow:
-        """Create the run with this topology unless it exists; return the stored run."""
+        """Create the run with this topology unless it exists; return the stored run. Raises
+        :class:`RowDeleted` when a concurrent deletion of the run committed between the two
+        statements (PostgreSQL, read committed: the INSERT found the row, the SELECT no
+        more)."""
         conn.execute(
             self._insert(runs).values(
                 run_id=run_id, world_size=world_size, created_at=now,
@@ -559,7 +568,10 @@ class Store:
                 rank_order=order, topology="known" if known else "unknown",
             ).on_conflict_do_nothing()
         )
-        return _run_row(conn.execute(sa.select(runs).where(runs.c.run_id == run_id)).one())
+        row = conn.execute(sa.select(runs).where(runs.c.run_id == run_id)).one_or_none()
+        if row is None:
+            raise RowDeleted(f"run {run_id!r}")
+        return _run_row(row)
 
     def runs_created_at(self, conn: sa.Connection, run_ids: Iterable[str]) -> dict[str, float]:
         """``{run_id: created_at}`` of those of ``run_ids`` that exist (one indexed read;
@@ -588,7 +600,8 @@ class Store:
 
     def ensure_series(self, conn: sa.Connection, run_id: str, statistic: str, kind: str, spec: dict,
                       now: float) -> SeriesRow:
-        """Create the (run, statistic) with this kind and spec unless it exists; return the stored one."""
+        """Create the (run, statistic) with this kind and spec unless it exists; return the
+        stored one. Raises :class:`RowDeleted` as :meth:`ensure_run` does."""
         conn.execute(
             self._insert(series).values(
                 run_id=run_id, statistic=statistic, kind=kind, spec=spec, created_at=now, updated_at=now,
@@ -597,7 +610,9 @@ class Store:
         row = conn.execute(
             sa.select(series.c.id, series.c.kind, series.c.spec)
             .where(series.c.run_id == run_id, series.c.statistic == statistic)
-        ).one()
+        ).one_or_none()
+        if row is None:
+            raise RowDeleted(f"statistic {statistic!r} of run {run_id!r}")
         return SeriesRow(row.id, run_id, statistic, row.kind, row.spec)
 
     def statistic_names(self, conn: sa.Connection, run_id: str, limit: int) -> list[str]:

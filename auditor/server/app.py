@@ -62,7 +62,7 @@ from auditor.config import Settings
 from auditor.db.engine import current_revision, ensure_schema, make_engine
 from auditor.server.metrics import scrape_registry
 from auditor.server.problems import MEDIA_TYPE, Problem, field_errors, problem, summary
-from auditor.service import ConflictError, LimitError, NotFound, PageReads, Service
+from auditor.service import ConflictError, Contended, LimitError, NotFound, PageReads, Service
 from auditor.schemas import RUN_ID_PATTERN, STATISTIC_PATTERN, IngestResult, ReportBatch, RunRegistration, limit_errors, parse_report_batch
 
 log = logging.getLogger("auditor.api")
@@ -456,6 +456,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         svc_of(request).metrics.rejected.labels("limit_exceeded").inc()
         errs = [{"field": exc.field, "loc": exc.loc, "msg": exc.message, "type": "limit_exceeded"}]
         return problem(422, "limit_exceeded", exc.message, request.url.path, errors=errs)
+
+    @app.exception_handler(Contended)
+    async def _contended(request: Request, exc: Contended):
+        throttled.warning("contended", "%s: answering 503", exc)
+        return problem(503, "contended", f"{exc}; retry later", request.url.path, headers={"Retry-After": RETRY_AFTER})
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):

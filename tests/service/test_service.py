@@ -8,9 +8,9 @@ import time
 import pytest
 from factory import reference_reports
 
-from auditor.db.store import ReportsExist
+from auditor.db.store import ReportsExist, RowDeleted
 from auditor.schemas import Report, RunRegistration
-from auditor.service import ConflictError, NotFound
+from auditor.service import ConflictError, Contended, NotFound
 
 
 def batch(run_id: str, buggy: bool, step: int = 0) -> list[Report]:
@@ -282,3 +282,66 @@ def test_a_step_row_left_without_its_reports_sends_the_batch_the_general_way(ser
     verdict = "inconsistent" if buggy else "consistent"
     assert (state["steps"][0]["received"], state["steps"][0]["verdict"]) == (4, verdict)
     assert (state["series"]["steps_inconsistent"], state["series"]["steps_consistent"]) == ((1, 2) if buggy else (0, 3))
+
+
+@pytest.mark.parametrize("table", ["runs", "series"])
+def test_a_run_deleted_between_finding_and_reading_its_row_is_created_anew(service, database_url, run_id,
+                                                                           monkeypatch, table):
+    """A ``DELETE /v1/runs`` that commits between ``ensure_run``'s (or ``ensure_series``')
+    INSERT, which found the row, and its SELECT, which no longer does (PostgreSQL, read
+    committed), made a 500 (NoResultFound: 1 of ~480 posts of a new-user probe with a
+    deleter in a loop). Now the ingest is tried again and creates the run anew; a
+    registration likewise. SQLite's write transaction holds the database, so the deletion
+    cannot come in between there."""
+    if not database_url.startswith("postgresql"):
+        pytest.skip("SQLite: the deletion waits for the ingest's write transaction")
+    import sqlalchemy as sa
+
+    from auditor.db.engine import make_engine
+    from auditor.service import Service
+
+    other = Service.from_engine(make_engine(database_url))
+    fired: list[dict | None] = []
+
+    def delete_in_between(conn, statement, *args, **kw):
+        result = execute(conn, statement, *args, **kw)
+        if (not fired and isinstance(statement, sa.sql.dml.Insert) and statement.table.name == table):
+            fired.append(other.delete_run(run_id))  # commits on its own connection
+        return result
+
+    try:
+        service.ingest(batch(run_id, buggy=False, step=0))
+        service._runs.clear()  # the next ingest reads the run again (no cache): ensure_run's path
+        service._series.clear()
+        execute = sa.Connection.execute
+        monkeypatch.setattr(sa.Connection, "execute", delete_in_between)
+        out = service.ingest(batch(run_id, buggy=True, step=1))
+        monkeypatch.undo()
+        assert fired and fired[0]["run_id"] == run_id  # the deletion did come in between
+        assert (out.accepted, [(st, v) for _, st, v in out.audited]) == (2, [(1, "inconsistent")])
+        report = service.report(run_id)
+        (adv,) = report["statistics"]
+        assert (adv["steps_audited"], adv["steps_inconsistent"], adv["first_bad_step"]) == (1, 1, 1)
+
+        fired.clear()
+        monkeypatch.setattr(sa.Connection, "execute", delete_in_between)
+        reg = RunRegistration.model_validate({"world_size": 2, "sizes": {"dp": 1, "cp": 2, "tp": 1, "pp": 1},
+                                              "statistics": {"advantages": {"kind": "moments"}}})
+        run = service.register_run(run_id, reg)
+        monkeypatch.undo()
+        assert fired and run["run_id"] == run_id and run["statistics"] == ["advantages"]
+        assert run["steps_audited"] == 0  # the run made anew: the deletion took its steps
+
+        calls: list[int] = []
+
+        def deleted_every_time(*args, **kw):  # the race met on every attempt
+            calls.append(1)
+            raise RowDeleted(f"run {run_id!r}")
+
+        monkeypatch.setattr(service, "_ingest", deleted_every_time)
+        with pytest.raises(Contended, match="deleted and created anew 3 times"):  # the API's 503
+            service.ingest(batch(run_id, buggy=False, step=2))
+        monkeypatch.undo()
+        assert len(calls) == 3
+    finally:
+        other.close()
