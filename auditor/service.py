@@ -633,6 +633,14 @@ class Service:
                                for k in leftover if stored[k][:-1] != rows[k][:-1]]
                     if clashes:
                         raise _conflict(clashes, batch)
+                    # num_microbatches is the step row's (expected), not the report row's: a
+                    # step this batch adds to is checked by count_arrivals, one it only
+                    # re-sends is checked here
+                    only_resent = {k[:2] for k in leftover}.difference(k[:2] for k in inserted_keys)
+                    for sk, e in store.steps_expected(conn, only_resent).items():
+                        if e != expected[sk]:
+                            i = min(index_of[k] for k in leftover if k[:2] == sk)
+                            raise _microbatch_conflict(i, batch[i], e // placed_of[sk[0]][0])
                     out.duplicates += len(leftover)
             out.accepted = len(inserted_keys)
 

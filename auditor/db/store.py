@@ -721,6 +721,19 @@ class Store:
         ).all()
         return {tuple(k) for k in inserted}
 
+    def steps_expected(self, conn: sa.Connection, steps: Iterable[tuple[int, int]]) -> dict[tuple[int, int], int]:
+        """``{(series_id, step): expected}`` of those of ``steps`` that have a step row."""
+        by_series: dict[int, list[int]] = defaultdict(list)
+        for sid, st in steps:
+            by_series[int(sid)].append(int(st))
+        out: dict[tuple[int, int], int] = {}
+        for sid, sts in sorted(by_series.items()):
+            for _, st, e in self._fetch_in(
+                    conn, f"SELECT series_id, step, expected FROM step_audits WHERE series_id = {sid} AND step {{}}",
+                    sorted(sts)):
+                out[(sid, st)] = e
+        return out
+
     def fetch_reports(self, conn: sa.Connection, keys: Iterable[tuple]) -> dict[tuple, tuple]:
         """The stored ``reports`` rows (:data:`COLUMNS` order) of ``keys``, by key."""
         wanted = set(keys)

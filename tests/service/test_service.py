@@ -345,3 +345,32 @@ def test_a_run_deleted_between_finding_and_reading_its_row_is_created_anew(servi
         assert len(calls) == 3
     finally:
         other.close()
+
+
+def test_a_resend_that_changes_only_num_microbatches_is_a_conflict(service, run_id):
+    """num_microbatches is kept in the step row (expected reports), not the report row: a
+    re-send identical but for it was counted a duplicate (200) while the step expects
+    another number of microbatches. It is a 409 naming the field, whether the step is
+    open or audited, and an identical re-send stays a duplicate."""
+    def rep(run, mb, nmb):
+        return Report.model_validate({
+            "run_id": run, "statistic": "s", "step": 0, "rank": 0, "world_size": 1, "microbatch": mb,
+            "num_microbatches": nmb, "local": {"count": 4.0, "sum": 2.0, "sum_sq": 3.0},
+            "applied": {"count": 4.0, "sum": 2.0, "sum_sq": 3.0}})
+
+    assert service.ingest([rep(run_id, 0, 2)]).accepted == 1  # step 0 open: 1 of 2 microbatches
+    for nmb in (1, 3):
+        with pytest.raises(ConflictError) as e:
+            service.ingest([rep(run_id, 0, nmb)])
+        assert e.value.error == "conflicting_report" and e.value.conflicts[0]["fields"] == ["num_microbatches"]
+        assert f"says num_microbatches={nmb}, but other reports of that step say 2" in e.value.message
+    out = service.ingest([rep(run_id, 0, 2)])
+    assert (out.accepted, out.duplicates) == (0, 1)
+    out = service.ingest([rep(run_id, 1, 2)])
+    assert (out.accepted, [v for _, _, v in out.audited]) == (1, ["consistent"])
+
+    other = run_id + "-b"  # audited with 1 microbatch, then a re-send claiming 2
+    assert [v for _, _, v in service.ingest([rep(other, 0, 1)]).audited] == ["consistent"]
+    with pytest.raises(ConflictError, match="says num_microbatches=2, but other reports of that step say 1"):
+        service.ingest([rep(other, 0, 2)])
+    assert service.ingest([rep(other, 0, 1)]).duplicates == 1
