@@ -581,9 +581,17 @@ class Service:
                 pl = placed_of.get(info.id)
                 if pl is None:
                     topo = topo_of[r.run_id]
-                    allowed = topo.placed(info.engine_spec)
-                    pl = placed_of[info.id] = (topo.placed_count(info.engine_spec),
-                                               {d: set(v) for d, v in allowed.items()} or None)
+                    try:
+                        allowed = topo.placed(info.engine_spec)
+                        count = topo.placed_count(info.engine_spec)
+                    except ValueError as exc:  # stored by a registration before the rule (f47c80a)
+                        raise ConflictError(
+                            "spec_conflict",
+                            f"statistic {r.statistic!r} of run {r.run_id!r} was registered with a placement that "
+                            f"does not fit the run's topology ({exc}); no report of it can be stored: delete the "
+                            "run (DELETE /v1/runs/{run_id}) and register it again; nothing of this batch was stored",
+                            [{"index": i, "field": "spec"}], against_stored=False) from None
+                    pl = placed_of[info.id] = (count, {d: set(v) for d, v in allowed.items()} or None)
                 if pl[1] is not None:
                     _check_placed(i, r, pl[1])
                 row = report_row(r, info.id, now)

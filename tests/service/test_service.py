@@ -9,7 +9,7 @@ import pytest
 from factory import reference_reports
 
 from auditor.db.store import ReportsExist, RowDeleted
-from auditor.schemas import Report, RunRegistration
+from auditor.schemas import DEFAULT_SPECS, Report, RunRegistration
 from auditor.service import ConflictError, Contended, NotFound
 
 
@@ -374,3 +374,24 @@ def test_a_resend_that_changes_only_num_microbatches_is_a_conflict(service, run_
     with pytest.raises(ConflictError, match="says num_microbatches=2, but other reports of that step say 1"):
         service.ingest([rep(other, 0, 2)])
     assert service.ingest([rep(other, 0, 1)]).duplicates == 1
+
+
+def test_a_series_stored_with_a_placement_outside_its_run_refuses_reports_with_a_409(service, run_id):
+    """A registration before f47c80a could store a placement outside the run's sizes
+    (dp=[5] on dp=1); every report of that statistic was then a 500 (ValueError resolving
+    the placement). Such a stored series now answers 409 spec_conflict naming the spec
+    (the trainer's client dead-letters instead of retrying), nothing stored, and the other
+    statistics of the run are unaffected."""
+    ok = batch(run_id, buggy=False, step=0)
+    service.ingest(ok)
+    with service.store.write() as conn:  # what the registration stored then (no validation)
+        service.store.ensure_series(conn, run_id, "placed", "moments",
+                                    {**DEFAULT_SPECS["moments"].model_dump(), "placement": {"dp": [5]}}, time.time())
+    bad = [r.model_copy(update={"statistic": "placed"}) for r in batch(run_id, buggy=False, step=1)]
+    with pytest.raises(ConflictError) as e:
+        service.ingest(bad)
+    assert e.value.error == "spec_conflict" and e.value.conflicts == [{"index": 0, "field": "spec"}]
+    assert "registered with a placement that does not fit the run's topology" in e.value.message
+    assert "spec.placement.dp" in e.value.message
+    out = service.ingest(batch(run_id, buggy=True, step=1))
+    assert (out.accepted, [v for _, _, v in out.audited]) == (2, ["inconsistent"])
