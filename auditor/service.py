@@ -21,6 +21,7 @@ import itertools
 import json
 import logging
 import operator
+import sys
 import threading
 import time
 from collections import Counter, defaultdict
@@ -1385,11 +1386,17 @@ def _wire_fields(stored: dict, sent: dict):
 
 
 def _is_integrity_error(exc: BaseException) -> bool:
-    """SQLAlchemy's IntegrityError, or the driver's (raised by the COPY fast path)."""
+    """SQLAlchemy's IntegrityError, or the driver's (raised by the COPY fast path). Never
+    raises: it runs in the error path of every ingest, where an exception of its own would
+    replace the one being judged. psycopg's is looked up among the modules already imported
+    (an exception of psycopg's exists only once psycopg.errors is), never imported here:
+    ``import psycopg`` in this path, on a SQLite server under memory pressure, met a
+    half-imported package and raised AttributeError (psycopg has no attribute errors),
+    a 500 that hid the original error."""
     if isinstance(exc, sa.exc.IntegrityError):
         return True
     try:
-        import psycopg
-    except ImportError:  # pragma: no cover - SQLite-only installs
+        integrity = getattr(sys.modules.get("psycopg.errors"), "IntegrityError", None)
+        return isinstance(integrity, type) and isinstance(exc, integrity)
+    except Exception:  # noqa: BLE001 - a half-imported module: not an error of psycopg's
         return False
-    return isinstance(exc, psycopg.errors.IntegrityError)

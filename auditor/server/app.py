@@ -18,7 +18,9 @@ ReDoc from fastapi-offline, our CSS/JS — is served by this process (``/static`
 
 What protects the service from its callers (docs/deploy.md "Limits and security"): a token
 check before any body is read (:class:`AuthMiddleware`), a cap on requests in progress
-(:class:`ConcurrencyMiddleware`), bodies read while streaming up to ``max_body_bytes``
+(:class:`ConcurrencyMiddleware`), a budget of body bytes in flight taken before a body is
+read and held until it is decoded and stored (:mod:`auditor.server.budget`; 503 past it),
+bodies read while streaming up to ``max_body_bytes``
 (413 without reading the rest) with a timeout between chunks, JSON parsing, validation and
 rendering in worker threads (never on the event loop), ingest on a bounded number of
 threads, and 503 + Retry-After for every "try again later" condition of the database.
@@ -60,6 +62,7 @@ from starlette.routing import Match
 from auditor import __version__
 from auditor.config import Settings
 from auditor.db.engine import current_revision, ensure_schema, make_engine
+from auditor.server.budget import BodyBudget, Lease
 from auditor.server.metrics import scrape_registry
 from auditor.server.problems import MEDIA_TYPE, Problem, field_errors, problem, summary
 from auditor.service import ConflictError, Contended, LimitError, NotFound, PageReads, Service
@@ -113,6 +116,10 @@ class AppState:
         self.registry, self.metrics = scrape_registry(self.service.metric_series, settings.metrics_retention_seconds,
                                                       settings.metrics_max_series)
         self.ingest_limiter = anyio.CapacityLimiter(settings.ingest_concurrency)
+        #: Request-body bytes in flight (AUDITOR_MAX_BODY_BYTES_IN_FLIGHT): :func:`read_body`
+        #: takes them, the endpoint that read the body gives them back when it is done.
+        self.body_budget = BodyBudget(settings.body_budget_bytes, on_change=self.metrics.body_bytes.set)
+        self.metrics.body_bytes.set(0)
         #: Last database probe (:func:`_probe_forever`): (ok, message, monotonic time).
         self.database: tuple[bool, str, float] = (True, "ok", time.monotonic())
 
@@ -258,16 +265,32 @@ class BodyTimeout(Exception):
     """The body did not arrive in time; ``str()`` says which limit (and its setting)."""
 
 
-async def read_body(request: Request, limit: int, chunk_timeout: float, deadline: float | None = None) -> bytes:
+class BodyBudgetFull(Exception):
+    """No room for the body in the budget of bytes in flight (a 503 + Retry-After)."""
+
+
+async def read_body(request: Request, limit: int, chunk_timeout: float, deadline: float | None = None,
+                    lease: Lease | None = None, budget_wait: float = 0.0) -> bytes:
     """The request body, read while it streams in: :class:`BodyTooLarge` as soon as the
     declared ``Content-Length`` or the bytes received pass ``limit`` (the rest is never
     read; the connection is closed after the 413), :class:`BodyTimeout` when no chunk
     arrives for ``chunk_timeout`` s or the whole body has not arrived ``deadline`` s after
     reading began (a client trickling a byte now and then cannot hold its slot forever).
-    Raises ``starlette.requests.ClientDisconnect`` when the client goes away mid-body."""
+    Raises ``starlette.requests.ClientDisconnect`` when the client goes away mid-body.
+
+    With a ``lease`` (of :attr:`AppState.body_budget`) the body's bytes are taken from the
+    budget before they are read: the declared ``Content-Length`` at once, waiting up to
+    ``budget_wait`` s for room; without one, each chunk as it arrives (the first may wait,
+    later ones take what is left or fail at once: a request that holds bytes never waits
+    for more, so two such cannot wait on each other). :class:`BodyBudgetFull` when they
+    do not fit. The caller closes the lease when it no longer holds the body or what was
+    decoded from it."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge(limit, int(declared))
+    if lease is not None and declared is not None and declared.isdigit():
+        if not await lease.take(int(declared), budget_wait):
+            raise BodyBudgetFull()
     chunks: list[bytes] = []
     size = 0
     stream = request.stream().__aiter__()
@@ -293,6 +316,10 @@ async def read_body(request: Request, limit: int, chunk_timeout: float, deadline
         size += len(chunk)
         if size > limit:
             raise BodyTooLarge(limit)
+        if lease is not None and size > lease.held:
+            more = size - lease.held
+            if not (await lease.take(more, budget_wait) if lease.held == 0 else lease.try_grow(more)):
+                raise BodyBudgetFull()
         chunks.append(chunk)
     return b"".join(chunks)
 
@@ -498,7 +525,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def _unexpected(request: Request, exc: Exception):
         return _internal(request, exc)
 
-    async def body_of(request: Request) -> bytes | Response:
+    async def body_of(request: Request, lease: Lease) -> bytes | Response:
         encoding = request.headers.get("content-encoding", "").strip().lower()
         # a gzip body read as JSON would be a 422 "invalid JSON at line 1"
         header, msg = (("content-encoding", f"Content-Encoding {encoding!r} is not supported: send the body "
@@ -510,7 +537,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                            errors=[{"field": header, "loc": ["header", header], "type": "media_type", "msg": msg}])
         try:
             return await read_body(request, settings.max_body_bytes, settings.body_timeout_seconds,
-                                   settings.body_deadline_seconds)
+                                   settings.body_deadline_seconds, lease, settings.body_budget_wait_seconds)
+        except BodyBudgetFull:
+            lease.close()  # what a body without Content-Length took before it ran out of room
+            limit = settings.body_budget_bytes
+            throttled.warning("body-budget", "request bodies in flight reached %d bytes "
+                                             "(AUDITOR_MAX_BODY_BYTES_IN_FLIGHT): answering 503", limit)
+            return problem(503, "overloaded", f"more than {limit} bytes of request bodies in flight "
+                                              "(AUDITOR_MAX_BODY_BYTES_IN_FLIGHT); retry later", request.url.path,
+                           headers={"Retry-After": RETRY_AFTER, "Connection": "close"})
         except BodyTooLarge as e:
             svc_of(request).metrics.rejected.labels("body_too_large").inc()
             got = f"{e.size} bytes" if e.size is not None else "more"
@@ -541,18 +576,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """
         s = svc_of(request)
         t0 = time.perf_counter()
-        body = await body_of(request)
-        if isinstance(body, Response):
-            return body
-        parsed = await anyio.to_thread.run_sync(_parse_reports, body, settings, limiter=s.ingest_limiter)
-        if isinstance(parsed, tuple):
-            status, code, errs, n = parsed
-            s.metrics.rejected.labels("batch_too_large" if status == 413 else "validation").inc(n)
-            listed = field_errors(errs, settings.max_errors_listed)
-            cut = len(listed) >= settings.max_errors_listed
-            return problem(status, code, summary(listed, len(listed)) + (" (validation stopped there)" if cut else ""),
-                           request.url.path, errors=listed, errors_truncated=True if cut else None)
-        out = await anyio.to_thread.run_sync(s.service.ingest, parsed, limiter=s.ingest_limiter)
+        # The body's bytes stay taken from the budget until the decoded batch is stored:
+        # decoded, it is what costs memory (BODY_MEMORY_FACTOR).
+        lease = Lease(s.body_budget)
+        try:
+            body = await body_of(request, lease)
+            if isinstance(body, Response):
+                return body
+            parsed = await anyio.to_thread.run_sync(_parse_reports, body, settings, limiter=s.ingest_limiter)
+            del body  # the decoded batch is all the ingest needs
+            if isinstance(parsed, tuple):
+                status, code, errs, n = parsed
+                s.metrics.rejected.labels("batch_too_large" if status == 413 else "validation").inc(n)
+                listed = field_errors(errs, settings.max_errors_listed)
+                cut = len(listed) >= settings.max_errors_listed
+                return problem(status, code,
+                               summary(listed, len(listed)) + (" (validation stopped there)" if cut else ""),
+                               request.url.path, errors=listed, errors_truncated=True if cut else None)
+            out = await anyio.to_thread.run_sync(s.service.ingest, parsed, limiter=s.ingest_limiter)
+            del parsed
+        finally:
+            lease.close()
         s.metrics.received.inc(out.accepted)
         s.metrics.ingest_duration.observe(time.perf_counter() - t0)
         return IngestResult(accepted=out.accepted, duplicates=out.duplicates, steps_audited=len(out.audited))
@@ -564,15 +608,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         ``topology_conflict``/``spec_conflict`` if it contradicts the stored one; 422 past
         ``max_statistics_per_run`` or ``max_world_size``."""
         s = svc_of(request)
-        body = await body_of(request)
-        if isinstance(body, Response):
-            return body
-        parsed = await run_in_threadpool(_parse_run, body, settings)
-        if isinstance(parsed, list):
-            listed = field_errors(parsed, settings.max_errors_listed)
-            return problem(422, "validation", summary(listed, len(parsed)), request.url.path, errors=listed)
-        return Response(await anyio.to_thread.run_sync(lambda: _json(s.service.register_run(run_id, parsed)),
-                                                       limiter=s.ingest_limiter), media_type="application/json")
+        lease = Lease(s.body_budget)
+        try:
+            body = await body_of(request, lease)
+            if isinstance(body, Response):
+                return body
+            parsed = await run_in_threadpool(_parse_run, body, settings)
+            del body
+            if isinstance(parsed, list):
+                listed = field_errors(parsed, settings.max_errors_listed)
+                return problem(422, "validation", summary(listed, len(parsed)), request.url.path, errors=listed)
+            return Response(await anyio.to_thread.run_sync(lambda: _json(s.service.register_run(run_id, parsed)),
+                                                           limiter=s.ingest_limiter), media_type="application/json")
+        finally:
+            lease.close()
 
     @app.delete("/v1/runs/{run_id}")
     async def delete_run(request: Request, run_id: str = RunIdPath):

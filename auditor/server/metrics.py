@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 #: prometheus-client's multiprocess switch: set (before prometheus_client is imported) in
@@ -48,6 +48,7 @@ EXPORTED_METRICS: tuple[str, ...] = (
     "auditor_last_audited_step",
     "auditor_ranks_behind",
     "auditor_ingest_duration_seconds",
+    "auditor_body_bytes_in_flight",
 )
 
 
@@ -155,6 +156,12 @@ class ServiceMetrics:
             "Time to validate, store and audit one POST /v1/reports, in seconds.",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
             registry=registry,
+        )
+        self.body_bytes = Gauge(
+            "auditor_body_bytes_in_flight",
+            "Request-body bytes held now, from before a body is read until its decode and ingest are done "
+            "(at most AUDITOR_MAX_BODY_BYTES_IN_FLIGHT per process).",
+            multiprocess_mode="livesum", registry=registry,
         )
 
 

@@ -22,11 +22,14 @@ class ServerProcess:
     """
 
     def __init__(self, database_url: str, log_path: Path, *, args: tuple[str, ...] = (),
-                 memory_limit: int | None = None, **env: str):
+                 memory_limit: int | None = None, address_space_limit: int | None = None, **env: str):
         self.database_url = database_url
         #: RLIMIT_DATA of the server process, in bytes: a server fed hostile input must not
         #: take the machine down (it fails with MemoryError instead).
         self.memory_limit = memory_limit
+        #: RLIMIT_AS of the server process, in bytes: a container's hard cap, thread stacks
+        #: and malloc arenas included (MemoryError, or "can't start new thread", past it).
+        self.address_space_limit = address_space_limit
         self.log_path = log_path
         self.args = tuple(args)
         self.env = {**os.environ, "AUDITOR_DATABASE_URL": database_url, **env}
@@ -65,10 +68,12 @@ class ServerProcess:
         raise AssertionError("unreachable")
 
     def _limit_memory(self) -> None:
-        if self.memory_limit is not None:
-            import resource
+        import resource
 
+        if self.memory_limit is not None:
             resource.setrlimit(resource.RLIMIT_DATA, (self.memory_limit, self.memory_limit))
+        if self.address_space_limit is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (self.address_space_limit, self.address_space_limit))
 
     def peak_rss(self) -> int:
         """Peak resident set size of the server process so far (VmHWM), in bytes."""

@@ -806,3 +806,146 @@ def test_a_request_body_is_freed_by_reference_counting_not_the_cycle_collector()
         tracemalloc.stop()
         gc.enable()
     assert held < 2 * 2**20, held
+
+
+# ------------------------------------------------------------------ 12. bodies in flight
+#: RLIMIT_AS of the servers below: a 1 GiB container's hard cap (thread stacks and malloc
+#: arenas count), under which concurrent 16 MB bodies were 500s (MemoryError, "can't start
+#: new thread") before the budget of body bytes in flight.
+ADDRESS_SPACE_LIMIT = 1 << 30
+MiB = 2**20
+
+
+def _in_flight(server) -> float:
+    """The server's ``auditor_body_bytes_in_flight`` gauge, from /metrics."""
+    for line in server.get("/metrics").text.splitlines():
+        if line.startswith("auditor_body_bytes_in_flight "):
+            return float(line.split()[1])
+    raise AssertionError("auditor_body_bytes_in_flight not exported")
+
+
+def _big_body(run_id: str, dp: int = 128) -> bytes:
+    """10,000 reports (the batch limit) of a correct dp×2 world, one with a NaN applied
+    variance (the pydantic path, the costlier decode): 16 MB at dp=128."""
+    from factory import world_reports
+
+    reports, step = [], 0
+    while len(reports) < 10_000:
+        reports += world_reports(run_id, step=step, dp=dp, cp=2)
+        step += 1
+    reports = reports[:10_000]
+    reports[0]["applied"]["var"] = float("nan")
+    return json.dumps({"reports": reports}).encode()
+
+
+def test_concurrent_large_bodies_under_a_1_gib_cap_are_200_or_503_never_500(tmp_path, run_id):
+    """14 clients post a 16 MB body each at once (10 with Content-Length, 4 streamed without)
+    to a server capped at RLIMIT_AS = 1 GiB: every answer is a 200 storing the whole batch
+    or a 503 `overloaded` with Retry-After (500s before: MemoryError, "can't start new
+    thread"; the server peaked at 988 MB RSS for 8 such bodies); the bytes in flight are
+    back to 0, and a normal batch is then stored and audited with its exact verdict."""
+    s = ServerProcess(f"sqlite:///{tmp_path / 'a.db'}", tmp_path / "s.log",
+                      address_space_limit=ADDRESS_SPACE_LIMIT).start()
+    try:
+        body = _big_body(run_id)
+        assert 15 * MiB < len(body) <= 16 * MiB, len(body)
+
+        def send(i: int) -> httpx.Response:
+            content = body if i < 10 else (body[j:j + MiB] for j in range(0, len(body), MiB))
+            return httpx.post(f"{s.url}/v1/reports", content=content, timeout=60,
+                              headers={"content-type": "application/json"})
+
+        with ThreadPoolExecutor(14) as pool:
+            answers = list(pool.map(send, range(14)))
+        codes = sorted(r.status_code for r in answers)
+        assert set(codes) <= {200, 503} and 200 in codes and 503 in codes, codes
+        stored = [r.json() for r in answers if r.status_code == 200]
+        # the first stores the 10,000 reports (39 complete steps of 256), the others re-send them
+        assert sorted(x["accepted"] for x in stored) == [0] * (len(stored) - 1) + [10_000], stored
+        assert all(x["accepted"] + x["duplicates"] == 10_000 for x in stored), stored
+        for r in answers:
+            if r.status_code == 503:
+                body503 = assert_problem(r, 503, "overloaded")
+                assert r.headers["retry-after"] == "1" and "AUDITOR_MAX_BODY_BYTES_IN_FLIGHT" in body503["detail"]
+        assert wait_until(lambda: _in_flight(s) == 0.0, 10, "the bytes in flight back to 0")
+        assert s.peak_rss() < 700 * MiB, s.peak_rss()
+        assert "Traceback" not in (tmp_path / "s.log").read_text()
+
+        other = run_id + "-after"
+        r = post(s, reference_reports(other, buggy=True))
+        assert r.json() == {"accepted": 2, "duplicates": 0, "steps_audited": 1}, r.text
+        st = series_of(s, other)
+        assert (st["steps_audited"], st["steps_inconsistent"]) == (1, 1)
+        assert set(st["faults"]) == {"cp_disagreement", "group_mismatch", "wrong_group"}
+        assert _in_flight(s) == 0.0
+    finally:
+        s.stop()
+
+
+def test_the_bytes_in_flight_return_to_zero_after_every_outcome(tmp_path, run_id):
+    """With room for one 1 MiB body (AUDITOR_MAX_BODY_BYTES = AUDITOR_MAX_BODY_BYTES_IN_FLIGHT
+    = 1 MiB, a 0.5 s wait): a body declared and stalled holds exactly its length; a second
+    body waits, then gets 503 with Retry-After, unread; a body without Content-Length that
+    outgrows the room left is a 503 at once, and gives back what it took; the stalled
+    client going away mid-body gives everything back; then a 200, a 422, a 413 and a 415
+    each leave the gauge at 0, and a PUT /v1/runs as well."""
+    s = ServerProcess(f"sqlite:///{tmp_path / 'a.db'}", tmp_path / "s.log", address_space_limit=ADDRESS_SPACE_LIMIT,
+                      AUDITOR_MAX_BODY_BYTES=str(MiB), AUDITOR_MAX_BODY_BYTES_IN_FLIGHT=str(MiB),
+                      AUDITOR_BODY_BUDGET_WAIT_SECONDS="0.5").start()
+
+    def head(length: int | None) -> bytes:
+        size = b"Content-Length: %d\r\n" % length if length is not None else b"Transfer-Encoding: chunked\r\n"
+        return b"POST /v1/reports HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" + size + b"\r\n"
+
+    try:
+        assert _in_flight(s) == 0.0
+        stalled = socket.create_connection(("127.0.0.1", s.port), timeout=10)
+        try:
+            stalled.sendall(head(700_000) + b'{"reports": [')  # and nothing more, for now
+            assert wait_until(lambda: _in_flight(s) == 700_000.0, 10, "the stalled body's bytes taken")
+
+            # a second declared body does not fit: it waits 0.5 s, then 503, its body unread
+            answer, took = _raw_request(s, head(400_000) + b"x" * 1000)
+            assert answer.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in answer.lower(), answer[:400]
+            assert b"AUDITOR_MAX_BODY_BYTES_IN_FLIGHT" in answer and 0.4 < took < 5.0, (answer[:400], took)
+            assert _in_flight(s) == 700_000.0
+
+            # a chunked body: 200,000 bytes fit, the next 200,000 do not -> 503 at once
+            piece = b" " * 200_000
+            chunk = b"%x\r\n%s\r\n" % (len(piece), piece)
+            with socket.create_connection(("127.0.0.1", s.port), timeout=10) as sock:
+                sock.sendall(head(None) + chunk)
+                assert wait_until(lambda: _in_flight(s) == 900_000.0, 10, "the chunked body's first bytes")
+                answer = b""
+                try:
+                    sock.sendall(chunk)
+                    while not answer.endswith(b"}") and (part := sock.recv(65536)):
+                        answer += part
+                except (BrokenPipeError, ConnectionResetError):
+                    pass
+            assert answer.startswith(b"HTTP/1.1 503") and b"retry-after: 1" in answer.lower(), answer[:400]
+            assert wait_until(lambda: _in_flight(s) == 700_000.0, 10, "the chunked body's bytes given back")
+        finally:
+            stalled.close()  # the client goes away mid-body
+        assert wait_until(lambda: _in_flight(s) == 0.0, 10, "the disconnected body's bytes given back")
+
+        assert post(s, reference_reports(run_id, buggy=False)).json() == \
+            {"accepted": 2, "duplicates": 0, "steps_audited": 1}
+        assert _in_flight(s) == 0.0
+        bad = reference_reports(run_id, buggy=False, step=1)
+        bad[0]["rank"] = -1
+        assert_problem(post(s, bad), 422, "validation")
+        assert _in_flight(s) == 0.0
+        answer, _ = _raw_request(s, head(2 * MiB))
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:300]
+        assert _in_flight(s) == 0.0
+        r = s.post("/v1/reports", content=b"{}", headers={"content-type": "text/plain"})
+        assert_problem(r, 415, "unsupported_media_type")
+        assert _in_flight(s) == 0.0
+        r = s.put(f"/v1/runs/{run_id}-reg", json={"world_size": 2, "sizes": {"dp": 1, "cp": 2}})
+        assert r.status_code == 200, r.text
+        assert _in_flight(s) == 0.0
+        st = series_of(s, run_id)
+        assert (st["steps_audited"], st["steps_consistent"]) == (1, 1)
+    finally:
+        s.stop()
