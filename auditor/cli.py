@@ -254,10 +254,13 @@ class ReportSource:
         if self._service is not None:
             self._service.close()
 
-    def report(self, run_id: str, bad_steps: int) -> dict:
-        """``GET /v1/runs/{run_id}/report``."""
-        return self._run_call(run_id, "GET", "/report", lambda s: s.report(run_id, bad_steps_limit=bad_steps),
-                              params={"bad_steps": bad_steps}, timeout=self.read_timeout)
+    def report(self, run_id: str, bad_steps: int, rank_rows: int | None = None) -> dict:
+        """``GET /v1/runs/{run_id}/report`` (``rank_rows``: rows of each bad step's per-rank
+        table; the service's default when None)."""
+        extra = {} if rank_rows is None else {"rank_rows": rank_rows}
+        return self._run_call(run_id, "GET", "/report",
+                              lambda s: s.report(run_id, bad_steps_limit=bad_steps, **extra),
+                              params={"bad_steps": bad_steps, **extra}, timeout=self.read_timeout)
 
     def _run_call(self, run_id: str, method: str, path: str, local, **http) -> dict:
         """``method /v1/runs/{run_id}{path}`` over HTTP, or ``local(service)``; an unknown run
@@ -312,7 +315,9 @@ class ReportSource:
 
             with Reader(self.url, self.token, timeout=self.read_timeout) as reader:
                 return reader.step_json(run_id, statistic, step)
-        return self._service.step(run_id, statistic, step)
+        from auditor.service import PageReads
+
+        return PageReads(self._service).step_json(run_id, statistic, step)
 
     def runs(self) -> list[dict]:
         """Every run of ``GET /v1/runs`` (all pages), newest first."""
@@ -429,10 +434,10 @@ def db_current(database_url: Optional[str] = DatabaseUrl) -> None:
 
 
 def _fetch_report(run_id: str, url: str | None, database_url: str | None, bad_steps: int,
-                  token: str | None = None, timeout: float = 10.0) -> dict:
+                  token: str | None = None, timeout: float = 10.0, rank_rows: int | None = None) -> dict:
     """The report of RUN_ID from a service (``--url``) or the local database."""
     with ReportSource(url, database_url, token, timeout) as source:
-        return source.report(run_id, bad_steps)
+        return source.report(run_id, bad_steps, rank_rows)
 
 
 @app.command()
@@ -446,6 +451,10 @@ def report(
         help="table, json, or html: the run page with its plots as one self-contained file (plotly.js inlined; "
              "opens offline), e.g. `auditor report RUN --format html > run.html`."),
     bad_steps: int = typer.Option(20, min=0, help="Bad steps shown per statistic."),
+    rank_rows: Optional[int] = typer.Option(
+        None, min=0, max=16_384,
+        help="Rows of each bad step's per-rank table (the faulted ranks first; service default 64). "
+             "The full table of a step: GET .../statistics/STAT/steps/STEP."),
     token: Optional[str] = ReadToken,
     timeout: float = Timeout,
 ) -> None:
@@ -453,7 +462,7 @@ def report(
     if format is ReportFormat.html:
         typer.echo(_report_html(run_id, url, database_url, bad_steps, token, timeout), nl=False)
         return
-    data = _fetch_report(run_id, url, database_url, bad_steps, token, timeout)
+    data = _fetch_report(run_id, url, database_url, bad_steps, token, timeout, rank_rows)
     if format is ReportFormat.json:
         typer.echo(json.dumps(data, indent=2))
         return
@@ -499,7 +508,8 @@ def check(
     from auditor import status
 
     run_id = _which_run(run_id, url, database_url, token, timeout)
-    data = _fetch_report(run_id, url, database_url, bad_steps=20, token=token, timeout=timeout)
+    # the verdict needs no per-rank table (rank_rows=0: no step re-audited, whatever the world)
+    data = _fetch_report(run_id, url, database_url, bad_steps=20, token=token, timeout=timeout, rank_rows=0)
     passed, lines = status.check(data, allow_incomplete=allow_incomplete, allow_refused=allow_refused,
                                  min_steps=min_steps, allow_pending=allow_pending)
     for line in lines:

@@ -107,6 +107,10 @@ class Fault:
     message: str
     ranks: list[int]
     evidence: dict[str, Any] = field(default_factory=dict)
+    #: ranks the fault concerns in all; a report lists at most 1024 of them
+    #: (``ranks_truncated``), the step endpoint all
+    ranks_total: int | None = None
+    ranks_truncated: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -164,8 +168,10 @@ class StepSummary:
 
 @dataclass(frozen=True)
 class StepDetail:
-    """One step with its faults and per-rank table (``GET .../steps/{step}``, and each of a
-    report's ``bad_steps``)."""
+    """One step with its faults and per-rank table (``GET .../steps/{step}``, every row:
+    :meth:`Reader.step` follows its pages; and each of a report's ``bad_steps``, at most
+    ``rank_rows`` rows, the faulted ranks first). ``ranks_total``: rows of the full table;
+    ``ranks_truncated``: ``ranks`` holds fewer."""
 
     step: int
     verdict: str | None
@@ -178,6 +184,8 @@ class StepDetail:
     audited_at: float | None = None
     run_id: str | None = None
     statistic: str | None = None
+    ranks_total: int | None = None
+    ranks_truncated: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -379,11 +387,14 @@ class Reader:
         """One run's summary; :class:`NotFoundError` if unknown."""
         return Run.from_json(self._get(f"/v1/runs/{_seg(run_id)}"))
 
-    def report(self, run_id: str, *, statistic: str | None = None, bad_steps: int = 20) -> Report:
+    def report(self, run_id: str, *, statistic: str | None = None, bad_steps: int = 20,
+               rank_rows: int | None = None) -> Report:
         """The consistency report of ``run_id`` (optionally one ``statistic`` only), with the
-        details of up to ``bad_steps`` bad steps per statistic."""
+        details of up to ``bad_steps`` bad steps per statistic, each with up to ``rank_rows``
+        rows of its per-rank table (the faulted ranks first; the service's default, 64, when
+        None). The full table of a step: :meth:`step`."""
         return Report.from_json(self._get(f"/v1/runs/{_seg(run_id)}/report",
-                                          {"statistic": statistic, "bad_steps": bad_steps}))
+                                          {"statistic": statistic, "bad_steps": bad_steps, "rank_rows": rank_rows}))
 
     def steps(self, run_id: str, statistic: str, *, start: int | None = None, stop: int | None = None,
               verdict: str | None = None, page_size: int = 1000) -> Iterator[StepSummary]:
@@ -393,17 +404,26 @@ class Reader:
                 for s in self.steps_json(run_id, statistic, start=start, stop=stop, verdict=verdict,
                                          page_size=page_size))
 
-    def step(self, run_id: str, statistic: str, step: int) -> StepDetail:
-        """One step's verdict, faults and per-rank table."""
-        return StepDetail.from_json(self.step_json(run_id, statistic, step))
+    def step(self, run_id: str, statistic: str, step: int, *, page_size: int = 10_000) -> StepDetail:
+        """One step's verdict, faults and its whole per-rank table (following the step
+        endpoint's pages of ``page_size`` rows)."""
+        return StepDetail.from_json(self.step_json(run_id, statistic, step, page_size=page_size))
 
-    def step_json(self, run_id: str, statistic: str, step: int) -> dict:
-        """:meth:`step` as the service's JSON object."""
-        return self._get(f"/v1/runs/{_seg(run_id)}/statistics/{_seg(statistic)}/steps/{int(step)}")
+    def step_json(self, run_id: str, statistic: str, step: int, *, page_size: int = 10_000) -> dict:
+        """:meth:`step` as the service's JSON object: the first page, with the rows of every
+        page in ``ranks`` (``next_cursor`` None, ``ranks_truncated`` false)."""
+        path = f"/v1/runs/{_seg(run_id)}/statistics/{_seg(statistic)}/steps/{int(step)}"
+        out = self._get(path, {"limit": page_size})
+        while out.get("next_cursor"):
+            page = self._get(path, {"limit": page_size, "cursor": out["next_cursor"]})
+            out["ranks"] += page["ranks"]
+            out["next_cursor"] = page.get("next_cursor")
+        out["ranks_truncated"] = False
+        return out
 
-    def report_json(self, run_id: str, *, bad_steps: int = 20) -> dict:
+    def report_json(self, run_id: str, *, bad_steps: int = 20, rank_rows: int | None = None) -> dict:
         """The report as the service's JSON (what :func:`auditor.web.render_run_page` takes)."""
-        return self._get(f"/v1/runs/{_seg(run_id)}/report", {"bad_steps": bad_steps})
+        return self._get(f"/v1/runs/{_seg(run_id)}/report", {"bad_steps": bad_steps, "rank_rows": rank_rows})
 
     def steps_json(self, run_id: str, statistic: str, *, start: int | None = None, stop: int | None = None,
                    verdict: str | None = None, page_size: int = 1000) -> Iterator[dict]:

@@ -109,7 +109,8 @@ def _render_bad_step(console: Console, statistic: str, kind: str, step: dict[str
     console.print(f"[bold]{statistic}[/] step {step.get('step')}: [red]{step.get('verdict')}[/]")
     for fault in step.get("faults") or []:
         ranks = fault.get("ranks") or []
-        shown = ", ".join(map(str, ranks[:max_ranks])) + (" …" if len(ranks) > max_ranks else "")
+        shown = ", ".join(map(str, ranks[:max_ranks])) + (
+            " …" if len(ranks) > max_ranks or fault.get("ranks_truncated") else "")
         console.print(f"  • [bold]{fault.get('kind')}[/] (ranks {shown or '—'}): {fault.get('message')}",
                       highlight=False)
     ranks = step.get("ranks") or []
@@ -134,8 +135,10 @@ def _render_bad_step(console: Console, statistic: str, kind: str, step: dict[str
                       _num(r.get("correct_mean"), sign=False), _num(r.get("relative_error"), sign=False))
         table.add_row(_int(r.get("rank")) + mb, coords, *values)
     console.print(table)
-    if len(ranks) > max_ranks:
-        console.print(f"  … {len(ranks) - max_ranks} more ranks")
+    total = max(len(ranks), int(step.get("ranks_total") or 0))
+    if total > max_ranks:  # the report holds the faulted ranks first, at most ?rank_rows= rows
+        console.print(f"  … {total - min(len(ranks), max_ranks)} more rows of {total} "
+                      f"(all: GET …/statistics/{statistic}/steps/{step.get('step')})", highlight=False)
 
 
 def _int(x: Any) -> str:

@@ -17,6 +17,8 @@ threads, workers and replicas, and the lock order, are the store's
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
 import json
 import logging
@@ -78,6 +80,24 @@ PROGRESS_WINDOW = 16
 #: nothing since before step N" by looking at the reports before the window while those
 #: steps hold at most this many reports of the expected ranks (a bounded index range).
 PROGRESS_LOOKBACK_REPORTS = 1 << 16
+#: Rows of each bad step's per-rank table a report shows by default (``?rank_rows=``): the
+#: ranks its faults name first, then the rest in rank order; the step endpoint pages the rest.
+REPORT_RANK_ROWS = 64
+#: Most rank rows one report response holds over all its bad steps (and most ranks each
+#: fault lists there): a report asking for more shows each bad step an equal share of it.
+#: Bounds the response whatever the world (≈ 330 bytes a row: ≈ 5.4 MB at most).
+REPORT_ROWS_BUDGET = 16_384
+#: Most stored reports one report response re-audits for its per-rank tables (each bad
+#: step's table needs every report of its step: a rank's correct value is its whole expected
+#: group's); bad steps past it show their faults and ``ranks_total`` but no rows
+#: (``ranks_truncated``): the step endpoint has them. Bounds the time and memory of a read.
+REPORT_AUDIT_BUDGET = 1 << 19
+#: Most ranks each fault of a report's bad step lists (fewer when many bad steps are shown:
+#: an equal share of :data:`REPORT_ROWS_BUDGET`, at least 16); the step endpoint lists all.
+REPORT_FAULT_RANKS = 1024
+#: Rank rows per page of the step endpoint by default, and at most.
+STEP_RANK_ROWS = 10_000
+STEP_RANK_ROWS_MAX = 65_536
 
 
 @dataclass(frozen=True, slots=True)
@@ -1087,21 +1107,33 @@ class Service:
             srows = self.store.series_rows(conn, run_id)
         return _run_summary(r, srows)
 
-    def report(self, run_id: str, bad_steps_limit: int = 20, statistic: str | None = None) -> dict:
+    def report(self, run_id: str, bad_steps_limit: int = 20, statistic: str | None = None,
+               rank_rows: int = REPORT_RANK_ROWS) -> dict:
         """The consistency report of a run (``GET /v1/runs/{run_id}/report``).
 
         Served from the per-series aggregates plus, for at most ``bad_steps_limit`` bad
         steps per statistic (inconsistent first, then incomplete, by step), their faults
-        and per-rank tables (recomputed from the step's stored reports). Raises
-        :class:`NotFound`.
+        and per-rank tables (recomputed from the step's stored reports, one step at a time).
+        Bounded whatever the world: each table shows at most ``rank_rows`` rows (the ranks
+        the step's faults name first, then the rest in rank order) and each fault lists at
+        most as many ranks, with ``ranks_total``/``ranks_truncated`` telling the full
+        count; at most :data:`REPORT_ROWS_BUDGET` rows in all (shared equally by the bad
+        steps shown) and at most :data:`REPORT_AUDIT_BUDGET` reports re-audited. The full
+        table is the step endpoint's (:meth:`step`). Raises :class:`NotFound`.
         """
         run = self.get_run(run_id)
         out = {k: run[k] for k in ("run_id", "world_size", "sizes", "order", "topology", "created_at",
                                    "last_activity") if k in run}
         out["statistics"] = []
         with self.store.read() as conn:
-            for s in self.store.series_rows(conn, run_id, statistic, ordered=True):
-                out["statistics"].append(self._series_report(conn, s, run, bad_steps_limit))
+            series = [(s, self.store.bad_steps(conn, s["id"], bad_steps_limit))
+                      for s in self.store.series_rows(conn, run_id, statistic, ordered=True)]
+            shown = sum(len(b) for _, b in series)
+            cap = min(rank_rows, REPORT_ROWS_BUDGET // max(1, shown))
+            fault_cap = min(REPORT_FAULT_RANKS, max(16, REPORT_ROWS_BUDGET // max(1, shown)))
+            budget = [REPORT_AUDIT_BUDGET]
+            for s, bad_rows in series:
+                out["statistics"].append(self._series_report(conn, s, run, bad_rows, (cap, fault_cap), budget))
         if statistic is not None and not out["statistics"]:
             raise NotFound(f"{run_id}/{statistic}")
         # one definition (auditor.status): an audit_error or an incomplete step is no
@@ -1112,11 +1144,11 @@ class Service:
         out["refused_reports"] = sum(s["refused_reports"] for s in out["statistics"])
         return out
 
-    def _series_report(self, conn: sa.Connection, s, run: dict, limit: int) -> dict:
+    def _series_report(self, conn: sa.Connection, s, run: dict, bad_rows: Sequence, cap: tuple[int, int],
+                       budget: list[int]) -> dict:
         store = self.store
         fault_counts = store.fault_counts(conn, s["id"])
         pending = store.pending_steps(conn, s["id"])
-        bad_rows = store.bad_steps(conn, s["id"], limit)
         info = SeriesInfo.of(SeriesRow(s["id"], s["run_id"], s["statistic"], s["kind"], s["spec"]))
         topo = Topology.of_summary(run)
         audited = sum(s[f"steps_{v}"] for v in core.VERDICTS)
@@ -1147,7 +1179,7 @@ class Service:
             "worst_applied_error_sigma": s["worst_applied_error_sigma"],
             "worst_applied_error_step": s["worst_applied_error_step"],
             "ranks_behind": s["ranks_behind"], "progress": s["progress"],
-            "bad_steps": [self._step_detail(conn, info, topo, row) for row in bad_rows],
+            "bad_steps": [self._report_step(conn, info, topo, row, cap, budget) for row in bad_rows],
             "bad_steps_shown": len(bad_rows),
             "bad_steps_total": s["steps_inconsistent"] + s["steps_incomplete"] + s["steps_audit_error"],
             # reports refused (409) for contradicting this statistic's stored ones
@@ -1156,30 +1188,74 @@ class Service:
             "refused_kind": s["refused_kind"],
         }
 
-    def _step_detail(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, row) -> dict:
-        fault_rows = self.store.step_faults(conn, info.id, row["step"])
+    def _rank_table(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, row) -> list[core.RankRow]:
+        """The per-rank table of a step, recomputed from its stored reports (all of them: a
+        rank's correct value is its expected group's); [] when the audit fails."""
         try:  # the per-rank table is recomputed; a read must never fail on odd data
-            ranks = [_row_json(r) for r in core.audit_step(
+            return core.audit_step(
                 self.store.step_reports(conn, info.id, row["step"]), topo.sizes, info.engine_spec,
                 num_microbatches=max(1, row["expected"] // topo.placed_count(info.engine_spec)), kind=info.kind,
                 **topo.audit_args(),
-            ).rows]
+            ).rows
         except Exception:  # noqa: BLE001 - the stored verdict (audit_error) already says it
             log.exception("per-rank table of %s/%s step %d", info.run_id, info.statistic, row["step"])
-            ranks = []
+            return []
+
+    def _step_head(self, conn: sa.Connection, info: SeriesInfo, row, fault_ranks: int | None,
+                   named: set[int] | None = None) -> dict:
+        """A step's verdict, counts, σ figures and faults; each fault lists at most
+        ``fault_ranks`` ranks (all when None), with ``ranks_total`` and ``ranks_truncated``;
+        ``named`` (if given) gains every rank a fault names."""
+        faults = []
+        for f in self.store.step_faults(conn, info.id, row["step"]):
+            ranks = list(core.expand_ranks(f["ranks"]) or ())
+            n = len(ranks)
+            if named is not None:
+                named.update(ranks)
+            cut = fault_ranks is not None and n > fault_ranks
+            faults.append({"kind": f["kind"], "message": f["message"], "ranks": ranks[:fault_ranks] if cut else ranks,
+                           "ranks_total": n, "ranks_truncated": cut, "evidence": f["evidence"]})
         return {
             "step": row["step"], "verdict": row["verdict"], "audited_at": row["audited_at"],
             "previous_verdict": row["previous_verdict"], "verdict_changed_at": row["verdict_changed_at"],
             "reports": row["received"], "expected": row["expected"],
             "cp_disagreement_sigma": _cp_sigma(row["verdict"], row["cp_disagreement_sigma"]),
             "applied_error_sigma": row["applied_error_sigma"],
-            "faults": [
-                {"kind": f["kind"], "message": f["message"], "ranks": list(core.expand_ranks(f["ranks"]) or ()),
-                 "evidence": f["evidence"]}
-                for f in fault_rows
-            ],
-            "ranks": ranks,
+            "faults": faults,
         }
+
+    def _report_step(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, row, caps: tuple[int, int],
+                     budget: list[int]) -> dict:
+        """One of a report's bad steps: its head, and at most ``cap`` rows of its per-rank
+        table, the rows of the ranks its faults name first (rank order), then the rest (rank
+        order); each fault lists at most ``fault_cap`` ranks (``caps = (cap, fault_cap)``). ``budget[0]``: reports the response may still re-audit; a step past it keeps
+        its head and ``ranks_total`` (the reports received) without rows."""
+        cap, fault_cap = caps
+        named: set[int] = set()
+        out = self._step_head(conn, info, row, fault_cap, named)
+        if cap <= 0 or budget[0] < row["received"]:
+            out.update(ranks=[], ranks_total=row["received"], ranks_truncated=row["received"] > 0)
+            return out
+        budget[0] -= row["received"]
+        rows = self._rank_table(conn, info, topo, row)
+        first = heapq.nsmallest(cap, rows, key=lambda r: (r.rank not in named and not r.faults, r.rank, r.microbatch))
+        out.update(ranks=[_row_json(r) for r in first], ranks_total=len(rows), ranks_truncated=len(rows) > len(first))
+        return out
+
+    def _step_detail(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, row,
+                     limit: int | None = None, after: tuple[int, int] | None = None) -> tuple[dict, tuple | None]:
+        """A step's head (faults with every rank) and its per-rank table in (rank,
+        microbatch) order: the rows after ``after``, at most ``limit`` (all when None).
+        Returns the detail and the key of its last row when more rows follow (else None)."""
+        out = self._step_head(conn, info, row, None)
+        rows = sorted(self._rank_table(conn, info, topo, row), key=lambda r: (r.rank, r.microbatch))
+        total = len(rows)
+        if after is not None:
+            rows = rows[bisect.bisect_right(rows, tuple(after), key=lambda r: (r.rank, r.microbatch)):]
+        more = limit is not None and len(rows) > limit
+        rows = rows[:limit] if more else rows
+        out.update(ranks=[_row_json(r) for r in rows], ranks_total=total, ranks_truncated=more)
+        return out, ((rows[-1].rank, rows[-1].microbatch) if more and rows else None)
 
     def steps(self, run_id: str, statistic: str, *, start: int | None = None, stop: int | None = None,
               verdict: str | None = None, limit: int = 1000, after: int | None = None) -> dict:
@@ -1211,8 +1287,12 @@ class Service:
             "last": rows[-1]["step"] if more and rows else None,
         }
 
-    def step(self, run_id: str, statistic: str, step: int) -> dict:
-        """One step's verdict and per-rank table; raises :class:`NotFound`."""
+    def step(self, run_id: str, statistic: str, step: int, *, limit: int | None = None,
+             after: tuple[int, int] | None = None) -> dict:
+        """One step's verdict, faults and per-rank table (``GET .../steps/{step}``): the rows
+        in (rank, microbatch) order after ``after`` (the ``last`` of the previous page), at
+        most ``limit`` (all when None); ``ranks_total`` rows in all, ``last`` set when more
+        follow. Raises :class:`NotFound`."""
         run = self.get_run(run_id)
         with self.store.read() as conn:
             found = self.store.series_rows(conn, run_id, statistic)
@@ -1224,7 +1304,8 @@ class Service:
                 raise NotFound(f"{run_id}/{statistic}/{step}")
             info = SeriesInfo.of(SeriesRow(s["id"], run_id, statistic, s["kind"], s["spec"]))
             topo = Topology.of_summary(run)
-            return {"run_id": run_id, "statistic": statistic, **self._step_detail(conn, info, topo, row)}
+            detail, last = self._step_detail(conn, info, topo, row, limit, after)
+        return {"run_id": run_id, "statistic": statistic, **detail, "last": last}
 
     def metric_series(self, since: float, max_series: int | None = None) -> list[dict]:
         """Per-series figures for /metrics (:meth:`auditor.db.store.Store.metric_series`)."""
@@ -1262,9 +1343,9 @@ class PageReads:
     def __init__(self, service: Service):
         self.service = service
 
-    def report_json(self, run_id: str, *, bad_steps: int = 20) -> dict:
+    def report_json(self, run_id: str, *, bad_steps: int = 20, rank_rows: int = REPORT_RANK_ROWS) -> dict:
         """``GET /v1/runs/{run_id}/report``."""
-        return self.service.report(run_id, bad_steps_limit=bad_steps)
+        return self.service.report(run_id, bad_steps_limit=bad_steps, rank_rows=rank_rows)
 
     def steps_json(self, run_id: str, statistic: str) -> Iterator[dict]:
         """Every item of ``GET .../statistics/{statistic}/steps``, page by page."""
@@ -1277,8 +1358,10 @@ class PageReads:
                 return
 
     def step_json(self, run_id: str, statistic: str, step: int) -> dict:
-        """``GET .../statistics/{statistic}/steps/{step}``."""
-        return self.service.step(run_id, statistic, step)
+        """``GET .../statistics/{statistic}/steps/{step}`` (every rank row, as one page)."""
+        out = self.service.step(run_id, statistic, step)
+        out.pop("last")
+        return out
 
 
 def _cp_sigma(verdict: str | None, sigma: float | None) -> float | None:

@@ -107,7 +107,7 @@ def incomplete_line(report: Mapping[str, Any]) -> str:
     ``missing_report`` faults of the report's ``bad_steps``, which list up to its
     ``bad_steps`` limit of steps)."""
     parts, missing = [], set()
-    total = 0
+    total, cut = 0, False
     for s in report.get("statistics") or []:
         n = int(s.get("steps_incomplete") or 0)
         if not n:
@@ -118,7 +118,9 @@ def incomplete_line(report: Mapping[str, Any]) -> str:
             for f in step.get("faults") or []:
                 if f.get("kind") == "missing_report":
                     missing.update(f.get("ranks") or [])
-    who = f"rank{'s' if len(missing) != 1 else ''} {_ranks_text(missing)} never reported" if missing else (
+                    cut = cut or bool(f.get("ranks_truncated"))  # a report lists up to 1,024 a fault
+    more = " and more" if cut else ""
+    who = f"rank{'s' if len(missing) != 1 or cut else ''} {_ranks_text(missing)}{more} never reported" if missing else (
         "the missing ranks are listed in the report's bad steps")
     return (f"{total} step(s) audited with reports missing ({', '.join(parts)}); {who}: their values were "
             "never checked")

@@ -65,7 +65,8 @@ from auditor.db.engine import current_revision, ensure_schema, make_engine
 from auditor.server.budget import BodyBudget, Lease
 from auditor.server.metrics import scrape_registry
 from auditor.server.problems import MEDIA_TYPE, Problem, field_errors, problem, summary
-from auditor.service import ConflictError, Contended, LimitError, NotFound, PageReads, Service
+from auditor.service import (REPORT_RANK_ROWS, REPORT_ROWS_BUDGET, STEP_RANK_ROWS, STEP_RANK_ROWS_MAX, ConflictError,
+                             Contended, LimitError, NotFound, PageReads, Service)
 from auditor.schemas import RUN_ID_PATTERN, STATISTIC_PATTERN, IngestResult, ReportBatch, RunRegistration, limit_errors, parse_report_batch
 
 log = logging.getLogger("auditor.api")
@@ -672,17 +673,26 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         run_id: str = RunIdPath,
         statistic: str | None = Query(None, min_length=1, max_length=128, pattern=STATISTIC_PATTERN),
         bad_steps: int = Query(20, ge=0, le=1000, description="Bad steps shown per statistic."),
+        rank_rows: int = Query(
+            REPORT_RANK_ROWS, ge=0, le=REPORT_ROWS_BUDGET,
+            description="Rows of each bad step's per-rank table: the ranks its faults name first, then the rest "
+                        f"in rank order (at most {REPORT_ROWS_BUDGET} rows over the whole report; the full table: "
+                        "GET .../steps/{step})."),
     ):
         """Consistency report: per statistic, steps audited/consistent/inconsistent/incomplete/
         audit_error/pending/reaudited, first and last bad step, fault counts by kind, the
         latest sigma figures, and for up to ``bad_steps`` bad steps their faults, verdict
         history (``previous_verdict``, ``verdict_changed_at``) and per-rank table (rank,
         coords, local count and mean, applied mean/std, correct mean/std, error in σ).
-        ``consistent`` is false when any step is inconsistent or could not be audited."""
+        ``consistent`` is false when any step is inconsistent or could not be audited.
+        Bounded whatever the world: each bad step shows at most ``rank_rows`` rows (the
+        faulted ranks first) with ``ranks_total`` and ``ranks_truncated``, each fault at most
+        1024 ranks (``ranks_total``, ``ranks_truncated``); ``bad_steps`` × ``rank_rows`` beyond
+        16,384 gives each step an equal share."""
         s = svc_of(request)
         page = str(request.url_for("run_page", run_id=run_id))
-        return await read(lambda: {**s.service.report(run_id, bad_steps_limit=bad_steps, statistic=statistic),
-                                   "page": page})
+        return await read(lambda: {**s.service.report(run_id, bad_steps_limit=bad_steps, statistic=statistic,
+                                                      rank_rows=rank_rows), "page": page})
 
     # ``{statistic:path}`` in both step routes: statistic names may hold "/" ("policy/grad_norm",
     # sent as policy%2Fgrad_norm or policy/grad_norm; the ASGI path is decoded either way),
@@ -720,11 +730,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/v1/runs/{run_id}/statistics/{statistic:path}/steps/{step}")
     async def get_step(request: Request, run_id: str = RunIdPath,
                        statistic: str = Path(min_length=1, max_length=128, pattern=STATISTIC_PATTERN),
-                       step: int = Path(ge=0, le=2**62)):
-        """One step's verdict (and the one a re-audit replaced), faults and per-rank table;
-        404 if not seen."""
+                       step: int = Path(ge=0, le=2**62),
+                       limit: int = Query(STEP_RANK_ROWS, ge=1, le=STEP_RANK_ROWS_MAX,
+                                          description="Rank rows per page."),
+                       cursor: str | None = Query(None, max_length=1024,
+                                                  description="`next_cursor` of the previous page.")):
+        """One step's verdict (and the one a re-audit replaced), faults (every rank) and
+        per-rank table in (rank, microbatch) order, ``limit`` rows a page: ``ranks_total``
+        rows in all, ``ranks_truncated`` and ``next_cursor`` set when more follow; 404 if not
+        seen."""
         s = svc_of(request)
-        return await read(lambda: s.service.step(run_id, statistic, step))
+        after = decode_cursor(cursor, rank_key)
+
+        def page():
+            out = s.service.step(run_id, statistic, step, limit=limit, after=after)
+            last = out.pop("last")
+            return {**out, "next_cursor": encode_cursor(list(last)) if last is not None else None}
+        return await read(page)
 
     # ---------------------------------------------------------------- HTML pages
     from auditor import web
@@ -932,6 +954,15 @@ def step_key(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_STEP:
         raise ValueError(f"not a step: {v!r}")
     return v
+
+
+def rank_key(v: Any) -> tuple[int, int]:
+    """The keyset position of a step's rank-rows cursor: ``[rank, microbatch]``, two
+    non-negative integers. Anything else raises ValueError."""
+    if (not isinstance(v, list) or len(v) != 2
+            or any(isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= MAX_STEP for x in v)):
+        raise ValueError(f"not a rank position: {v!r}")
+    return v[0], v[1]
 
 
 def runs_key(v: Any) -> tuple[float, str]:
