@@ -6,6 +6,7 @@ iteration its bytes were granted. The HTTP side (every outcome leaves the gauge 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -14,7 +15,14 @@ from auditor.server.budget import BodyBudget, Lease
 
 
 def run(coro):
-    return asyncio.run(coro)
+    """``asyncio.run`` in a thread of its own: a test before this one in the same worker
+    (Playwright's sync API) can leave an event loop running in the main thread."""
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(asyncio.run(coro)))
+    t.start()
+    t.join(60)
+    assert out, "the coroutine raised or did not finish (see the thread's traceback)"
+    return out[0]
 
 
 def test_waiters_are_served_in_order_and_everything_comes_back():
