@@ -81,11 +81,9 @@ def post_lines(http: httpx.Client, url: str, lines: list[bytes]) -> Outcome:
         return Outcome("retry", 0.0, message=f"{type(exc).__name__}: {exc}")
     status = response.status_code
     if status < 300:
-        try:
-            duplicates = int(response.json().get("duplicates", 0))
-        except (ValueError, AttributeError, TypeError):
-            duplicates = 0
-        return Outcome("sent", duplicates=duplicates)
+        body = _answer_json(response)
+        duplicates = body.get("duplicates", 0) if isinstance(body, dict) else 0
+        return Outcome("sent", duplicates=duplicates if type(duplicates) is int and 0 <= duplicates <= len(lines) else 0)
     if status in TRANSIENT or status >= 500:
         delay = retry_after(response)
         return Outcome("retry", delay, message=f"HTTP {status}: {response.text[:200]}",
@@ -107,17 +105,35 @@ def _named_indices(response: httpx.Response, n: int) -> frozenset[int]:
     ``errors[].loc`` = ``["reports", i, ...]``); empty when it names none, when any error
     does not name a report, or when an index is out of range."""
     try:
-        body = response.json()
+        body = _answer_json(response)
         if body.get("conflicts"):
-            bad = {int(c["index"]) for c in body["conflicts"]}
+            bad = {_report_index(c["index"]) for c in body["conflicts"]}
         else:
             errors = body["errors"]
-            bad = {int(e["loc"][1]) for e in errors if list(e["loc"][:1]) == ["reports"] and len(e["loc"]) > 1}
-            if len(bad) != len({int(e["loc"][1]) if len(e["loc"]) > 1 else -1 for e in errors}):
+            bad = {_report_index(e["loc"][1]) for e in errors if list(e["loc"][:1]) == ["reports"] and len(e["loc"]) > 1}
+            if len(bad) != len({_report_index(e["loc"][1]) if len(e["loc"]) > 1 else -1 for e in errors}):
                 return frozenset()
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):
         return frozenset()
     return frozenset(bad) if bad and bad <= set(range(n)) else frozenset()
+
+
+def _answer_json(response: httpx.Response) -> object:
+    """The answer's body as JSON, or None when it is not JSON (the JSON parser's
+    ``RecursionError`` on deeply nested garbage included: an answer never raises here)."""
+    try:
+        return response.json()
+    except (ValueError, RecursionError):
+        return None
+
+
+def _report_index(value: object) -> int:
+    """A report index as the service writes it, a JSON integer; anything else (``1e999``,
+    read as an infinite float, whose ``int()`` is an OverflowError; ``1.5``; ``true``) is a
+    TypeError: an answer that names no report."""
+    if type(value) is not int:
+        raise TypeError(f"not a report index: {value!r}")
+    return value
 
 
 def backoff(failures: int, cap: float = MAX_BACKOFF) -> float:

@@ -396,3 +396,51 @@ def test_a_stop_while_a_sick_service_is_being_isolated_ends_delivery_cleanly(ser
                                 on_retry=lambda out, n: retries.append(n), stopped=stopped, wait=lambda s: None)
     assert done is False and finals == []
     assert len(server.requests) == delivery.POISON_AFTER and server.statuses == [500] * delivery.POISON_AFTER
+
+
+GARBAGE_INDEX = [float("inf"), 1.5, True, "1"]
+
+
+@pytest.mark.parametrize("value", GARBAGE_INDEX)
+def test_an_answer_with_garbage_numbers_is_classified_never_raised(value):
+    """What a proxy or another program on the service's port may answer: numbers that are
+    not the JSON integers the service writes (``1e999``, read as an infinite float, whose
+    ``int()`` raised OverflowError out of post_lines: a traceback a second in the trainer's
+    sender, and ``auditor import`` ended "unexpected OverflowError", exit 2) and a body
+    nested past the JSON parser's recursion limit (RecursionError). Each is an answer that
+    names no report: 2xx sent (0 duplicates), 409 rejected, 422 of several reports split."""
+    import httpx
+
+    from auditor.trainer import delivery
+
+    answers = {
+        "dup": (200, json.dumps({"duplicates": value})),
+        "deep": (200, "[" * 100_000 + "]" * 100_000),
+        "conflict": (409, json.dumps({"conflicts": [{"index": value, "fields": ["local.sum"]}]})),
+        "loc": (422, json.dumps({"errors": [{"loc": ["reports", value, "local"], "msg": "x"}]})),
+        "deep422": (422, '{"errors":' + "[" * 100_000 + "]" * 100_000 + "}"),
+    }
+    got = {}
+    lines = [json.dumps(r).encode() for r in _reports(3)]
+    for name, (status, text) in answers.items():
+        transport = httpx.MockTransport(lambda request, s=status, t=text: httpx.Response(
+            s, content=t.encode(), headers={"Content-Type": "application/json"}))
+        with httpx.Client(transport=transport) as http:
+            out = delivery.post_lines(http, "http://svc", lines)
+        got[name] = (out.kind, out.duplicates, sorted(out.rejected))
+    assert got == {"dup": ("sent", 0, []), "deep": ("sent", 0, []), "conflict": ("rejected", 0, []),
+                   "loc": ("split", 0, []), "deep422": ("split", 0, [])}
+
+
+def test_a_garbage_answer_leaves_the_sender_quiet_and_the_reports_settled(server, caplog):
+    """The client's sender, answered 200 with ``"duplicates": Infinity``, counts the batch
+    sent and flush() returns True; no "unexpected error in the sender" (before: the batch
+    was spooled as an error, flush() timed out, the traceback repeated every second)."""
+    server.script = [(200, {}, {"accepted": 3, "duplicates": float("inf")})]
+    client = AuditorClient(server.url)
+    for r in _reports(3):
+        client.report(r)
+    assert client.flush(timeout=10)
+    assert client.stats["sent"] == 3 and client.stats["spooled"] == 0
+    assert "unexpected error" not in caplog.text
+    client.close()
