@@ -609,6 +609,11 @@ def demo(
     """The reference case end to end: real gloo ranks with Megatron-core process groups whiten
     GRPO advantages under zigzag CP sharding twice — reduced over the DP group without CP
     (slime's bug) and with CP (the fix) — push to the auditor, and print both reports."""
+    from auditor.demo.reference import MAX_DEMO_WORLD
+
+    if dp * cp > MAX_DEMO_WORLD:  # before torch, a service or ./auditor.db: nothing started
+        raise UsageError(f"--dp × --cp is {dp} × {cp} = {dp * cp:,} workers; the demo runs at most {MAX_DEMO_WORLD} "
+                         f"(each is a process holding torch, ~0.36 GiB)")
     _require_torch()
     from auditor.demo import run_demo
 

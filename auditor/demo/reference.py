@@ -240,6 +240,12 @@ def _whiten_on_rank(rank, world, port, dp, cp, samples, url, run_ids, timeout, s
         dist.destroy_process_group()
 
 
+#: Largest dp·cp the demo spawns: every rank is a process importing torch and Megatron-core,
+#: ~360 MiB resident each (measured, dp=2 cp=2), so 32 need ~11.5 GiB; `--dp 100000` started
+#: 200,000 such processes.
+MAX_DEMO_WORLD = 32
+
+
 def run_workers(
     samples: Sequence[Sample],
     dp: int,
@@ -253,8 +259,12 @@ def run_workers(
     ``steps`` rollout steps each (:func:`step_advantages`).
 
     Each worker reports to ``url`` (none when ``None``) and flushes before exiting.
-    Returns RankResults sorted by global rank; raises as :func:`auditor.testing.world.spawn_world`.
+    Returns RankResults sorted by global rank; raises as :func:`auditor.testing.world.spawn_world`,
+    and ValueError (nothing spawned) when dp·cp is above :data:`MAX_DEMO_WORLD`.
     """
+    if dp * cp > MAX_DEMO_WORLD:
+        raise ValueError(f"--dp × --cp is {dp} × {cp} = {dp * cp:,} workers; the demo runs at most {MAX_DEMO_WORLD} "
+                         f"(each is a process holding torch, ~0.36 GiB)")
     return spawn_world(_whiten_on_rank, dp * cp, (dp, cp, tuple(samples), url, run_ids, timeout, steps), timeout)
 
 

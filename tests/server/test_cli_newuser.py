@@ -73,6 +73,26 @@ def test_demo_with_cp_1_says_the_bug_needs_cp_2(tmp_path):
     assert "the bug needs --cp 2 or more" in " ".join(out.stdout.split())
 
 
+@pytest.mark.parametrize(("dp", "cp", "workers"), [("17", "2", "34"), ("100000", "2", "200,000"), ("1", "33", "33")])
+def test_demo_refuses_a_world_it_cannot_spawn_before_starting_anything(tmp_path, dp, cp, workers):
+    """Every demo rank is a process holding torch (~0.36 GiB): `--dp 100000` spawned 200,000
+    of them (a fork bomb on any machine). Above 32 workers it is one line naming the
+    options, the product and the limit, exit 2, before any service, worker or ./auditor.db
+    (checked before --url too: nothing is contacted)."""
+    out = auditor("demo", "--dp", dp, "--cp", cp, "--url", "http://127.0.0.1:9", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == f"error: --dp × --cp is {dp} × {cp} = {workers} workers; the demo runs at most 32 " \
+                         "(each is a process holding torch, ~0.36 GiB)\n", out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_run_workers_refuses_a_world_above_the_demo_limit_without_spawning():
+    from auditor.demo import reference
+
+    with pytest.raises(ValueError, match=r"4 × 9 = 36 workers; the demo runs at most 32"):
+        reference.run_workers(reference.REFERENCE_SAMPLES, 4, 9, ("a", "b"))
+
+
 def test_audit_names_file_line_and_field_of_bad_lines(tmp_path):
     """`auditor audit` on a file with bad lines says, per line, FILE:LINE and the wire field
     (or "not JSON"), names at most 5 per file and counts the rest — not 30 identical lines
