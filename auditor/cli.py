@@ -301,23 +301,25 @@ class ReportSource:
     def steps_json(self, run_id: str, statistic: str):
         if self._service is None:
             from auditor.reader import Reader
+            from auditor.web import PAGE_STEPS
 
             with Reader(self.url, self.token, timeout=self.read_timeout) as reader:
-                yield from reader.steps_json(run_id, statistic, page_size=10_000)
+                yield from reader.steps_json(run_id, statistic, page_size=PAGE_STEPS)
             return
         from auditor.service import PageReads
 
         yield from PageReads(self._service).steps_json(run_id, statistic)
 
-    def step_json(self, run_id: str, statistic: str, step: int) -> dict:
-        if self._service is None:
+    def step_json(self, run_id: str, statistic: str, step: int, *, limit: int | None = None,
+                  after: tuple[int, int] | None = None) -> dict:
+        if self._service is None:  # every row (auditor.web.gather_run_page keeps those it shows)
             from auditor.reader import Reader
 
             with Reader(self.url, self.token, timeout=self.read_timeout) as reader:
                 return reader.step_json(run_id, statistic, step)
         from auditor.service import PageReads
 
-        return PageReads(self._service).step_json(run_id, statistic, step)
+        return PageReads(self._service).step_json(run_id, statistic, step, limit=limit, after=after)
 
     def runs(self) -> list[dict]:
         """Every run of ``GET /v1/runs`` (all pages), newest first."""

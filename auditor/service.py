@@ -98,6 +98,9 @@ REPORT_FAULT_RANKS = 1024
 #: Rank rows per page of the step endpoint by default, and at most.
 STEP_RANK_ROWS = 10_000
 STEP_RANK_ROWS_MAX = 65_536
+#: Step summaries a run page reads at a time (:meth:`PageReads.steps_json`): ~1 KB each as
+#: rows and dicts, so a page of them costs ~2 MB whatever the run's length.
+PAGE_STEPS = 2000
 
 
 @dataclass(frozen=True, slots=True)
@@ -1347,19 +1350,22 @@ class PageReads:
         """``GET /v1/runs/{run_id}/report``."""
         return self.service.report(run_id, bad_steps_limit=bad_steps, rank_rows=rank_rows)
 
-    def steps_json(self, run_id: str, statistic: str) -> Iterator[dict]:
-        """Every item of ``GET .../statistics/{statistic}/steps``, page by page."""
+    def steps_json(self, run_id: str, statistic: str, *, page_size: int = PAGE_STEPS) -> Iterator[dict]:
+        """Every item of ``GET .../statistics/{statistic}/steps``, read ``page_size`` at a
+        time: a consumer that does not keep them holds one page at most."""
         after = None
         while True:
-            page = self.service.steps(run_id, statistic, limit=10_000, after=after)
+            page = self.service.steps(run_id, statistic, limit=page_size, after=after)
             yield from page["steps"]
             after = page["last"]
             if after is None:
                 return
 
-    def step_json(self, run_id: str, statistic: str, step: int) -> dict:
-        """``GET .../statistics/{statistic}/steps/{step}`` (every rank row, as one page)."""
-        out = self.service.step(run_id, statistic, step)
+    def step_json(self, run_id: str, statistic: str, step: int, *, limit: int | None = None,
+                  after: tuple[int, int] | None = None) -> dict:
+        """``GET .../statistics/{statistic}/steps/{step}``: the rank rows after ``after``, at
+        most ``limit`` (every row when None), as one page (``ranks_total`` in all)."""
+        out = self.service.step(run_id, statistic, step, limit=limit, after=after)
         out.pop("last")
         return out
 

@@ -820,10 +820,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         run_id: str = RunIdPath,
         statistic: str | None = Query(None, min_length=1, max_length=128, pattern=STATISTIC_PATTERN),
         step: int | None = Query(None, ge=0, le=2**62),
+        from_rank: int = Query(0, ge=0, le=2**31 - 1),
+        from_mb: int = Query(0, ge=0, le=2**31 - 1),
     ) -> HTMLResponse:
         """The run page: verdict counts, σ per step, faults per step, per-rank detail of the
-        bad steps (``?statistic=&step=`` selects one)."""
-        page = web.gather_run_page(PageReads(svc_of(request).service), run_id, statistic=statistic, step=step)
+        bad steps (``?statistic=&step=`` selects one; its table shows
+        :data:`auditor.web.PAGE_RANK_ROWS` rows from ``from_rank``/``from_mb`` on)."""
+        page = web.gather_run_page(PageReads(svc_of(request).service), run_id, statistic=statistic, step=step,
+                                   from_row=(from_rank, from_mb) if (from_rank, from_mb) != (0, 0) else None)
         return HTMLResponse(web.render_run_page(**page, root_path=request.scope.get("root_path", "")))
 
     @app.get("/healthz")

@@ -116,18 +116,40 @@ def _assets(inline: bool) -> dict[str, Any]:
     return {"inline": True, **{k: _END_TAG.sub(r"<\\/\1", v) for k, v in texts.items()}}
 
 
-def page_model(report: Mapping[str, Any], steps: Mapping[str, Sequence[dict]],
+#: Rows of the selected step's per-rank table a run page reads and shows
+#: (``?statistic=&step=``): a 16,384-rank step would otherwise be read, charted and put in
+#: the HTML whole. The rest in pages of as many rows, in (rank, microbatch) order
+#: (``&from_rank=&from_mb=``); the step endpoint has every row.
+PAGE_RANK_ROWS = 2000
+#: Step summaries a page reads per request of ``GET .../steps`` (``auditor report --format
+#: html --url``); ``auditor.service.PAGE_STEPS`` is the same for the service's own reads.
+PAGE_STEPS = 2000
+
+
+def history_of(steps: "Iterable[dict] | plots.StepHistory | None") -> plots.StepHistory:
+    """``steps`` as a :class:`plots.StepHistory`: as given, or built from step summaries (a
+    list or tuple is sorted by step first; any other iterable is consumed once, in step
+    order, without being held)."""
+    if isinstance(steps, plots.StepHistory):
+        return steps
+    if isinstance(steps, (list, tuple)):
+        steps = sorted(steps, key=lambda s: s["step"])
+    return plots.StepHistory.of(steps or ())
+
+
+def page_model(report: Mapping[str, Any], steps: Mapping[str, "Iterable[dict] | plots.StepHistory"],
                details: Mapping[str, Mapping[int, dict]] | None = None,
                selected: tuple[str, int] | None = None) -> dict[str, Any]:
     """What the run page shows, per statistic: the report's summary, its σ and fault figures
     and, for each step with a detail (the report's bad steps plus ``details``), the per-rank
     figure. The initially shown step is ``selected`` if given, else the first inconsistent
-    step. Also the JSON embedded in the page (``figures``) for ``run.js``."""
+    step. Also the JSON embedded in the page (``figures``) for ``run.js``. ``steps``: per
+    statistic, its step summaries or their :class:`plots.StepHistory`."""
     details = details or {}
     statistics, figures = [], {}
     for i, stat in enumerate(report.get("statistics") or []):
         name, kind = stat["statistic"], stat.get("kind", "moments")
-        history = list(steps.get(name) or [])
+        history = history_of(steps.get(name))
         shown: dict[int, dict] = {d["step"]: d for d in stat.get("bad_steps") or []}
         shown.update({int(k): v for k, v in (details.get(name) or {}).items()})
         order = sorted(shown)
@@ -135,20 +157,20 @@ def page_model(report: Mapping[str, Any], steps: Mapping[str, Sequence[dict]],
             order[0] if order else None)
         key = f"s{i}"
         figures[key] = {
-            "sigma": plots.sigma_figure(history, name) if kind == "moments" else None,
-            "timeline": plots.fault_timeline_figure(history, name),
+            "sigma": history.sigma_figure(name) if kind == "moments" else None,
+            "timeline": history.timeline_figure(name),
             "steps": {str(s): plots.rank_figure(shown[s], name, kind) for s in order},
             "selected": None if first is None else str(first),
         }
         statistics.append({
             "key": key, "stat": stat, "kind": kind, "labels": plots.VALUE_LABELS.get(kind, plots.VALUE_LABELS["moments"]),
-            "steps_plotted": len(history), "details": [shown[s] for s in order], "selected": first,
+            "steps_plotted": history.count, "details": [shown[s] for s in order], "selected": first,
             "bad_not_shown": max(0, int(stat.get("bad_steps_total") or 0) - len(order)),
         })
     return {"statistics": statistics, "figures": plots.finite_only(figures)}
 
 
-def render_run_page(report: Mapping[str, Any], steps: Mapping[str, Sequence[dict]], *,
+def render_run_page(report: Mapping[str, Any], steps: Mapping[str, "Iterable[dict] | plots.StepHistory"], *,
                     details: Mapping[str, Mapping[int, dict]] | None = None,
                     selected: tuple[str, int] | None = None, inline_assets: bool = False,
                     root_path: str = "") -> str:
@@ -160,7 +182,8 @@ def render_run_page(report: Mapping[str, Any], steps: Mapping[str, Sequence[dict
         ``GET /v1/runs/{run_id}/report`` (its ``bad_steps`` give the per-rank details).
     steps:
         Per statistic, the step summaries of ``GET /v1/runs/{run_id}/statistics/{s}/steps``
-        (every page): the per-step σ lines and the fault timeline.
+        (every page) or their :class:`plots.StepHistory` (what :func:`gather_run_page`
+        streams them into): the per-step σ lines and the fault timeline.
     details:
         Extra step details per statistic and step (``GET .../steps/{step}``), e.g. a step
         the reader asked for that is not among the report's bad steps.
@@ -186,27 +209,65 @@ class PageSource(Protocol):
         """``GET /v1/runs/{run_id}/report``."""
 
     def steps_json(self, run_id: str, statistic: str) -> Iterable[dict]:
-        """Every item of ``GET /v1/runs/{run_id}/statistics/{statistic}/steps``."""
+        """Every item of ``GET /v1/runs/{run_id}/statistics/{statistic}/steps``, in step
+        order; best an iterator that reads page by page (the page never holds them all)."""
 
-    def step_json(self, run_id: str, statistic: str, step: int) -> dict:
-        """``GET /v1/runs/{run_id}/statistics/{statistic}/steps/{step}``."""
+    def step_json(self, run_id: str, statistic: str, step: int, *, limit: int | None = None,
+                  after: tuple[int, int] | None = None) -> dict:
+        """``GET /v1/runs/{run_id}/statistics/{statistic}/steps/{step}``: its rank rows in
+        (rank, microbatch) order after ``after``, at most ``limit`` (a source may return
+        more, or all: :func:`gather_run_page` cuts them), ``ranks_total`` in all."""
+
+
+#: Largest microbatch index (the wire's bound is 2**20): ``(rank, MAX_MICROBATCH)`` comes
+#: after every row of ``rank``.
+MAX_MICROBATCH = 2**31 - 1
 
 
 def gather_run_page(source: PageSource, run_id: str, *, statistic: str | None = None, step: int | None = None,
-                    bad_steps: int = 20) -> dict[str, Any]:
+                    bad_steps: int = 20, rank_rows: int = PAGE_RANK_ROWS,
+                    from_row: tuple[int, int] | None = None) -> dict[str, Any]:
     """Read what :func:`render_run_page` needs for ``run_id`` from ``source``: the report
-    (with up to ``bad_steps`` bad-step details per statistic), every step summary of each
-    statistic and, if ``statistic`` and ``step`` are given, that step's detail (selected).
+    (with up to ``bad_steps`` bad-step details per statistic), each statistic's step
+    summaries streamed into a :class:`plots.StepHistory` (bounded memory whatever the
+    number of steps) and, if ``statistic`` and ``step`` are given, that step's detail
+    (selected) with at most ``rank_rows`` rows of its per-rank table in (rank, microbatch)
+    order, from row ``from_row`` = (rank, microbatch) on (the first row when None); when
+    more rows follow, the detail's ``next_row`` is the first of them.
     Returns the keyword arguments of :func:`render_run_page` (without the rendering options).
     Raises what ``source`` raises for an unknown run, statistic or step."""
     report = source.report_json(run_id, bad_steps=bad_steps)
-    steps = {s["statistic"]: list(source.steps_json(run_id, s["statistic"])) for s in report["statistics"]}
+    steps = {s["statistic"]: plots.StepHistory.of(source.steps_json(run_id, s["statistic"]))
+             for s in report["statistics"]}
     details: dict[str, dict[int, dict]] = {}
     selected = None
     if statistic is not None and step is not None:
-        details[statistic] = {step: source.step_json(run_id, statistic, step)}
+        details[statistic] = {step: _rank_page(source, run_id, statistic, step, rank_rows, from_row)}
         selected = (statistic, step)
     return {"report": report, "steps": steps, "details": details, "selected": selected}
+
+
+def _rank_page(source: PageSource, run_id: str, statistic: str, step: int, rank_rows: int,
+               from_row: tuple[int, int] | None) -> dict:
+    """A step's detail with ``rank_rows`` rows of its table from ``from_row`` on; one row
+    more is read to name the next page's first (``next_row``)."""
+    after = None
+    if from_row is not None and from_row != (0, 0):
+        rank, mb = from_row
+        after = (rank, mb - 1) if mb > 0 else (rank - 1, MAX_MICROBATCH)
+    detail = source.step_json(run_id, statistic, step, limit=rank_rows + 1, after=after)
+    rows = detail.get("ranks") or []
+    if after is not None:  # a source that ignored ``after``: its rows from the start
+        rows = [r for r in rows if (r["rank"], r.get("microbatch", 0)) > after]
+    detail.pop("last", None)
+    detail.pop("next_cursor", None)
+    total = detail.get("ranks_total")
+    if total is None:
+        total = detail["ranks_total"] = len(rows)
+    next_row = (rows[rank_rows]["rank"], rows[rank_rows].get("microbatch", 0)) if len(rows) > rank_rows else None
+    detail["ranks"] = rows[:rank_rows]
+    detail.update(next_row=next_row, from_row=from_row, ranks_truncated=len(detail["ranks"]) < total)
+    return detail
 
 
 def render_runbook(*, root_path: str = "") -> str:

@@ -83,75 +83,189 @@ def downsample_max(steps: Sequence[int], values: Sequence[float | None],
     return [s for s, _ in best], [v for _, v in best]
 
 
+class MaxBuckets:
+    """:func:`downsample_max` one point at a time, in memory bounded by ``max_points``.
+
+    Points arrive in step order; null and non-finite values are dropped. Until more than
+    ``max_points`` points have arrived every point is kept (what :func:`downsample_max`
+    returns); past that, each kept point is the largest of a bucket of ``width``
+    consecutive points (with its own step; the first of equals), ``width`` doubling
+    whenever the buckets outgrow ``max_points`` — so a one-step spike is never averaged or
+    thinned away, and :meth:`points` never returns more than ``max_points`` points."""
+
+    __slots__ = ("max_points", "width", "xs", "ys", "_fill", "_px", "_py")
+
+    def __init__(self, max_points: int = MAX_POINTS):
+        if max_points < 2:
+            raise ValueError("max_points must be at least 2")
+        self.max_points, self.width = max_points, 1
+        self.xs: list[int] = []
+        self.ys: list[float] = []
+        self._fill, self._px, self._py = 0, 0, 0.0
+
+    def add(self, x: int, y: float | None) -> None:
+        if y is None:
+            return
+        y = float(y)
+        if not math.isfinite(y):
+            return
+        if self._fill == 0 or y > self._py:
+            self._px, self._py = x, y
+        self._fill += 1
+        if self._fill == self.width:
+            self.xs.append(self._px)
+            self.ys.append(self._py)
+            self._fill = 0
+            if len(self.xs) > self.max_points:
+                self._halve()
+
+    def _halve(self) -> None:
+        """Merge neighbouring buckets in pairs (the larger value stays); an odd last bucket
+        becomes the partly filled bucket of the doubled width."""
+        xs, ys, n = self.xs, self.ys, len(self.xs)
+        pairs = [i if ys[i] >= ys[i + 1] else i + 1 for i in range(0, n - 1, 2)]
+        if n % 2:
+            self._px, self._py, self._fill = xs[-1], ys[-1], self.width
+        self.xs, self.ys = [xs[i] for i in pairs], [ys[i] for i in pairs]
+        self.width *= 2
+
+    def points(self) -> tuple[list[int], list[float]]:
+        """(steps, values) kept so far (at most ``max_points``)."""
+        xs, ys = list(self.xs), list(self.ys)
+        if self._fill:
+            if len(xs) < self.max_points:
+                xs.append(self._px)
+                ys.append(self._py)
+            elif self._py > ys[-1]:  # no room for a bucket more: fold it into the last one
+                xs[-1], ys[-1] = self._px, self._py
+        return xs, ys
+
+
+#: The σ lines of a ``moments`` statistic: (name, step-summary field, colour, dash).
+SIGMA_SERIES = (
+    ("CP disagreement σ", "cp_disagreement_sigma", "#d62728", "solid"),
+    ("applied error σ", "applied_error_sigma", "#1f77b4", "solid"),
+    ("rounding tolerance σ", "tolerance_sigma", "#616161", "dash"),
+)
+
+
+class StepHistory:
+    """What the run page plots of one statistic's step summaries (``GET .../steps``),
+    accumulated one summary at a time, in step order: the σ lines and the fault timeline,
+    each downsampled as it grows (:class:`MaxBuckets`). Its memory is bounded by
+    ``max_points`` per line whatever the number of steps, so a page of a 100,000-step run
+    never holds its step summaries (:func:`auditor.web.gather_run_page` streams them in
+    page by page). A run of at most ``max_points`` steps plots every step."""
+
+    def __init__(self, max_points: int = MAX_POINTS):
+        self.max_points = max_points
+        #: step summaries seen; first and last step (the axes' range)
+        self.count = 0
+        self.first: int | None = None
+        self.last: int | None = None
+        self.sigma = {key: MaxBuckets(max_points) for _, key, _, _ in SIGMA_SERIES}
+        #: smallest positive σ of any line (before downsampling): the log axis's floor
+        self.min_positive: float | None = None
+        self.ok = MaxBuckets(max_points)
+        self.kinds: dict[str, MaxBuckets] = {}
+
+    @classmethod
+    def of(cls, steps: Iterable[dict[str, Any]], max_points: int = MAX_POINTS) -> "StepHistory":
+        """The history of ``steps`` (an iterator is consumed once, in its order)."""
+        return cls(max_points).extend(steps)
+
+    def extend(self, steps: Iterable[dict[str, Any]]) -> "StepHistory":
+        for s in steps:
+            self.add(s)
+        return self
+
+    def add(self, s: dict[str, Any]) -> None:
+        step = s["step"]
+        self.count += 1
+        self.first = step if self.first is None else min(self.first, step)
+        self.last = step if self.last is None else max(self.last, step)
+        for key, line in self.sigma.items():
+            v = s.get(key)
+            if v is None:
+                continue
+            v = float(v)
+            if math.isfinite(v) and v > 0 and (self.min_positive is None or v < self.min_positive):
+                self.min_positive = v
+            line.add(step, v)
+        kinds = s.get("fault_kinds") or ()
+        if s.get("verdict") == "incomplete" and not kinds:
+            kinds = ("incomplete",)
+        if not kinds and s.get("verdict") == "consistent":
+            self.ok.add(step, 0.0)
+        for k in kinds:
+            line = self.kinds.get(k)
+            if line is None:
+                line = self.kinds[k] = MaxBuckets(self.max_points)
+            line.add(step, 0.0)
+
+    def _axis(self) -> dict:
+        return step_axis([] if self.first is None else [self.first, self.last])
+
+    def sigma_figure(self, statistic: str) -> dict:
+        """:func:`sigma_figure` of the steps added."""
+        floor = self.min_positive / 10 if self.min_positive is not None else 1e-12
+        data = []
+        for name, key, colour, dash in SIGMA_SERIES:
+            x, y = self.sigma[key].points()
+            if not x and key == "tolerance_sigma":
+                continue
+            data.append({
+                "type": "scatter", "mode": "lines+markers" if len(x) <= 200 else "lines", "name": name,
+                "x": x, "y": [max(v, floor) for v in y], "customdata": y,
+                "line": {"color": colour, "dash": dash, "width": 1.5 if dash == "dash" else 2},
+                "marker": {"size": 5},
+                "hovertemplate": f"step %{{x}}<br>{name} %{{customdata:.6g}}<extra></extra>",
+            })
+        return {"data": data, "layout": {
+            **_LAYOUT, "title": {"text": f"{statistic}: σ per step", "font": {"size": 14}},
+            "xaxis": self._axis(),
+            "yaxis": {"title": {"text": "σ of the correct statistic"}, "type": "log", "exponentformat": "power"},
+        }}
+
+    def timeline_figure(self, statistic: str) -> dict:
+        """:func:`fault_timeline_figure` of the steps added."""
+        data = []
+        ok, _ = self.ok.points()
+        if ok:
+            data.append({"type": "scatter", "mode": "markers", "name": "ok", "x": ok, "y": ["ok"] * len(ok),
+                         "marker": {"symbol": "line-ns-open", "size": 10, "color": OK_COLOUR},
+                         "hovertemplate": "step %{x}: consistent<extra></extra>"})
+        for kind in sorted(self.kinds):
+            x, _ = self.kinds[kind].points()
+            data.append({"type": "scatter", "mode": "markers", "name": kind, "x": x, "y": [kind] * len(x),
+                         "marker": {"symbol": "square", "size": 9, "color": fault_colour(kind)},
+                         "hovertemplate": f"step %{{x}}: {kind}<extra></extra>"})
+        rows = (["ok"] if ok else []) + sorted(self.kinds)
+        return {"data": data, "layout": {
+            **_LAYOUT, "height": 120 + 28 * max(1, len(rows)), "showlegend": False,
+            "title": {"text": f"{statistic}: faults per step", "font": {"size": 14}},
+            "xaxis": self._axis(),
+            "yaxis": {"type": "category", "categoryorder": "array", "categoryarray": rows, "automargin": True},
+        }}
+
+
 def sigma_figure(steps: Sequence[dict[str, Any]], statistic: str) -> dict:
     """Per-step CP-disagreement σ and applied-error σ of a ``moments`` statistic (log scale),
     with the rounding tolerance of each step as a dashed line when the steps carry one
-    (``tolerance_sigma``). Steps are the summaries of ``GET .../steps``, any order.
+    (``tolerance_sigma``). Steps are the summaries of ``GET .../steps``, any order
+    (:class:`StepHistory` builds the same figure from summaries streamed in step order).
 
     Zero is not drawable on a log axis: exact zeros are drawn at a floor one decade below
     the smallest positive value (hover shows the true value)."""
-    steps = sorted(steps, key=lambda s: s["step"])
-    xs = [s["step"] for s in steps]
-    series = [
-        ("CP disagreement σ", "cp_disagreement_sigma", "#d62728", "solid"),
-        ("applied error σ", "applied_error_sigma", "#1f77b4", "solid"),
-        ("rounding tolerance σ", "tolerance_sigma", "#616161", "dash"),
-    ]
-    positives = [float(s[k]) for s in steps for _, k, _, _ in series
-                 if s.get(k) is not None and math.isfinite(float(s[k])) and float(s[k]) > 0]
-    floor = min(positives) / 10 if positives else 1e-12
-    data = []
-    for name, key, colour, dash in series:
-        x, y = downsample_max(xs, [s.get(key) for s in steps])
-        if not x and key == "tolerance_sigma":
-            continue
-        data.append({
-            "type": "scatter", "mode": "lines+markers" if len(x) <= 200 else "lines", "name": name,
-            "x": x, "y": [max(v, floor) for v in y], "customdata": y,
-            "line": {"color": colour, "dash": dash, "width": 1.5 if dash == "dash" else 2},
-            "marker": {"size": 5},
-            "hovertemplate": f"step %{{x}}<br>{name} %{{customdata:.6g}}<extra></extra>",
-        })
-    return {"data": data, "layout": {
-        **_LAYOUT, "title": {"text": f"{statistic}: σ per step", "font": {"size": 14}},
-        "xaxis": step_axis(xs),
-        "yaxis": {"title": {"text": "σ of the correct statistic"}, "type": "log", "exponentformat": "power"},
-    }}
+    return StepHistory.of(sorted(steps, key=lambda s: s["step"])).sigma_figure(statistic)
 
 
 def fault_timeline_figure(steps: Sequence[dict[str, Any]], statistic: str) -> dict:
     """One row per fault kind (and ``incomplete``), a marker at every step it occurred in:
     the steps where a run went bad, at a glance. Consistent steps appear as a thin green
-    rug along the bottom row ``ok``."""
-    steps = sorted(steps, key=lambda s: s["step"])
-    by_kind: dict[str, list[int]] = {}
-    ok: list[int] = []
-    for s in steps:
-        kinds = list(s.get("fault_kinds") or [])
-        if s.get("verdict") == "incomplete" and not kinds:
-            kinds = ["incomplete"]
-        if not kinds and s.get("verdict") == "consistent":
-            ok.append(s["step"])
-        for k in kinds:
-            by_kind.setdefault(k, []).append(s["step"])
-    data = []
-    if ok:
-        x, _ = downsample_max(ok, [0.0] * len(ok))
-        data.append({"type": "scatter", "mode": "markers", "name": "ok", "x": x, "y": ["ok"] * len(x),
-                     "marker": {"symbol": "line-ns-open", "size": 10, "color": OK_COLOUR},
-                     "hovertemplate": "step %{x}: consistent<extra></extra>"})
-    for kind in sorted(by_kind):
-        x, _ = downsample_max(by_kind[kind], [0.0] * len(by_kind[kind]))
-        data.append({"type": "scatter", "mode": "markers", "name": kind, "x": x, "y": [kind] * len(x),
-                     "marker": {"symbol": "square", "size": 9, "color": fault_colour(kind)},
-                     "hovertemplate": f"step %{{x}}: {kind}<extra></extra>"})
-    rows = (["ok"] if ok else []) + sorted(by_kind)
-    return {"data": data, "layout": {
-        **_LAYOUT, "height": 120 + 28 * max(1, len(rows)), "showlegend": False,
-        "title": {"text": f"{statistic}: faults per step", "font": {"size": 14}},
-        "xaxis": step_axis([s["step"] for s in steps]),
-        "yaxis": {"type": "category", "categoryorder": "array", "categoryarray": rows, "automargin": True},
-    }}
+    rug along the bottom row ``ok``. Rows of more than :data:`MAX_POINTS` markers keep one
+    per bucket of consecutive occurrences (:class:`MaxBuckets`)."""
+    return StepHistory.of(sorted(steps, key=lambda s: s["step"])).timeline_figure(statistic)
 
 
 #: Which of a rank's fault kinds colours it: diagnoses (the cause) before symptoms, the
