@@ -115,6 +115,14 @@ class Settings(BaseSettings):
         64, ge=1, description="Reads (GET/HEAD: API reads and pages) in progress per process, a budget of their "
                               "own so writers (or stalled bodies) never starve them; past it: 503 with Retry-After."
     )
+    max_concurrent_pages: int = Field(
+        4, ge=1, description="Run pages (GET /runs/{run_id}) rendering at once per process, within "
+                             "AUDITOR_MAX_CONCURRENT_READS; past it: 503 with Retry-After. A page streams its "
+                             "run's step summaries into plots of at most 4,000 points a line and reads at most "
+                             "2,000 rank rows of a selected step: ~5 MB of Python objects for a 100,000-step run "
+                             "(plus the selected step's re-audit), and rendering is CPU-bound, so more at once "
+                             "adds memory, not throughput."
+    )
     header_timeout_seconds: float = Field(
         10.0, gt=0, description="A connection must deliver a request's complete headers within this many seconds "
                                 "of opening (or of its previous response), else it is closed."

@@ -117,6 +117,8 @@ class AppState:
         self.registry, self.metrics = scrape_registry(self.service.metric_series, settings.metrics_retention_seconds,
                                                       settings.metrics_max_series)
         self.ingest_limiter = anyio.CapacityLimiter(settings.ingest_concurrency)
+        #: Run pages rendering at once (AUDITOR_MAX_CONCURRENT_PAGES): past it a 503.
+        self.page_slots = threading.BoundedSemaphore(settings.max_concurrent_pages)
         #: Request-body bytes in flight (AUDITOR_MAX_BODY_BYTES_IN_FLIGHT): :func:`read_body`
         #: takes them, the endpoint that read the body gives them back when it is done.
         self.body_budget = BodyBudget(settings.body_budget_bytes, on_change=self.metrics.body_bytes.set)
@@ -822,13 +824,27 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         step: int | None = Query(None, ge=0, le=2**62),
         from_rank: int = Query(0, ge=0, le=2**31 - 1),
         from_mb: int = Query(0, ge=0, le=2**31 - 1),
-    ) -> HTMLResponse:
+    ) -> Response:
         """The run page: verdict counts, σ per step, faults per step, per-rank detail of the
         bad steps (``?statistic=&step=`` selects one; its table shows
-        :data:`auditor.web.PAGE_RANK_ROWS` rows from ``from_rank``/``from_mb`` on)."""
-        page = web.gather_run_page(PageReads(svc_of(request).service), run_id, statistic=statistic, step=step,
-                                   from_row=(from_rank, from_mb) if (from_rank, from_mb) != (0, 0) else None)
-        return HTMLResponse(web.render_run_page(**page, root_path=request.scope.get("root_path", "")))
+        :data:`auditor.web.PAGE_RANK_ROWS` rows from ``from_rank``/``from_mb`` on). At most
+        ``max_concurrent_pages`` render at once per process (each streams the run's step
+        summaries, so it holds a few MB whatever the run's length); past it a 503 with
+        Retry-After."""
+        s = svc_of(request)
+        if not s.page_slots.acquire(blocking=False):
+            limit = settings.max_concurrent_pages
+            throttled.warning("pages", "more than %d run pages rendering (AUDITOR_MAX_CONCURRENT_PAGES): "
+                                       "answering 503", limit)
+            return problem(503, "overloaded", f"more than {limit} run pages rendering at once "
+                                              "(AUDITOR_MAX_CONCURRENT_PAGES); retry later", request.url.path,
+                           headers={"Retry-After": RETRY_AFTER})
+        try:
+            page = web.gather_run_page(PageReads(s.service), run_id, statistic=statistic, step=step,
+                                       from_row=(from_rank, from_mb) if (from_rank, from_mb) != (0, 0) else None)
+            return HTMLResponse(web.render_run_page(**page, root_path=request.scope.get("root_path", "")))
+        finally:
+            s.page_slots.release()
 
     @app.get("/healthz")
     async def healthz(request: Request):

@@ -148,6 +148,29 @@ def test_a_selected_steps_table_shows_a_page_of_rows_and_links_the_next(server):
     assert 'class="rank-first"' in r2.text and 'class="rank-next"' not in r2.text
 
 
+def test_run_pages_past_the_concurrency_bound_get_503_with_retry_after(server):
+    """AUDITOR_MAX_CONCURRENT_PAGES=1: of six viewers opening the 100,001-step page at once
+    (each render takes about a second), those that find the slot taken get a 503 problem
+    with Retry-After; the slot comes back (the next view is a 200)."""
+    barrier, out = threading.Barrier(6), []
+
+    def view():
+        barrier.wait()
+        out.append(httpx.get(f"{server.url}/runs/long", timeout=120))
+
+    threads = [threading.Thread(target=view) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    codes = sorted(r.status_code for r in out)
+    assert codes.count(200) >= 1 and codes.count(503) >= 1, codes
+    busy = next(r for r in out if r.status_code == 503)
+    assert busy.headers["retry-after"] == "1" and busy.json()["type"].endswith("overloaded")
+    assert "AUDITOR_MAX_CONCURRENT_PAGES" in busy.json()["detail"]
+    assert httpx.get(f"{server.url}/runs/long", timeout=120).status_code == 200
+
+
 @pytest.mark.browser
 def test_big_pages_draw_in_a_browser(browser, server, tmp_path):
     """Chromium draws the 100,001-step page (σ lines of at most MAX_POINTS points, every
