@@ -312,11 +312,11 @@ class ReportSource:
 
     def step_json(self, run_id: str, statistic: str, step: int, *, limit: int | None = None,
                   after: tuple[int, int] | None = None) -> dict:
-        if self._service is None:  # every row (auditor.web.gather_run_page keeps those it shows)
+        if self._service is None:
             from auditor.reader import Reader
 
             with Reader(self.url, self.token, timeout=self.read_timeout) as reader:
-                return reader.step_json(run_id, statistic, step)
+                return reader.step_json(run_id, statistic, step, limit=limit, after=after)
         from auditor.service import PageReads
 
         return PageReads(self._service).step_json(run_id, statistic, step, limit=limit, after=after)

@@ -409,16 +409,30 @@ class Reader:
         endpoint's pages of ``page_size`` rows)."""
         return StepDetail.from_json(self.step_json(run_id, statistic, step, page_size=page_size))
 
-    def step_json(self, run_id: str, statistic: str, step: int, *, page_size: int = 10_000) -> dict:
+    def step_json(self, run_id: str, statistic: str, step: int, *, page_size: int = 10_000,
+                  limit: int | None = None, after: tuple[int, int] | None = None) -> dict:
         """:meth:`step` as the service's JSON object: the first page, with the rows of every
-        page in ``ranks`` (``next_cursor`` None, ``ranks_truncated`` false)."""
+        page in ``ranks`` (``next_cursor`` None, ``ranks_truncated`` false). With ``limit``
+        and/or ``after`` (a (rank, microbatch) key; what a run page reads,
+        :class:`auditor.web.PageSource`): only the rows after ``after``, at most ``limit``,
+        the pages before them read and dropped one at a time; ``ranks_truncated`` true when
+        more follow."""
         path = f"/v1/runs/{_seg(run_id)}/statistics/{_seg(statistic)}/steps/{int(step)}"
-        out = self._get(path, {"limit": page_size})
-        while out.get("next_cursor"):
-            page = self._get(path, {"limit": page_size, "cursor": out["next_cursor"]})
-            out["ranks"] += page["ranks"]
+
+        def keep(rows: list[dict]) -> list[dict]:
+            return rows if after is None else [r for r in rows if (r["rank"], r.get("microbatch", 0)) > tuple(after)]
+
+        size = page_size if limit is None else max(1, min(page_size, limit))
+        out = self._get(path, {"limit": size})
+        out["ranks"] = keep(out["ranks"])
+        while out.get("next_cursor") and (limit is None or len(out["ranks"]) <= limit):
+            page = self._get(path, {"limit": size, "cursor": out["next_cursor"]})
+            out["ranks"] += keep(page["ranks"])
             out["next_cursor"] = page.get("next_cursor")
-        out["ranks_truncated"] = False
+        more = limit is not None and (len(out["ranks"]) > limit or bool(out.get("next_cursor")))
+        if limit is not None:
+            out["ranks"] = out["ranks"][:limit]
+        out["next_cursor"], out["ranks_truncated"] = None, more
         return out
 
     def report_json(self, run_id: str, *, bad_steps: int = 20, rank_rows: int | None = None) -> dict:

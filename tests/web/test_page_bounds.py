@@ -146,6 +146,15 @@ def test_a_selected_steps_table_shows_a_page_of_rows_and_links_the_next(server):
     assert _shown_rows(r2.text) == [str(k) for k in range(n, WIDE_DP * WIDE_CP)]
     assert f"Showing {WIDE_DP * WIDE_CP - n} of {WIDE_DP * WIDE_CP} rank rows from rank {n}" in r2.text
     assert 'class="rank-first"' in r2.text and 'class="rank-next"' not in r2.text
+    from auditor.reader import Reader
+
+    with Reader(server.url) as reader:  # the same pages read over HTTP (auditor report --format html --url)
+        first = web.gather_run_page(reader, "wide", statistic="advantages", step=0)["details"]["advantages"][0]
+        rest = web.gather_run_page(reader, "wide", statistic="advantages", step=0,
+                                   from_row=(n, 0))["details"]["advantages"][0]
+    assert [r["rank"] for r in first["ranks"]] == list(range(n)) and first["next_row"] == (n, 0)
+    assert [r["rank"] for r in rest["ranks"]] == list(range(n, WIDE_DP * WIDE_CP)) and rest["next_row"] is None
+    assert first["ranks_total"] == rest["ranks_total"] == WIDE_DP * WIDE_CP and first["ranks_truncated"]
 
 
 def test_run_pages_past_the_concurrency_bound_get_503_with_retry_after(server):
