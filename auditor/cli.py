@@ -196,15 +196,19 @@ def _service_url(url: str | None) -> str | None:
 
 
 def _require_existing_sqlite(url: str) -> None:
-    """Read-only commands must not create a SQLite file (connecting would): refuse a missing one."""
+    """Read-only commands must not create a SQLite file, nor write into an empty one (connecting
+    would): refuse a missing or empty one."""
     import sqlalchemy as sa
 
     u = sa.make_url(url)
     if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:":
         from pathlib import Path
 
-        if not Path(u.database).expanduser().is_file():
+        path = Path(u.database).expanduser()
+        if not path.is_file():
             raise UsageError(f"no auditor database at {u.database} (pass --database-url or --url)")
+        if path.stat().st_size == 0:  # SQLite would write its header into it on connecting
+            raise UsageError(f"no auditor database at {u.database} (an empty file; pass --database-url or --url)")
 
 
 def _ensure_schema(database_url: str) -> None:

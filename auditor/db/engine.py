@@ -32,17 +32,21 @@ def make_engine(url: str, *, lock_timeout: float | None = None, **kwargs) -> sa.
     ``lock_timeout`` (s): longest wait for a lock before the statement fails with
     ``OperationalError`` (the API answers 503): SQLite's busy timeout (default
     :data:`SQLITE_BUSY_TIMEOUT_MS`), PostgreSQL's ``lock_timeout`` (default: none).
-    Raises ``sqlalchemy.exc.ArgumentError`` for a malformed URL, and for a SQLite file whose
+    Raises ``sqlalchemy.exc.ArgumentError`` for a malformed URL, for a SQLite file whose
     directory does not exist: a mistyped path must not silently become a new empty database
-    (nor create directories).
+    (nor create directories), and for a file that is not a SQLite database (a log, a spool:
+    every connection would fail on its first PRAGMA).
     """
     u = sa.make_url(url)
     if u.get_backend_name() == "sqlite":
         if u.database and u.database != ":memory:" and not u.database.startswith("file:"):
-            parent = Path(u.database).expanduser().absolute().parent
-            if not parent.is_dir():
-                raise sa.exc.ArgumentError(f"the directory of SQLite database {u.database} does not exist ({parent}); "
-                                           "create it, or fix the path")
+            path = Path(u.database).expanduser().absolute()
+            if not path.parent.is_dir():
+                raise sa.exc.ArgumentError(f"the directory of SQLite database {u.database} does not exist "
+                                           f"({path.parent}); create it, or fix the path")
+            if not _sqlite_header_or_empty(path):
+                raise sa.exc.ArgumentError(f"{u.database} is not a SQLite database (its first bytes are not SQLite's "
+                                           "header); fix the path")
         busy_ms = int(lock_timeout * 1000) if lock_timeout is not None else SQLITE_BUSY_TIMEOUT_MS
         engine = sa.create_engine(u, connect_args={"timeout": busy_ms / 1000, "check_same_thread": False}, **kwargs)
         _configure_sqlite(engine, busy_ms)
@@ -53,6 +57,21 @@ def make_engine(url: str, *, lock_timeout: float | None = None, **kwargs) -> sa.
         kwargs["connect_args"] = {**kwargs.get("connect_args", {}),
                                   "options": f"-c lock_timeout={int(lock_timeout * 1000)}"}
     return sa.create_engine(u, isolation_level="READ COMMITTED", **kwargs)
+
+
+#: The first 16 bytes of every SQLite 3 database file (https://www.sqlite.org/fileformat.html §1.3).
+SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _sqlite_header_or_empty(path: Path) -> bool:
+    """False only for a file that holds bytes but not SQLite's header; True for a missing,
+    empty or unreadable file (SQLite creates, initialises or reports those itself)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(SQLITE_HEADER))
+    except OSError:
+        return True
+    return not head or head == SQLITE_HEADER
 
 
 def _fast_sqlite_binds() -> None:

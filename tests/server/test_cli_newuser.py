@@ -73,6 +73,35 @@ def test_demo_with_cp_1_says_the_bug_needs_cp_2(tmp_path):
     assert "the bug needs --cp 2 or more" in " ".join(out.stdout.split())
 
 
+@pytest.mark.parametrize("args", [("runs",), ("report", "r"), ("check", "r"), ("db", "current"), ("db", "upgrade"),
+                                  ("serve", "--port", "9"), ("audit", "x.jsonl")])
+def test_a_file_that_is_not_a_sqlite_database_is_one_line_and_left_as_it_was(tmp_path, args):
+    """--database-url naming a file that is not SQLite (a log, a spool: a mistyped path) was a
+    traceback of the first PRAGMA and "unexpected DatabaseError", exit 2, from every command;
+    now it is one line naming the file, exit 2, and the file's bytes are unchanged."""
+    log = tmp_path / "server.log"
+    log.write_bytes(b"INFO: started\n")
+    (tmp_path / "x.jsonl").write_text("")
+    out = auditor(*args, "--database-url", f"sqlite:///{log}", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == f"error: bad database URL: {log} is not a SQLite database (its first bytes are not " \
+                         "SQLite's header); fix the path\n", out.stderr
+    assert log.read_bytes() == b"INFO: started\n"
+
+
+@pytest.mark.parametrize("args", [("runs",), ("report", "r"), ("check", "r"), ("db", "current")])
+def test_a_read_only_command_leaves_an_empty_file_empty(tmp_path, args):
+    """A read-only command on an empty file says there is no auditor database, as for a
+    missing one; before, connecting turned the file into a 4,096-byte SQLite database (the
+    WAL pragma writes the header) and then said there was none."""
+    empty = tmp_path / "empty.db"
+    empty.write_bytes(b"")
+    out = auditor(*args, "--database-url", f"sqlite:///{empty}", cwd=tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == f"error: no auditor database at {empty} (an empty file; pass --database-url or --url)\n"
+    assert empty.read_bytes() == b"" and sorted(p.name for p in tmp_path.iterdir()) == ["empty.db"]
+
+
 @pytest.mark.parametrize(("dp", "cp", "workers"), [("17", "2", "34"), ("100000", "2", "200,000"), ("1", "33", "33")])
 def test_demo_refuses_a_world_it_cannot_spawn_before_starting_anything(tmp_path, dp, cp, workers):
     """Every demo rank is a process holding torch (~0.36 GiB): `--dp 100000` spawned 200,000
