@@ -91,14 +91,16 @@ def destination(url: str) -> str:
 
 def read_offsets(path: str | os.PathLike) -> dict[str, int]:
     """Every destination's delivered offset of spool ``path`` (empty without a sidecar, if it
-    is unreadable, or in the older one-number format, which names no destination)."""
+    is unreadable, not JSON - nested past the parser's limit included -, or in the older
+    one-number format, which names no destination). An offset that is not a JSON integer
+    (``true``, ``1.5``) is no offset."""
     try:
         data = json.loads(offset_path(path).read_text() or "{}")
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
     if not isinstance(data, dict):
         return {}
-    return {str(k): max(0, int(v)) for k, v in data.items() if isinstance(v, int)}
+    return {str(k): max(0, v) for k, v in data.items() if type(v) is int}
 
 
 def read_offset(path: str | os.PathLike, url: str) -> int:

@@ -140,3 +140,21 @@ def test_line_key_is_read_without_decoding():
     for sep in (b"", b" "):
         huge = b'{"run_id":%s"r",%s"statistic":%s"a",%s"step":%s%s,"rank":0}' % (sep, sep, sep, sep, sep, b"9" * 5000)
         assert line_key(huge) is None
+
+
+@pytest.mark.parametrize(("sidecar", "offset"), [
+    ("[" * 100_000, 0),                                   # nested past json's limit: RecursionError before
+    ('{"http://svc": true}', 0),                          # read as offset 1 before
+    ('{"http://svc": 1.5}', 0),
+    ('{"http://svc": 40, "http://other": "x"}', 40),
+    ("\udcff", 0),                                        # not UTF-8
+])
+def test_a_damaged_offset_sidecar_means_nothing_delivered(tmp_path, sidecar, offset):
+    """`auditor import` resumes from the .offset sidecar; a damaged one (an editor, a full
+    disk) is read as "nothing delivered to that service" (import re-sends: idempotent), never
+    an error - a sidecar of 100,000 '[' ended `auditor import` with "unexpected
+    RecursionError", exit 2."""
+    path = tmp_path / "rank-0.jsonl"
+    path.write_text("")
+    (tmp_path / "rank-0.jsonl.offset").write_bytes(sidecar.encode("utf-8", "surrogateescape"))
+    assert read_offset(path, "http://svc") == offset
