@@ -37,7 +37,7 @@ from auditor import core, layout
 from auditor import status as statuses
 from auditor.core import DIMS, EXPERT_DIMS, REPLACEABLE, RankReport
 from auditor.db.store import (
-    COLUMNS, COMPARED, Arrival, CleanSteps, ReportsExist, RowDeleted, RunRow, SeriesRow, StepRowExists, Store, VerdictItem, elements, json_safe, rank_report, report_row,
+    COLUMNS, COMPARED, Arrival, CleanSteps, ReportsExist, RowDeleted, RunRow, SeriesRow, StepRowExists, Store, VerdictItem, elements, json_safe, rank_reports, report_row,
 )
 from auditor.schemas import DEFAULT_SPECS, Report, RunRegistration, StatisticSpec
 from auditor.status import STATUSES
@@ -869,16 +869,15 @@ class Service:
             n = p.expected
             if v is None:
                 rr = rows.get(key)
-                rank_reports = ([rank_report(r) for r in rr] if rr is not None
-                                else store.step_reports(conn, info.id, p.step))
-                n = len(rank_reports)
+                reports = rank_reports(rr) if rr is not None else store.step_reports(conn, info.id, p.step)
+                n = len(reports)
                 load = store.history(conn, info.id, p.step)
 
                 def history(load=load, key=key):
                     flush(key)  # the verdicts of the steps before this one, as history
                     return load()
 
-                v = self._judge(conn, info, d.topo, p.step, p.expected, rank_reports, history)
+                v = self._judge(conn, info, d.topo, p.step, p.expected, reports, history)
             progress = None
             if any(f.kind == core.FaultKind.MISSING_REPORT for f in v.faults):
                 if unstored is None:  # steps whose rows are inserted with their verdicts: not stored
