@@ -29,7 +29,8 @@ def _series(server, run):
 
 def test_hang_localisation_names_which_ranks_reached_which_step(live_server, run_id):
     """dp=4: step 39 complete; at step 40 rank 1 skipped the all-reduce and ran ahead to 41
-    while ranks 0, 2, 3 hang. Within the grace period the sweep audits 40 and 41 incomplete;
+    while ranks 0, 2, 3 hang. Past the grace period the sweep audits 40 (inconsistent: rank
+    1 skipped the collective, ranks 0, 2, 3 missing) and 41 (incomplete);
     the report's progress says "ranks 0,2-3 stopped at step 39; rank 1 at 41", the series
     and /metrics say auditor_ranks_behind 3 (no per-rank label). When every rank reaches a
     newer complete step, ranks_behind returns to 0 and progress to null."""
@@ -37,9 +38,11 @@ def test_hang_localisation_names_which_ranks_reached_which_step(live_server, run
     assert _post(live_server, [_sum_report(run_id, 1, 40, 4, applied=False),
                                _sum_report(run_id, 1, 41, 4)]).status_code == 200
     deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and _series(live_server, run_id)["steps_incomplete"] < 2:
+    while time.monotonic() < deadline and _series(live_server, run_id)["steps_audited"] < 3:
         time.sleep(0.2)
     stat = _series(live_server, run_id)
+    assert (stat["steps_consistent"], stat["steps_inconsistent"], stat["steps_incomplete"]) == (1, 1, 1)
+    assert stat["faults"] == {"missing_report": 2, "skipped_collective": 1}
     assert stat["ranks_behind"] == 3
     assert stat["progress"]["summary"] == "ranks 0,2-3 stopped at step 39; rank 1 at 41"
     assert stat["progress"]["at"] == [{"step": 39, "ranks": "0,2-3"}, {"step": 41, "ranks": "1"}]
