@@ -148,6 +148,13 @@ class AuditorClient:
                       "with `auditor import %s --url http://HOST:8000`", url, where, where)
             self.file_only, spool_dir, spool = True, where, True
             url = f"file://{where}"
+        elif token and not (str(token).isascii() and str(token).isprintable()):
+            where = Path(spool_dir or default_spool_dir())
+            warn_once(f"token={token!r}", "auditor client: the token is not printable ASCII (an HTTP header value); writing "
+                      "reports to the spool in %s only — upload them with `auditor import %s --url %s --token ...`",
+                      where, where, url)
+            self.file_only, spool_dir, spool = True, where, True
+            url = f"file://{where}"
         self.url = url.rstrip("/")
         self.batch_size = batch_size
         self.flush_interval = flush_interval
@@ -228,6 +235,8 @@ class AuditorClient:
         spilled to the spool is final once it is replayed. Returns ``True`` when all are
         final, ``False`` when ``timeout`` seconds passed first (``None``: no limit).
         """
+        if timeout is not None:  # NaN waited for ever, above threading.TIMEOUT_MAX raised OverflowError
+            timeout = valid_number("timeout", timeout, self.flush_timeout, 0.0)
         with self._lock:
             target = self._accepted
         self._wake.set()
@@ -241,7 +250,7 @@ class AuditorClient:
         Idempotent; also registered with :mod:`atexit`."""
         if self._closed:
             return
-        timeout = self.flush_timeout if timeout is None else timeout
+        timeout = self.flush_timeout if timeout is None else valid_number("timeout", timeout, self.flush_timeout, 0.0)
         atexit.unregister(self.close)
         delivered = self.flush(timeout)
         self._stop.set()
@@ -450,7 +459,8 @@ def _is_service_url(url: str) -> bool:
     """Whether ``url`` is an ``http(s)://host...`` URL httpx can send to."""
     try:
         parsed = httpx.URL(url)
-    except (httpx.InvalidURL, TypeError):
+        parsed.host.encode("idna")  # a label over 63 characters fails here, on every request
+    except (httpx.InvalidURL, TypeError, UnicodeError):
         return False
     return parsed.scheme in ("http", "https") and bool(parsed.host)
 

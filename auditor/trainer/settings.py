@@ -147,12 +147,18 @@ def _number(var: str, raw: str | None, cast, minimum: float):
 def valid_number(name: str, value, default, minimum: float, integer: bool = False):
     """``value`` if it is a finite number ≥ ``minimum`` (an integer if ``integer``), else
     ``default`` with one warning naming ``name``: a client argument that cannot work
-    (``max_queue=0`` would drop every report) falls back instead of raising in the trainer."""
+    (``max_queue=0`` would drop every report) falls back instead of raising in the trainer.
+    A number that is not an integer is a duration in seconds: above ``threading.TIMEOUT_MAX``
+    (~292 years) every wait on it raises OverflowError, so it falls back too."""
     try:
         ok = (not isinstance(value, bool) and math.isfinite(value) and value >= minimum
               and (not integer or float(value).is_integer()))
     except TypeError:
         ok = False
+    if ok and not integer and value > threading.TIMEOUT_MAX:
+        warn_once(f"{name}={value!r}", "auditor client: ignoring %s=%r (seconds, at most %g); using %r", name, value,
+                  threading.TIMEOUT_MAX, default)
+        return default
     if ok:
         return int(value) if integer else value
     warn_once(f"{name}={value!r}", "auditor client: ignoring %s=%r (must be %s >= %g); using %r", name, value,

@@ -133,3 +133,54 @@ def test_dot_run_ids_the_service_refuses_are_said_once_and_not_used(caplog):
             assert read_settings({"AUDITOR_RUN_ID": raw}).run_id is None
         assert sum(f"ignoring AUDITOR_RUN_ID={raw!r}" in r.getMessage() for r in caplog.records) == 1, raw
     assert read_settings({"AUDITOR_RUN_ID": "v1.2"}).run_id == "v1.2"
+
+
+@pytest.mark.parametrize("token", ["t\u2603ken", "a\nb", "a\x00b"])
+def test_a_token_that_is_no_header_value_makes_a_spool_only_client_not_an_exception(tmp_path, token, caplog):
+    """AuditorClient(url, token="t☃ken") (AUDITOR_TOKEN pasted with a non-ASCII character)
+    raised UnicodeEncodeError from the constructor - in the trainer, at start-up - and a
+    control character made every request fail. Now the client writes the spool only,
+    says why once, and every report is kept."""
+    client = AuditorClient("http://127.0.0.1:9", token=token, spool_dir=tmp_path, rank=0)
+    client.report({"run_id": "r", "step": 0})
+    client.close()
+    assert client.file_only and client.stats["spooled"] == 1 and client.stats["dropped"] == 0
+    assert sum("the token is not printable ASCII" in r.getMessage() for r in caplog.records) == 1
+    (spool,) = tmp_path.glob("*.jsonl")
+    assert spool.read_text() == '{"run_id":"r","step":0}\n'
+
+
+def test_a_host_no_request_can_encode_makes_a_spool_only_client(tmp_path):
+    """A host label over 63 characters passed httpx.URL but failed IDNA encoding on every
+    request: a UnicodeError traceback in the sender every second. Now it is not a service
+    URL: the client writes the spool only."""
+    client = AuditorClient("http://" + "a" * 64 + ":8000", spool_dir=tmp_path, rank=0)
+    client.report({"run_id": "r", "step": 0})
+    client.close()
+    assert client.file_only and client.stats["spooled"] == 1
+
+
+def test_waits_that_cannot_work_fall_back_instead_of_hanging_or_raising(tmp_path):
+    """flush(timeout=nan) waited for ever (Condition.wait_for never times out on NaN), and
+    flush/close with a timeout above threading.TIMEOUT_MAX, or flush_timeout=1e308 (also from
+    AUDITOR_FLUSH_TIMEOUT), raised OverflowError - in close(), at the trainer's exit. Each
+    now falls back to flush_timeout (said once) and returns."""
+    import threading
+    import time
+
+    client = AuditorClient("http://127.0.0.1:9", spool_dir=tmp_path, rank=0, flush_timeout=0.3)
+    client.report({"run_id": "r", "step": 0})
+    out = {}
+    for name, call in (("nan", lambda: client.flush(timeout=float("nan"))),
+                       ("huge", lambda: client.flush(timeout=1e308))):
+        t = threading.Thread(target=lambda n=name, c=call: out.__setitem__(n, (c(), time.monotonic())), daemon=True)
+        start = time.monotonic()
+        t.start()
+        t.join(10)
+        assert not t.is_alive(), f"flush(timeout={name}) still waiting after 10 s"
+        assert out[name][0] is False and out[name][1] - start < 5
+    client.close(timeout=1e308)
+    assert client.stats["spooled"] == 1
+    other = AuditorClient("http://127.0.0.1:9", spool_dir=tmp_path, rank=1, flush_timeout=1e308)
+    assert other.flush_timeout == 5.0
+    other.close(timeout=0.1)
