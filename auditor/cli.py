@@ -46,8 +46,18 @@ Timeout = typer.Option(
     10.0, "--timeout", min=0.01,
     help="Seconds to connect and for the service's first answer (a host that accepts connections and never "
          "answers fails after this); once it answered, slow answers are waited for longer.")
+
+
+def _header_token(value: str | None) -> str | None:
+    """``--token`` is sent as ``Authorization: Bearer <token>``: printable ASCII only (httpx
+    raised UnicodeEncodeError for any other character: a traceback, "unexpected" exit 2)."""
+    if value and not (value.isascii() and value.isprintable()):
+        raise typer.BadParameter("must be printable ASCII (it is sent in the Authorization header)")
+    return value
+
+
 ReadToken = typer.Option(
-    None, "--token", envvar=["AUDITOR_READ_TOKEN", "AUDITOR_TOKEN"],
+    None, "--token", envvar=["AUDITOR_READ_TOKEN", "AUDITOR_TOKEN"], callback=_header_token,
     help="Bearer token for a service that requires one (env AUDITOR_READ_TOKEN, else AUDITOR_TOKEN).",
 )
 
@@ -561,7 +571,8 @@ def runs_delete(
     run_id: str,
     url: Optional[str] = ServiceUrl,
     database_url: Optional[str] = DatabaseUrl,
-    token: Optional[str] = typer.Option(None, "--token", envvar="AUDITOR_TOKEN", help="Bearer token (writes)."),
+    token: Optional[str] = typer.Option(None, "--token", envvar="AUDITOR_TOKEN", callback=_header_token,
+                                      help="Bearer token (writes)."),
     chunk_rows: int = typer.Option(5000, min=1, help="Reports deleted per transaction (database mode)."),
     timeout: float = Timeout,
 ) -> None:
@@ -701,7 +712,8 @@ def _spool_progress(what: str, quiet: bool):
 def import_spools(
     spools: list[str] = SpoolPaths,
     url: str = typer.Option(..., "--url", envvar="AUDITOR_URL", help="Base URL of the auditor service."),
-    token: Optional[str] = typer.Option(None, "--token", envvar="AUDITOR_TOKEN", help="Bearer token."),
+    token: Optional[str] = typer.Option(None, "--token", envvar="AUDITOR_TOKEN", callback=_header_token,
+                                      help="Bearer token."),
     batch_size: int = typer.Option(10_000, min=1, help="Reports per request, cut between steps (10,000: the "
                                                         "service's largest; a service or proxy answering 413 "
                                                         "gets halves)."),

@@ -335,6 +335,8 @@ class Reader:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must be an http(s) URL of an auditor service, got {url!r}")
         token = token or os.environ.get("AUDITOR_READ_TOKEN") or os.environ.get("AUDITOR_TOKEN") or None
+        if token is not None and not (token.isascii() and token.isprintable()):
+            raise ValueError("token must be printable ASCII (it is sent in the Authorization header)")
         self.url = url
         self._http = httpx.Client(base_url=url, timeout=timeout, transport=transport,
                                   headers={"Authorization": f"Bearer {token}"} if token else {})

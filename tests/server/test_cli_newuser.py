@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -100,6 +101,27 @@ def test_a_read_only_command_leaves_an_empty_file_empty(tmp_path, args):
     assert out.returncode == 2, out.stderr
     assert out.stderr == f"error: no auditor database at {empty} (an empty file; pass --database-url or --url)\n"
     assert empty.read_bytes() == b"" and sorted(p.name for p in tmp_path.iterdir()) == ["empty.db"]
+
+
+@pytest.mark.parametrize("args", [("report", "r"), ("check", "r"), ("runs", "delete", "r"), ("import", "x.jsonl")])
+def test_a_token_that_is_no_header_value_is_a_usage_error_naming_it(tmp_path, args):
+    """--token (or AUDITOR_TOKEN) with a character an HTTP header cannot carry was a traceback
+    and "unexpected UnicodeEncodeError", exit 2; now it is the option's usage error: exit 2,
+    naming --token, no traceback, nothing contacted."""
+    (tmp_path / "x.jsonl").write_text("")
+    env = {**os.environ, "COLUMNS": "300", "NO_COLOR": "1"}
+    out = subprocess.run([sys.executable, "-m", "auditor", *args, "--url", "http://127.0.0.1:9", "--token", "t\u2603"],
+                         capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert out.returncode == 2, out.stderr
+    assert "Invalid value for '--token'" in out.stderr and "must be printable ASCII" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_reader_refuses_a_token_no_header_can_carry():
+    from auditor import Reader
+
+    with pytest.raises(ValueError, match="token must be printable ASCII"):
+        Reader("http://127.0.0.1:9", token="t\u2603")
 
 
 @pytest.mark.parametrize(("dp", "cp", "workers"), [("17", "2", "34"), ("100000", "2", "200,000"), ("1", "33", "33")])
