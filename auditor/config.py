@@ -155,7 +155,7 @@ class Settings(BaseSettings):
     )
     keep_alive_seconds: int = Field(5, ge=1, description="Idle keep-alive connections are closed after this.")
     max_header_bytes: int = Field(
-        65_536, ge=1024, description="Largest request line + headers (h11_max_incomplete_event_size; 400 past it)."
+        65_536, ge=1024, description="Largest request line + headers (400 and the connection closed past it)."
     )
     backlog: int = Field(2048, ge=1, description="Listen backlog of the server socket.")
     ingest_concurrency: int = Field(

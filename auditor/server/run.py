@@ -15,13 +15,13 @@ from typing import Callable
 
 import httpx
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from auditor.config import Settings
 
 
-class AuditorH11(H11Protocol):
-    """uvicorn's h11 protocol with the connection limits uvicorn lacks.
+class AuditorHttp(HttpToolsProtocol):
+    """uvicorn's httptools protocol (llhttp, in C) with the connection limits uvicorn lacks.
 
     * ``max_connections``: a connection accepted while that many are open gets a 503
       (problem details) and is closed at once, so idle sockets cannot exhaust the process's
@@ -30,11 +30,20 @@ class AuditorH11(H11Protocol):
       headers within that time of opening (or of its previous response) is closed. uvicorn
       arms its keep-alive timer only after a response, so a connection that never sends a
       request, or sends headers a byte at a time, would otherwise be held forever.
+    * ``max_header_bytes``: a request line plus headers longer than that is answered 400 and
+      the connection closed (llhttp sets no limit): counted as the parser passes on the URL
+      and each complete header line, and, separately, over the chunks that leave a request's
+      headers incomplete (the parser holds a partial line), so that one endless header line
+      cannot grow in memory either.
     * TCP_NODELAY on every accepted connection. With ``--workers N`` uvicorn listens on a
       socket it created with protocol number 0, so asyncio's ``_set_nodelay`` (which
       requires ``proto == IPPROTO_TCP``) skips the accepted connections; a response's header
       and body writes then meet Nagle's algorithm and the client's delayed ACK: +40 ms on
       every request (docs/performance.md).
+
+    Why httptools and not h11: h11 parses in Python, chunk by chunk of every body; on the
+    floor's stub servers httptools takes 0.4–0.55 µs less server CPU per report (batches of
+    1,000 reports, docs/performance.md, seventh round).
 
     The limits come from :meth:`configure` (``auditor serve``, :class:`BackgroundServer`),
     else from ``Settings()`` (the ``AUDITOR_*`` environment) on first use in a process.
@@ -50,13 +59,17 @@ class AuditorH11(H11Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        if AuditorH11.limits is None:
-            AuditorH11.limits = Settings()
-        lim = AuditorH11.limits
+        if AuditorHttp.limits is None:
+            AuditorHttp.limits = Settings()
+        lim = AuditorHttp.limits
         over = len(self.connections) >= lim.max_connections
         super().connection_made(transport)
         self._header_timer = None
         self._timed_cycle = None
+        self._in_headers = False  # a request's line and headers are being received
+        self._header_bytes = 0  # of them, passed on by the parser (URL, complete header lines)
+        self._pending_bytes = 0  # of them, in chunks that left them incomplete
+        self._refusal: str | None = None  # why the connection is answered 400 and closed
         if over:
             from auditor.server.app import throttled
 
@@ -84,7 +97,7 @@ class AuditorH11(H11Protocol):
 
         throttled.warning("header-timeout", "closed a connection that sent no complete request headers within "
                                             "%.0f s (AUDITOR_HEADER_TIMEOUT_SECONDS)",
-                          AuditorH11.limits.header_timeout_seconds)
+                          AuditorHttp.limits.header_timeout_seconds)
         self.transport.close()
 
     def data_received(self, data: bytes) -> None:
@@ -92,15 +105,62 @@ class AuditorH11(H11Protocol):
         if self.cycle is not None and self.cycle is not self._timed_cycle:  # headers complete: a request started
             self._timed_cycle = self.cycle
             self._disarm()
+        if self._in_headers and not self.transport.is_closing():
+            # a chunk that left the headers incomplete: all of it was request line and headers,
+            # which the parser holds (a header line is passed on only once complete)
+            self._pending_bytes += len(data)
+            if self._pending_bytes > AuditorHttp.limits.max_header_bytes:
+                self._refuse_headers()
+
+    # parser callbacks (llhttp calls them while super().data_received feeds it)
+    def on_message_begin(self) -> None:
+        self._in_headers, self._header_bytes, self._pending_bytes = True, 0, 0
+        super().on_message_begin()
+
+    def on_url(self, url: bytes) -> None:
+        self._count_header_bytes(len(url))
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._count_header_bytes(len(name) + len(value) + 4)  # "name: value\r\n"
+        super().on_header(name, value)
+
+    def on_headers_complete(self) -> None:
+        self._in_headers = False
+        super().on_headers_complete()
+
+    def _count_header_bytes(self, n: int) -> None:
+        """Add ``n`` bytes of the request line and complete headers; past ``max_header_bytes``
+        raise, which stops the parser before the request starts (uvicorn then answers
+        :meth:`send_400_response` and closes)."""
+        self._header_bytes += n
+        if self._header_bytes > AuditorHttp.limits.max_header_bytes:
+            self._refuse_headers(in_callback=True)
+
+    def _refuse_headers(self, in_callback: bool = False) -> None:
+        """Answer 400 naming the limit and close (in a parser callback: by raising)."""
+        self._in_headers = False
+        self._refusal = (f"request line and headers longer than {AuditorHttp.limits.max_header_bytes} bytes "
+                         "(AUDITOR_MAX_HEADER_BYTES)")
+        if in_callback:
+            raise _HeadersTooLong(self._refusal)
+        self.send_400_response(self._refusal)
+
+    def send_400_response(self, msg: str) -> None:
+        super().send_400_response(self._refusal or msg)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
         if not self.transport.is_closing():
-            self._arm(AuditorH11.limits.header_timeout_seconds)
+            self._arm(AuditorHttp.limits.header_timeout_seconds)
 
     def connection_lost(self, exc) -> None:
         self._disarm()
         super().connection_lost(exc)
+
+
+class _HeadersTooLong(Exception):
+    """Raised in a parser callback past ``max_header_bytes`` (stops llhttp)."""
 
 
 _FULL_BODY = (b'{"type":"urn:auditor:problem:overloaded","title":"Too many requests in progress, retry later",'
@@ -113,10 +173,9 @@ _CONNECTIONS_FULL = (
 
 def uvicorn_options(settings: Settings) -> dict:
     """The uvicorn settings that bound what a caller can hold (docs/deploy.md "Limits and
-    security"): keep-alive, header size, listen backlog, how long a shutdown waits for the
-    requests in progress, and the protocol above."""
-    return {"http": AuditorH11, "timeout_keep_alive": settings.keep_alive_seconds,
-            "h11_max_incomplete_event_size": settings.max_header_bytes, "backlog": settings.backlog,
+    security"): keep-alive, listen backlog, how long a shutdown waits for the requests in
+    progress, and the protocol above (with the connection and header-size limits)."""
+    return {"http": AuditorHttp, "timeout_keep_alive": settings.keep_alive_seconds, "backlog": settings.backlog,
             "timeout_graceful_shutdown": settings.shutdown_timeout_seconds}
 
 
@@ -290,7 +349,7 @@ class BackgroundServer:
         self.url = f"http://127.0.0.1:{self.port}"
         from auditor.server.app import create_app  # not at import: workers of the demo need only free_port
 
-        AuditorH11.configure(settings)
+        AuditorHttp.configure(settings)
         self.app = create_app(settings)
         config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port,
                                 log_level="warning", lifespan="on", **uvicorn_options(settings))
