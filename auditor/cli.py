@@ -94,6 +94,20 @@ def _db_url(url: str | None) -> str:
     return url or DEFAULT_DATABASE_URL
 
 
+def _settings(**values) -> Settings:
+    """``Settings`` from the ``AUDITOR_*`` environment (and ``values``); a variable out of its
+    range is a :class:`UsageError` naming each such variable, its value and the rule (it was
+    pydantic's ValidationError: a traceback and "unexpected ValidationError")."""
+    import pydantic
+
+    try:
+        return Settings(**values)
+    except pydantic.ValidationError as e:
+        raise UsageError("; ".join(
+            f"AUDITOR_{'_'.join(map(str, err['loc'])).upper()}={err['input']!r}: {err['msg']}"
+            for err in e.errors(include_url=False))) from None
+
+
 def _errors_as_exit_2(fn):
     """Turn the errors a user can cause (bad URL, unreachable service or database, unknown
     revision, missing driver) into one line on stderr and exit code 2 — never a traceback,
@@ -400,7 +414,7 @@ def serve(
         os.environ["AUDITOR_DATABASE_URL"] = database_url
     if grace_seconds is not None:
         os.environ["AUDITOR_GRACE_SECONDS"] = str(grace_seconds)
-    settings = Settings()
+    settings = _settings()
     from auditor.server.run import BindError, listen_socket
     from auditor.server.run import serve as run_server
 
@@ -652,7 +666,7 @@ def demo(
         return
     from auditor.server.run import BackgroundServer
 
-    settings = Settings(database_url=_db_url(database_url))
+    settings = _settings(database_url=_db_url(database_url))
     _ensure_schema(settings.database_url)  # bad URL, missing directory, unreachable: exit 2 now
     console.print(f"[dim]auditor service on {settings.database_url}[/dim]")
     try:

@@ -124,6 +124,20 @@ def test_reader_refuses_a_token_no_header_can_carry():
         Reader("http://127.0.0.1:9", token="t\u2603")
 
 
+@pytest.mark.parametrize("args", [("serve", "--port", "9"), ("demo",)])
+def test_a_setting_out_of_range_is_one_line_naming_each_variable(tmp_path, args):
+    """AUDITOR_* variables outside their range (AUDITOR_MAX_BODY_BYTES=0, a NaN interval)
+    were pydantic's ValidationError: a traceback and "unexpected ValidationError", exit 2.
+    Now one line names each variable, its value and the rule; nothing is created."""
+    env = {**os.environ, "AUDITOR_MAX_BODY_BYTES": "0", "AUDITOR_SWEEP_INTERVAL_SECONDS": "nan"}
+    out = subprocess.run([sys.executable, "-m", "auditor", *args], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path, env=env)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == ("error: AUDITOR_SWEEP_INTERVAL_SECONDS='nan': Input should be greater than 0; "
+                          "AUDITOR_MAX_BODY_BYTES='0': Input should be greater than or equal to 1024\n"), out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(("dp", "cp", "workers"), [("17", "2", "34"), ("100000", "2", "200,000"), ("1", "33", "33")])
 def test_demo_refuses_a_world_it_cannot_spawn_before_starting_anything(tmp_path, dp, cp, workers):
     """Every demo rank is a process holding torch (~0.36 GiB): `--dp 100000` spawned 200,000
