@@ -18,7 +18,7 @@ import numpy as np
 from auditor.core import stats
 from auditor.core.findings import VERB, WHAT, Findings, dims_text, dtypes_text, ranks_text
 from auditor.core.step import Part, Step
-from auditor.core.types import FaultKind, compress_ranks
+from auditor.core.types import FaultKind, RankSpans, compress_ranks
 
 #: ``precision_loss`` is reported when the predicted relative error of the trainer's
 #: one-pass variance, γ(2(1 + ρ²) + 4ρ√(1 + ρ²) + ρ²) with ρ = |μ|/σ
@@ -220,48 +220,77 @@ def _empty_group_mismatch(st: Step, empty: np.ndarray, exp_axes, f: Findings) ->
 def membership(st: Step, exp: Part, reduce_over, f: Findings) -> None:
     """When the client sent ``group_ranks``, compare them with the expected group directly
     (skipped for ranks already diagnosed ``wrong_group`` from their values). Memoised per
-    (group, group_ranks)."""
-    memo: dict[tuple, tuple[list[int], list[int]]] = {}
+    (group, group_ranks). A group held as the stored text (a str, :func:`compress_ranks`,
+    canonical) is compared as text with the expected group's text: equal texts are equal
+    sets; for a differing one, what it leaves out and adds are computed on the ranges
+    (:meth:`RankSpans.minus`), nothing expanded, so a step's memory stays the size of its
+    texts (never ranks × group size) whatever groups its ranks name."""
+    memo: dict[tuple, tuple[str, int, str, int]] = {}
     want_t: dict[int, tuple[int, ...]] = {}
+    want_text: dict[int, str] = {}
     complete = exp.complete[exp.inv].tolist()
     inv = exp.inv.tolist()
     for i, r in enumerate(st.reports):
-        if (r.group_ranks is None or FaultKind.WRONG_GROUP in f.of[i] or FaultKind.REPLICA_OVERCOUNT in f.of[i]
+        gr = r.group_ranks
+        if (gr is None or FaultKind.WRONG_GROUP in f.of[i] or FaultKind.REPLICA_OVERCOUNT in f.of[i]
                 or not complete[i]):
             continue
         g = inv[i]
-        w = want_t.get(g)
-        if w is None:
-            w = want_t[g] = tuple(exp.members(st, i))
-        if r.group_ranks == w:
+        if isinstance(gr, str):
+            w = want_text.get(g)
+            if w is None:
+                w = want_text[g] = compress_ranks(exp.members(st, i))
+        else:
+            w = want_t.get(g)
+            if w is None:
+                w = want_t[g] = tuple(exp.members(st, i))
+        if gr == w:
             continue  # the same set: nothing left out, nothing extra
-        key = (g, r.group_ranks)
+        key = (g, gr)
         if key not in memo:
-            want, got = set(exp.members(st, i)), set(r.group_ranks)
-            memo[key] = (sorted(want - got), sorted(got - want))
-        left_out, extra = memo[key]
-        if not left_out and not extra:
+            if isinstance(gr, str):  # on the ranges: nothing expanded
+                want_s, got_s = RankSpans(w), RankSpans(gr)
+                lo_s, ex_s = want_s.minus(got_s), got_s.minus(want_s)
+                memo[key] = (lo_s.text, len(lo_s), ex_s.text, len(ex_s))
+            else:
+                want, got = set(exp.members(st, i)), set(gr)
+                lo, ex = want - got, got - want
+                memo[key] = (compress_ranks(lo), len(lo), compress_ranks(ex), len(ex))
+        lo_text, lo_n, ex_text, ex_n = memo[key]
+        if not lo_n and not ex_n:
             continue
-        f.flag(FaultKind.WRONG_GROUP, ("members", tuple(left_out), tuple(extra)), i,
-                lambda ranks, lo=left_out, ex=extra: (
-                    f"{ranks_text(ranks)} all-reduced over a process group that "
-                    + (f"leaves out {ranks_text(lo)}" if lo else "")
-                    + (" and " if lo and ex else "")
-                    + (f"wrongly includes {ranks_text(ex)}" if ex else "")
-                    + f" (dist.get_process_group_ranks); expected the group over {dims_text(reduce_over)}"),
-                {"left_out": compress_ranks(left_out), "wrongly_included": compress_ranks(extra),
-                 "expected": list(reduce_over), "source": "group_ranks"})
+        f.flag(FaultKind.WRONG_GROUP, ("members", lo_text, ex_text), i,
+               lambda ranks, lo=_counted(lo_text, lo_n), ex=_counted(ex_text, ex_n): (
+                   f"{ranks_text(ranks)} all-reduced over a process group that "
+                   + (f"leaves out {lo}" if lo else "")
+                   + (" and " if lo and ex else "")
+                   + (f"wrongly includes {ex}" if ex else "")
+                   + f" (dist.get_process_group_ranks); expected the group over {dims_text(reduce_over)}"),
+               {"left_out": lo_text, "wrongly_included": ex_text,
+                "expected": list(reduce_over), "source": "group_ranks"})
+
+
+def _counted(text: str, n: int) -> str:
+    """:func:`ranks_text` of ``n`` ranks whose compressed text is ``text``; "" for none."""
+    return f"rank{'' if n == 1 else 's'} {text}" if n else ""
 
 
 def group_agreement(st: Step, f: Findings) -> None:
     """Unknown topology: the ranks of one all-reduce must name the same members. A rank
     whose ``group_ranks`` differ from those a member of its group reported (same
-    microbatch) is ``wrong_group``, naming both sets."""
+    microbatch) is ``wrong_group``, naming both sets. The peer found depends only on the
+    (microbatch, group): looked for once per distinct pair (members in ascending order of
+    a :class:`~auditor.core.types.RankSpans`, compared by text)."""
     by = {(r.microbatch, r.rank): (r.group_ranks or (r.rank,)) for r in st.reports}
+    found: dict[tuple, tuple | None] = {}
     for i, r in enumerate(st.reports):
         g = r.group_ranks or (r.rank,)
-        other = next(((m, by[(r.microbatch, m)]) for m in g
-                      if (r.microbatch, m) in by and by[(r.microbatch, m)] != g), None)
+        key = (r.microbatch, g)
+        if key in found:
+            other = found[key]
+        else:
+            other = found[key] = next(((m, by[(r.microbatch, m)]) for m in g
+                                       if (r.microbatch, m) in by and by[(r.microbatch, m)] != g), None)
         if other is None:
             continue
         m, h = other

@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from auditor.core.types import Fault, FaultKind, compress_ranks
+from auditor.core.types import Fault, FaultKind, RankSpans, compress_ranks
 
 #: What a rank did with the statistic, and what the statistic is, per kind (messages).
 VERB = {"moments": "whitened with", "sum": "divided by", "norm": "clipped with"}
@@ -32,8 +32,10 @@ def dtypes_text(reports) -> str:
 
 
 def ranks_text(ranks) -> str:
-    """The text "rank 3" or "ranks 0-1,4" (:func:`compress_ranks`): the noun agrees with the count."""
-    ranks = set(ranks)
+    """The text "rank 3" or "ranks 0-1,4" (:func:`compress_ranks`): the noun agrees with the
+    count. ``ranks``: an iterable of ints or a :class:`RankSpans` (read as is, not expanded)."""
+    if not isinstance(ranks, RankSpans):
+        ranks = set(ranks)
     return f"rank{'' if len(ranks) == 1 else 's'} {compress_ranks(ranks)}"
 
 

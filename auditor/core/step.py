@@ -18,7 +18,7 @@ from typing import Iterable, Mapping, Sequence
 import numpy as np
 
 from auditor.core import stats
-from auditor.core.types import DIMS, EXPERT_DIMS, Coord, RankReport, Spec
+from auditor.core.types import DIMS, EXPERT_DIMS, Coord, RankReport, RankSpans, Spec, compress_ranks
 
 #: Terms assumed in one rank's local sum of a ``sum``/``norm`` statistic that reports no
 #: ``local.count``: 2^24, every float32 integer (only the log2 of it enters the tolerance).
@@ -464,8 +464,28 @@ def sums_match(s_mean, s_var, sum_judged, sq_judged, mean, var, tm, tv) -> np.nd
 
 def group_coords(reports: Sequence[RankReport]) -> list[RankReport]:
     """Unknown topology: coordinates from ``group_ranks`` — ``pp`` = the group's index among
-    the distinct groups, ``dp`` = the rank's position in its group — so that the reduction
-    over ``dp`` is exactly the reported group."""
+    the distinct groups (in the order of their member tuples), ``dp`` = the rank's position
+    in its group — so that the reduction over ``dp`` is exactly the reported group.
+
+    When any report carries its group as the stored text (a str), every report's
+    ``group_ranks`` becomes a :class:`~auditor.core.types.RankSpans` (one per distinct
+    text; a report without a group: its own rank), so the step's memory is its texts'
+    size, never ranks × group size; the coordinates are those the expanded tuples give."""
+    if any(isinstance(r.group_ranks, str) for r in reports):
+        spans: dict[str, RankSpans] = {}
+
+        def group(r: RankReport) -> RankSpans:
+            gr = r.group_ranks
+            text = gr if isinstance(gr, str) else compress_ranks(gr or ())
+            g = spans.get(text)
+            if g is None:
+                g = spans[text] = RankSpans(text)
+            if not g:
+                text = str(r.rank)
+                g = spans.get(text) or spans.setdefault(text, RankSpans(text))
+            return g
+
+        reports = [dataclasses.replace(r, group_ranks=group(r)) for r in reports]
     groups = sorted({r.group_ranks or (r.rank,) for r in reports})
     gid = {g: i for i, g in enumerate(groups)}
     out = []

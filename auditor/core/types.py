@@ -6,6 +6,7 @@ Plain dataclasses and enums; nothing here validates input (the wire schema,
 
 from __future__ import annotations
 
+import bisect
 import enum
 import itertools
 import math
@@ -127,7 +128,10 @@ class RankReport:
     applied_sum_sq: float | None = None
     applied_mean: float | None = None
     applied_var: float | None = None
-    group_ranks: tuple[int, ...] | None = None
+    #: the members of the rank's all-reduce group: a tuple of ranks, or their compressed text
+    #: (:func:`compress_ranks`, e.g. ``"0-3,8-11"``) as stored; reports read from the store
+    #: carry the text, so a step's memory does not grow as ranks × group size. None: not sent.
+    group_ranks: tuple[int, ...] | str | None = None
     non_finite: str | None = None
     edp: int = 0
     ep: int = 0
@@ -221,7 +225,10 @@ def placed_count(world: int, sizes: Iterable[int], dims: Iterable[str], placed: 
 
 
 def compress_ranks(ranks: Iterable[int]) -> str:
-    """Compact text of a rank set: ``[0, 1, 2, 5, 7, 8]`` → ``"0-2,5,7-8"``."""
+    """Compact text of a rank set: ``[0, 1, 2, 5, 7, 8]`` → ``"0-2,5,7-8"``; a
+    :class:`RankSpans` gives its text as is."""
+    if isinstance(ranks, RankSpans):
+        return ranks.text
     out: list[str] = []
     for _, run in itertools.groupby(enumerate(sorted(set(ranks))), lambda p: p[1] - p[0]):
         run = [r for _, r in run]
@@ -263,3 +270,125 @@ def expand_ranks(text: str | None) -> tuple[int, ...] | None:
         lo, _, hi = part.partition("-")
         out.extend(range(int(lo), int(hi or lo) + 1))
     return tuple(out)
+
+
+class RankSpans:
+    """A rank set held as its ranges, not its members: what the engine makes of a stored
+    ``group_ranks`` text (:func:`compress_ranks`), so that a step whose ranks name
+    different large groups (rank i names every rank but i: a short text, ~world members)
+    costs its texts' size, not ranks × group size.
+
+    Behaves as the sorted tuple of its members where the engine uses one: ``len`` (members),
+    iteration (ascending, lazily), ``in`` and :meth:`index` (O(log ranges)), truth (not
+    empty). Equal and hashed by ``text``, which is canonical (ascending, runs merged): two
+    sets are equal exactly when their texts are. ``<`` is the order of the member tuples
+    (:func:`rank_spans_key`). Immutable.
+
+    Raises ValueError for a text that is not a rank list (``int`` of a part fails).
+    """
+
+    __slots__ = ("text", "_lo", "_hi", "_start", "_n")
+
+    def __init__(self, text: str):
+        lo: list[int] = []
+        hi: list[int] = []
+        for part in filter(None, text.split(",")):
+            a, _, b = part.partition("-")
+            lo.append(int(a))
+            hi.append(int(b or a))
+        if any(b < a for a, b in zip(lo, hi)) or any(lo[i] <= hi[i - 1] + 1 for i in range(1, len(lo))):
+            # not canonical (not written by compress_ranks): its canonical form
+            text = compress_ranks(r for a, b in zip(lo, hi) for r in range(a, b + 1))
+            lo, hi = [], []
+            for part in filter(None, text.split(",")):
+                a, _, b = part.partition("-")
+                lo.append(int(a))
+                hi.append(int(b or a))
+        self.text = text
+        self._lo, self._hi = lo, hi
+        start, n = [], 0
+        for a, b in zip(lo, hi):
+            start.append(n)
+            n += b - a + 1
+        self._start, self._n = start, n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __bool__(self) -> bool:
+        return self._n > 0
+
+    def __iter__(self):
+        for a, b in zip(self._lo, self._hi):
+            yield from range(a, b + 1)
+
+    def _span(self, rank: int) -> int:
+        i = bisect.bisect_right(self._lo, rank) - 1
+        return i if i >= 0 and rank <= self._hi[i] else -1
+
+    def __contains__(self, rank) -> bool:
+        return isinstance(rank, int) and self._span(rank) >= 0
+
+    def index(self, rank: int) -> int:
+        """The position of ``rank`` among the members (ascending); ValueError if absent."""
+        i = self._span(rank)
+        if i < 0:
+            raise ValueError(f"{rank} is not in {self.text!r}")
+        return self._start[i] + rank - self._lo[i]
+
+    def minus(self, other: "RankSpans") -> "RankSpans":
+        """The members of ``self`` not in ``other``, computed on the ranges (O(ranges))."""
+        out: list[str] = []
+        blo, bhi = other._lo, other._hi
+        j = 0
+        for lo, hi in zip(self._lo, self._hi):
+            while j < len(blo) and bhi[j] < lo:
+                j += 1
+            cur, k = lo, j
+            while k < len(blo) and blo[k] <= hi:
+                if blo[k] > cur:
+                    out.append(_span_text(cur, blo[k] - 1))
+                cur = max(cur, bhi[k] + 1)
+                k += 1
+            if cur <= hi:
+                out.append(_span_text(cur, hi))
+        return RankSpans(",".join(out))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, RankSpans) and other.text == self.text
+
+    def __hash__(self) -> int:
+        return hash(self.text)
+
+    def __lt__(self, other: "RankSpans") -> bool:
+        return _spans_cmp(self, other) < 0
+
+    def __repr__(self) -> str:
+        return f"RankSpans({self.text!r})"
+
+
+def _span_text(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else f"{lo}-{hi}"
+
+
+def _spans_cmp(x: RankSpans, y: RankSpans) -> int:
+    """-1, 0 or 1 as the member tuples of ``x`` and ``y`` compare (lexicographically; a
+    prefix first), in O(ranges)."""
+    xl, xh, yl, yh = x._lo, x._hi, y._lo, y._hi
+    i = j = 0
+    xa = ya = None
+    xb = yb = 0
+    while True:
+        if xa is None and i < len(xl):
+            xa, xb = xl[i], xh[i]
+            i += 1
+        if ya is None and j < len(yl):
+            ya, yb = yl[j], yh[j]
+            j += 1
+        if xa is None or ya is None:
+            return (xa is not None) - (ya is not None)
+        if xa != ya:
+            return -1 if xa < ya else 1
+        k = min(xb, yb)  # xa..k is common to both
+        xa = None if k == xb else k + 1
+        ya = None if k == yb else k + 1

@@ -41,7 +41,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
 from auditor.core import (
-    REPLACEABLE, STALE_LOOKBACK, VERDICTS, RankReport, StepVerdict, batch, compress_ranks, compress_ranks_shared, expand_ranks,
+    REPLACEABLE, STALE_LOOKBACK, VERDICTS, RankReport, StepVerdict, batch, compress_ranks, compress_ranks_shared,
 )
 from auditor.db.engine import write_begin
 from auditor.db.tables import faults, reports, runs, series, series_faults, step_audits
@@ -61,7 +61,6 @@ _FLOAT_NAMES = tuple(f"local_{f}" for f in _LOCAL_FIELDS) + tuple(f"applied_{f}"
 _NO_APPLIED = (None,) * len(_APPLIED_FIELDS)
 #: Picks the RankReport fields (in dataclass order) out of a ``reports`` row tuple.
 _AUDIT_FIELDS = operator.itemgetter(*(COLUMNS.index(f) for f in _REPORT_FIELDS))
-_GROUP_RANKS = _REPORT_FIELDS.index("group_ranks")
 _APPLIED_COLUMN = COLUMNS.index("applied")
 #: Columns of a ``reports`` row that :func:`elements` reads.
 _INT_INDEX = tuple(COLUMNS.index(c) for c in ("dp", "cp", "tp", "pp", "microbatch", "rank"))
@@ -505,31 +504,18 @@ def elements(steps: Sequence[Sequence[tuple]]) -> batch.Elements:
     )
 
 
-def rank_report(row: Sequence, memo: dict[str, tuple[int, ...]] | None = None) -> RankReport:
+def rank_report(row: Sequence) -> RankReport:
     """The engine's :class:`~auditor.core.types.RankReport` of a ``reports`` row tuple
-    (:data:`COLUMNS` order). ``group_ranks`` (stored compressed, e.g. ``"0-3,8-11"``) is
-    expanded to a tuple of ints; with ``memo`` (compressed text → tuple, filled here) rows
-    naming the same text share one tuple. Prefer :func:`rank_reports` for a step's rows."""
-    v = list(_AUDIT_FIELDS(row))
-    text = v[_GROUP_RANKS]
-    if text is not None:
-        if memo is None:
-            v[_GROUP_RANKS] = expand_ranks(text)
-        else:
-            got = memo.get(text)
-            if got is None:
-                got = memo[text] = expand_ranks(text)
-            v[_GROUP_RANKS] = got
-    return RankReport(*v)
+    (:data:`COLUMNS` order). ``group_ranks`` stays the stored compressed text (e.g.
+    ``"0-3,8-11"``): the engine compares it as text and never expands a step's groups all at
+    once (a 2,400-rank step whose ranks each name ~2,400 others would be 5.8 M ints)."""
+    return RankReport(*_AUDIT_FIELDS(row))
 
 
 def rank_reports(rows: Iterable[Sequence]) -> list[RankReport]:
     """The engine's reports of ``reports`` row tuples (:data:`COLUMNS` order), one per row,
-    in order. Rows with the same ``group_ranks`` text share ONE expanded tuple (a memo that
-    lives for this call only, nothing is cached across reads): a 2,400-rank step whose ranks
-    all name the whole group holds 2,400 ints of group members, not 5.8 M (~206 MiB)."""
-    memo: dict[str, tuple[int, ...]] = {}
-    return [rank_report(r, memo) for r in rows]
+    in order (:func:`rank_report`): what every read of a step for the engine goes through."""
+    return [RankReport(*_AUDIT_FIELDS(r)) for r in rows]
 
 
 def _run_row(row) -> RunRow:
@@ -796,7 +782,7 @@ class Store:
 
     def step_reports(self, conn: sa.Connection, series_id: int, step: int) -> list[RankReport]:
         """Every stored report of one step, as the engine's reports (:func:`rank_reports`:
-        reports naming the same ``group_ranks`` share one tuple)."""
+        ``group_ranks`` as the stored text)."""
         return rank_reports(self.report_rows(conn, series_id, step))
 
     # ------------------------------------------------------------------------- steps

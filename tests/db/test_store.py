@@ -49,7 +49,7 @@ def test_bulk_insert_is_all_or_nothing_and_reads_back_the_engine_input(store, ru
     """insert_all_new stores every row of a new batch (True), or raises ReportsExist when
     a key exists (the caller's transaction is then rolled back: nothing of it stays);
     insert_returning names the keys it stored; step_reports gives the engine the same
-    RankReports as the rows in hand (rank_report)."""
+    RankReports as the rows in hand (rank_report; group_ranks as the stored text)."""
     now = time.time()
     with store.write() as conn:
         store.ensure_run(conn, run_id, 2, (1, 2, 1, 1), now)
@@ -71,7 +71,7 @@ def test_bulk_insert_is_all_or_nothing_and_reads_back_the_engine_input(store, ru
         assert {k: v[:-1] for k, v in stored.items()} == {r[:4]: r[:-1] for r in rows}
         got = sorted(store.step_reports(conn, sid, 0), key=lambda r: r.rank)
     assert got == [rank_report(r) for r in rows]
-    assert got[1].group_ranks == (1,) and got[1].local_count == 85.0 and KEY == COLUMNS[:4]
+    assert got[1].group_ranks == "1" and got[1].local_count == 85.0 and KEY == COLUMNS[:4]  # the stored text
 
 
 def test_bulk_insert_of_any_size_stores_each_row_once(store, run_id):
