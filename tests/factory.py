@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import math
+import tracemalloc
 
 from auditor.core import stats
 
@@ -76,3 +78,16 @@ def world_reports(run_id: str, *, step: int = 0, dp: int = 2, cp: int = 2, skip_
         "coords": {"dp": r // cp, "cp": r % cp, "tp": 0, "pp": 0}, "sizes": {"dp": dp, "cp": cp, "tp": 1, "pp": 1},
         "local": loc[r], "applied": applied(glob), "group_ranks": list(range(dp * cp)), "dtype": "float32",
     } for r in sorted(loc) if r not in skip_ranks]
+
+
+def traced_peak(fn):
+    """``(fn(), peak bytes)``: what ``fn()`` returns and the peak of Python allocations
+    (tracemalloc) while it ran, after a collection."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        out = fn()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return out, peak

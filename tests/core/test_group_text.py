@@ -6,13 +6,12 @@ ints: 5.8 M, ~210 MiB, at 2,400 ranks)."""
 from __future__ import annotations
 
 import dataclasses
-import gc
 import itertools
 import random
-import tracemalloc
 
 import numpy as np
 import pytest
+from factory import traced_peak
 
 from auditor import core
 from auditor.core.types import RankSpans, compress_ranks
@@ -111,17 +110,6 @@ def _compare(seed: int, seen: set[str]) -> None:
     seen.update(f"known {f.kind}" for f in a.faults)
 
 
-def _peak(fn):
-    gc.collect()
-    tracemalloc.start()
-    try:
-        out = fn()
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    return out, peak
-
-
 def test_unknown_topology_ranks_naming_different_large_groups_stay_small():
     """Unknown topology, 1,600 ranks, rank i naming every rank but i + 1 (a short text, 1,599
     members each: 2.6 M ints, ~95 MiB expanded): judged from the texts under 16 MiB traced;
@@ -136,7 +124,7 @@ def test_unknown_topology_ranks_naming_different_large_groups_stay_small():
                                        local_count=4.0, local_sum=float(mine.sum()),
                                        local_sum_sq=float((mine ** 2).sum()), applied_count=4.0,
                                        applied_mean=float(mine.mean()), applied_var=0.0, group_ranks=text))
-    v, peak = _peak(lambda: core.audit_step(reports, (1, 1, 1, 1), core.Spec(), topology="unknown", world_size=n))
+    v, peak = traced_peak(lambda: core.audit_step(reports, (1, 1, 1, 1), core.Spec(), topology="unknown", world_size=n))
     assert peak < 16 * MiB, peak / MiB
     assert v.verdict == "inconsistent"
     wrong = [f for f in v.faults if f.kind == "wrong_group"]

@@ -8,10 +8,8 @@ and in the report's bad-step tables; so did a step whose ranks name different la
 
 from __future__ import annotations
 
-import gc
-import tracemalloc
-
 import httpx
+from factory import traced_peak
 
 from auditor.db.engine import ensure_schema, make_engine
 from auditor.db.store import COLUMNS, rank_report, rank_reports
@@ -59,18 +57,6 @@ def _service(tmp_path) -> Service:
     return Service.from_engine(engine)
 
 
-def _peak(fn):
-    """(fn(), peak bytes traced while it ran)."""
-    gc.collect()
-    tracemalloc.start()
-    try:
-        out = fn()
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    return out, peak
-
-
 def test_rank_reports_keep_the_stored_text():
     """The engine's reports of stored rows carry ``group_ranks`` as the stored text."""
     def row_of(rank: int, text: str | None) -> tuple:
@@ -93,17 +79,17 @@ def test_a_whole_group_step_of_2400_ranks_is_ingested_and_read_in_a_few_mib(tmp_
     try:
         batch, errs, _ = parse_report_batch(step_body("whole"), 5)
         assert batch is not None, errs
-        out, peak = _peak(lambda: svc.ingest(batch))
+        out, peak = traced_peak(lambda: svc.ingest(batch))
         assert [v for _, _, v in out.audited] == ["inconsistent"]
         assert peak < 24 * MiB, peak / MiB
         del batch
 
-        step, peak = _peak(lambda: svc.step("whole", "adv", 0, limit=10))
+        step, peak = traced_peak(lambda: svc.step("whole", "adv", 0, limit=10))
         assert step["verdict"] == "inconsistent" and len(step["ranks"]) == 10
         assert {f["kind"] for f in step["faults"]} >= {"group_mismatch"}
         assert peak < 24 * MiB, peak / MiB
 
-        rep, peak = _peak(lambda: svc.report("whole"))
+        rep, peak = traced_peak(lambda: svc.report("whole"))
         (bad,) = rep["statistics"][0]["bad_steps"]
         assert bad["ranks"][0]["rank"] == FAULTY
         assert peak < 24 * MiB, peak / MiB
@@ -128,12 +114,12 @@ def test_ranks_naming_different_large_groups_are_judged_in_a_few_mib(tmp_path):
     try:
         batch, errs, _ = parse_report_batch(step_body("adv", ADV_WORLD, all_but), 5)
         assert batch is not None, errs
-        out, peak = _peak(lambda: svc.ingest(batch))
+        out, peak = traced_peak(lambda: svc.ingest(batch))
         assert [v for _, _, v in out.audited] == ["inconsistent"]
         assert peak < 24 * MiB, peak / MiB
         del batch
 
-        step, peak = _peak(lambda: svc.step("adv", "adv", 0, limit=10))
+        step, peak = traced_peak(lambda: svc.step("adv", "adv", 0, limit=10))
         assert peak < 24 * MiB, peak / MiB
         assert step["verdict"] == "inconsistent" and len(step["ranks"]) == 10
         members = [f for f in step["faults"] if f["kind"] == "wrong_group" and "left_out" in f["evidence"]]
