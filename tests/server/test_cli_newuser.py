@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from auditor.server.run import free_port
+
 
 def auditor(*args: str, cwd=None, code: str | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-c", code] if code else [sys.executable, "-m", "auditor", *args]
@@ -74,8 +76,17 @@ def test_demo_with_cp_1_says_the_bug_needs_cp_2(tmp_path):
     assert "the bug needs --cp 2 or more" in " ".join(out.stdout.split())
 
 
+#: Stands for a port nobody listens on, chosen when the test runs: a fixed one (9) was taken
+#: by the other xdist worker's `serve` of a neighbouring test ("Address already in use").
+FREE_PORT = "<free port>"
+
+
+def _ports(args: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(str(free_port()) if a == FREE_PORT else a for a in args)
+
+
 @pytest.mark.parametrize("args", [("runs",), ("report", "r"), ("check", "r"), ("db", "current"), ("db", "upgrade"),
-                                  ("serve", "--port", "9"), ("audit", "x.jsonl")])
+                                  ("serve", "--port", FREE_PORT), ("audit", "x.jsonl")])
 def test_a_file_that_is_not_a_sqlite_database_is_one_line_and_left_as_it_was(tmp_path, args):
     """--database-url naming a file that is not SQLite (a log, a spool: a mistyped path) was a
     traceback of the first PRAGMA and "unexpected DatabaseError", exit 2, from every command;
@@ -83,7 +94,7 @@ def test_a_file_that_is_not_a_sqlite_database_is_one_line_and_left_as_it_was(tmp
     log = tmp_path / "server.log"
     log.write_bytes(b"INFO: started\n")
     (tmp_path / "x.jsonl").write_text("")
-    out = auditor(*args, "--database-url", f"sqlite:///{log}", cwd=tmp_path)
+    out = auditor(*_ports(args), "--database-url", f"sqlite:///{log}", cwd=tmp_path)
     assert out.returncode == 2, out.stderr
     assert out.stderr == f"error: bad database URL: {log} is not a SQLite database (its first bytes are not " \
                          "SQLite's header); fix the path\n", out.stderr
@@ -124,13 +135,13 @@ def test_reader_refuses_a_token_no_header_can_carry():
         Reader("http://127.0.0.1:9", token="t\u2603")
 
 
-@pytest.mark.parametrize("args", [("serve", "--port", "9"), ("demo",)])
+@pytest.mark.parametrize("args", [("serve", "--port", FREE_PORT), ("demo",)])
 def test_a_setting_out_of_range_is_one_line_naming_each_variable(tmp_path, args):
     """AUDITOR_* variables outside their range (AUDITOR_MAX_BODY_BYTES=0, a NaN interval)
     were pydantic's ValidationError: a traceback and "unexpected ValidationError", exit 2.
     Now one line names each variable, its value and the rule; nothing is created."""
     env = {**os.environ, "AUDITOR_MAX_BODY_BYTES": "0", "AUDITOR_SWEEP_INTERVAL_SECONDS": "nan"}
-    out = subprocess.run([sys.executable, "-m", "auditor", *args], capture_output=True, text=True, timeout=60,
+    out = subprocess.run([sys.executable, "-m", "auditor", *_ports(args)], capture_output=True, text=True, timeout=60,
                          cwd=tmp_path, env=env)
     assert out.returncode == 2, out.stderr
     assert out.stderr == ("error: AUDITOR_SWEEP_INTERVAL_SECONDS='nan': Input should be greater than 0; "
