@@ -6,7 +6,9 @@ security" lists them with what a caller gets past each one.
 
 from __future__ import annotations
 
-from pydantic import Field
+import threading
+
+from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_DATABASE_URL = "sqlite:///./auditor.db"
@@ -180,6 +182,18 @@ class Settings(BaseSettings):
     public_endpoints: bool = Field(
         True, description="/readyz and /metrics answer without a token even when one is set (/healthz always does)."
     )
+
+    @field_validator("*")
+    @classmethod
+    def _durations_a_wait_can_take(cls, value, info: ValidationInfo):
+        """A duration (``*_seconds``, ``*_days``) is at most ``threading.TIMEOUT_MAX`` seconds
+        (~292 years): past it (1e308, inf) a wait on it raises OverflowError - the shutdown
+        thread did, and SQLite's busy timeout overflowed."""
+        if info.field_name.endswith(("_seconds", "_days")) and isinstance(value, float):
+            limit = threading.TIMEOUT_MAX / (86400.0 if info.field_name.endswith("_days") else 1.0)
+            if not value <= limit:
+                raise ValueError(f"at most {limit:g} (a wait of ~292 years)")
+        return value
 
     @property
     def body_budget_bytes(self) -> int:

@@ -149,6 +149,22 @@ def test_a_setting_out_of_range_is_one_line_naming_each_variable(tmp_path, args)
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(("var", "value", "limit"), [("AUDITOR_SHUTDOWN_TIMEOUT_SECONDS", "1e308", "9.22337e+09"),
+                                                    ("AUDITOR_DB_LOCK_TIMEOUT_SECONDS", "inf", "9.22337e+09"),
+                                                    ("AUDITOR_RUN_RETENTION_DAYS", "1e300", "106752")])
+def test_a_duration_no_wait_can_take_is_refused_at_start(tmp_path, var, value, limit):
+    """AUDITOR_SHUTDOWN_TIMEOUT_SECONDS=1e308 started the service, whose shutdown thread then
+    died of OverflowError (a wait past threading.TIMEOUT_MAX); an infinite lock timeout
+    overflowed SQLite's busy timeout. A duration is at most threading.TIMEOUT_MAX seconds:
+    past it, one line naming the variable, exit 2, before anything starts."""
+    env = {**os.environ, var: value}
+    out = subprocess.run([sys.executable, "-m", "auditor", "serve", "--port", "9"], capture_output=True, text=True,
+                         timeout=60, cwd=tmp_path, env=env)
+    assert out.returncode == 2, out.stderr
+    assert out.stderr == f"error: {var}={value!r}: Value error, at most {limit} (a wait of ~292 years)\n", out.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize(("dp", "cp", "workers"), [("17", "2", "34"), ("100000", "2", "200,000"), ("1", "33", "33")])
 def test_demo_refuses_a_world_it_cannot_spawn_before_starting_anything(tmp_path, dp, cp, workers):
     """Every demo rank is a process holding torch (~0.36 GiB): `--dp 100000` spawned 200,000
