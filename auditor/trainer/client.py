@@ -150,8 +150,9 @@ class AuditorClient:
             url = f"file://{where}"
         elif token and not (str(token).isascii() and str(token).isprintable()):
             where = Path(spool_dir or default_spool_dir())
-            warn_once(f"token={token!r}", "auditor client: the token is not printable ASCII (an HTTP header value); writing "
-                      "reports to the spool in %s only — upload them with `auditor import %s --url %s --token ...`",
+            warn_once(f"token={token!r}", "auditor client: the token is not printable ASCII (an HTTP header value); "
+                      "writing reports to the spool in %s only — upload them with "
+                      "`auditor import %s --url %s --token ...`",
                       where, where, url)
             self.file_only, spool_dir, spool = True, where, True
             url = f"file://{where}"

@@ -83,7 +83,8 @@ def post_lines(http: httpx.Client, url: str, lines: list[bytes]) -> Outcome:
     if status < 300:
         body = _answer_json(response)
         duplicates = body.get("duplicates", 0) if isinstance(body, dict) else 0
-        return Outcome("sent", duplicates=duplicates if type(duplicates) is int and 0 <= duplicates <= len(lines) else 0)
+        counted = type(duplicates) is int and 0 <= duplicates <= len(lines)
+        return Outcome("sent", duplicates=duplicates if counted else 0)
     if status in TRANSIENT or status >= 500:
         delay = retry_after(response)
         return Outcome("retry", delay, message=f"HTTP {status}: {response.text[:200]}",
@@ -110,7 +111,8 @@ def _named_indices(response: httpx.Response, n: int) -> frozenset[int]:
             bad = {_report_index(c["index"]) for c in body["conflicts"]}
         else:
             errors = body["errors"]
-            bad = {_report_index(e["loc"][1]) for e in errors if list(e["loc"][:1]) == ["reports"] and len(e["loc"]) > 1}
+            bad = {_report_index(e["loc"][1]) for e in errors
+                   if list(e["loc"][:1]) == ["reports"] and len(e["loc"]) > 1}
             if len(bad) != len({_report_index(e["loc"][1]) if len(e["loc"]) > 1 else -1 for e in errors}):
                 return frozenset()
     except (ValueError, KeyError, TypeError, IndexError, AttributeError):

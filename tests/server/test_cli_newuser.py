@@ -158,8 +158,8 @@ def test_a_duration_no_wait_can_take_is_refused_at_start(tmp_path, var, value, l
     overflowed SQLite's busy timeout. A duration is at most threading.TIMEOUT_MAX seconds:
     past it, one line naming the variable, exit 2, before anything starts."""
     env = {**os.environ, var: value}
-    out = subprocess.run([sys.executable, "-m", "auditor", "serve", "--port", str(free_port())], capture_output=True, text=True,
-                         timeout=60, cwd=tmp_path, env=env)
+    out = subprocess.run([sys.executable, "-m", "auditor", "serve", "--port", str(free_port())], capture_output=True,
+                         text=True, timeout=60, cwd=tmp_path, env=env)
     assert out.returncode == 2, out.stderr
     assert out.stderr == f"error: {var}={value!r}: Value error, at most {limit} (a wait of ~292 years)\n", out.stderr
     assert list(tmp_path.iterdir()) == []
