@@ -240,6 +240,7 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, kind: s
     want_e = want * nmb[step] if over_mb else np.full(n, want)
     if moments:
         n_g, mean_g, m2_g = stats.merge_groups(inv, ng, w * l_n, l_mean, w * l_m2)
+        count_abs_g = stats.whole_count_abs(inv, ng, w * l_n)
         lo_g = np.full(ng, np.inf)
         hi_g = np.full(ng, -np.inf)
         np.minimum.at(lo_g, inv, l_lo)
@@ -266,7 +267,7 @@ def _audit(el: Elements, expected: np.ndarray, sizes: Coord, spec: Spec, kind: s
         bessel = (conv == "sample") & (n_e >= 2)
         var_e = np.where(n_e > 0, m2_e / np.where(bessel, np.maximum(n_e - 1.0, 1.0), safe), np.nan)
         tm, tv = stats.mean_var_tolerance(g, n_e, mean_e, m2_e, conv, spacing=spacing, ranks=size[inv])
-        tn = g * n_e
+        tn = stats.count_tolerance(g, n_e, count_abs_g[inv], u)
         flag(~((n_e > 0) & (np.isnan(a_n) | (np.abs(a_n - n_e) <= tn)) & (np.abs(a_mean - mean_e) <= tm)
                & (np.abs(a_var - var_e) <= tv)))
         if (sum_judged | sq_judged).any():  # the sums sent next to a mean or var they do not give

@@ -162,6 +162,31 @@ def merge_arrays(counts: np.ndarray, means: np.ndarray, m2s: np.ndarray) -> tupl
     return float(n[0]), float(mean[0]), float(m2[0])
 
 
+def whole_count_abs(group: np.ndarray, ngroups: int, counts: np.ndarray) -> np.ndarray:
+    """Per group, Σ|count| of its members when every member's count is a whole number, else
+    ``inf``: the input of :func:`count_tolerance`. ``group``: int (k,) group index of each
+    member in [0, ngroups); ``counts``: float64 (k,) the members' local counts (0 for a
+    member not counted). Returns float64 (ngroups,)."""
+    with np.errstate(invalid="ignore"):
+        fractional = np.bincount(group, (counts != np.floor(counts)).astype(np.float64), minlength=ngroups)
+    return np.where(fractional == 0, np.bincount(group, np.abs(counts), minlength=ngroups), np.inf)
+
+
+def count_tolerance(gamma: np.ndarray, count: np.ndarray, count_abs: np.ndarray,
+                    unit_roundoff: np.ndarray) -> np.ndarray:
+    """Rounding bound of an all-reduced count, float64 arrays (k,): 0 where the group's
+    counts are whole numbers with Σ|count| ≤ 1/u (``count_abs`` of :func:`whole_count_abs`),
+    else γ·N (the bound of any sum of N terms, :func:`reduction_gamma`).
+
+    Why exact: a float format with a p-bit significand (u = 2⁻ᵖ) represents every integer of
+    magnitude ≤ 2ᵖ, so when every term is a whole number and Σ|terms| ≤ 2ᵖ, every partial sum
+    of every summation order is such an integer and no addition rounds (Higham 2002, §2.1).
+    The count a rank's all-reduce returned must then equal the group's count exactly, in its
+    dtype or any wider one: 149 for 150 tokens is a fault even in bfloat16 (2⁸ = 256) or
+    float16 (2¹¹ = 2,048), where γ·N alone would accept it."""
+    return np.where(count_abs * unit_roundoff <= 1.0, 0.0, gamma * count)
+
+
 def merge_groups(group: np.ndarray, ngroups: int, counts: np.ndarray, means: np.ndarray,
                  m2s: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The k-way Chan merge of :func:`merge` for many groups at once.

@@ -288,13 +288,14 @@ class Step:
             # non-finite members make their group unjudgeable (``finite``); zero them so the
             # other groups' merge stays clean
             bad = self.bad_local
-            n_g, mean_g, m2_g = stats.merge_groups(inv, ng, np.where(bad, 0.0, w * self.l_n),
-                                                   np.where(bad, 0.0, self.l_mean), np.where(bad, 0.0, w * self.l_m2))
+            counts = np.where(bad, 0.0, w * self.l_n)
+            n_g, mean_g, m2_g = stats.merge_groups(inv, ng, counts, np.where(bad, 0.0, self.l_mean),
+                                                   np.where(bad, 0.0, w * self.l_m2))
             lo = np.full(ng, np.inf)
             hi = np.full(ng, -np.inf)
             np.minimum.at(lo, inv, self.l_lo)
             np.maximum.at(hi, inv, self.l_hi)
-            vals.update(count=n_g, mean=mean_g, m2=m2_g, lo=lo, hi=hi)
+            vals.update(count=n_g, mean=mean_g, m2=m2_g, lo=lo, hi=hi, count_abs=stats.whole_count_abs(inv, ng, counts))
             finite &= np.isfinite(n_g) & np.isfinite(mean_g) & np.isfinite(m2_g)  # float64 overflow
         else:
             v = np.where(self.bad_local, 0.0, self.l_val)
@@ -354,7 +355,7 @@ class Step:
             bessel = (conv == "sample") & (n >= 2)
             var = np.where(n > 0, m2 / np.where(bessel, np.maximum(n - 1.0, 1.0), safe), np.nan)
             tm, tv = stats.mean_var_tolerance(g, n, mean, m2, conv, spacing=self.spacing, ranks=p.size[p.inv])
-            return (n, mean, var), (g * n, tm, tv)
+            return (n, mean, var), (stats.count_tolerance(g, n, p.vals["count_abs"][p.inv], self.u), tm, tv)
         value = p.vals["value"][p.inv]
         return (value,), (stats.sum_tolerance(g, p.vals["abs"][p.inv], spacing=self.spacing, ranks=p.size[p.inv]),)
 

@@ -11,6 +11,8 @@ B. Reported sums whose variance cancels to 0 although min < max: precision_loss 
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -112,6 +114,33 @@ def test_correct_low_precision_runs_are_consistent(dtype, reduce_in, ranks, n, l
     assert (exact.verdict, exact.faults) == ("consistent", []), [f.message for f in exact.faults]
     assert fast is not None and fast.verdict == "consistent"
     assert fast.applied_error_sigma == exact.applied_error_sigma
+
+
+@pytest.mark.parametrize("reduce_in", ["float32", "storage"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_a_whole_count_off_by_one_is_a_fault_where_the_dtype_holds_it_exactly(dtype, reduce_in):
+    """3 ranks × 50 tokens: every partial sum of the count is a whole number ≤ 150, exact in
+    bfloat16 (≤ 2⁸) and float16 (≤ 2¹¹) whatever the order of additions, so a rank whose
+    all-reduce returned 149 (its mean and variance right) is group_mismatch in both engines.
+    It was consistent: γ·N (bfloat16: ~0.06 × 150 ≈ 9 tokens) accepted it. The correct run
+    stays consistent."""
+    reps, _ = torch_trainer(dtype, 3, 50, 0.0, reduce_in, seed=7)
+    assert {r.applied_count for r in reps} == {150.0}
+    exact, fast = _both(reps, (3, 1, 1, 1))
+    assert (exact.verdict, exact.faults) == ("consistent", []) and fast is not None
+    off = [dataclasses.replace(r, applied_count=149.0) if r.rank == 1 else r for r in reps]
+    exact, fast = _both(off, (3, 1, 1, 1))
+    assert exact.verdict == "inconsistent" and fast is None
+    assert [(f.kind, f.ranks) for f in exact.faults] == [("group_mismatch", [1])]
+
+
+def test_a_count_beyond_what_the_dtype_holds_keeps_its_rounding_bound():
+    """64 ranks × 200 tokens all-reduced as a bfloat16 tensor: the partial counts pass 2⁸ and
+    round (the count comes back other than 12,800), which γ·N accepts: consistent."""
+    reps, _ = torch_trainer("bfloat16", 64, 200, 0.3, "storage", seed=264)
+    assert reps[0].applied_count != 12_800.0
+    exact, fast = _both(reps, (64, 1, 1, 1))
+    assert (exact.verdict, exact.faults) == ("consistent", []) and fast is not None
 
 
 @pytest.mark.parametrize("dtype,ranks,loc", [("bfloat16", 2, 30.0), ("bfloat16", 8, 10.0), ("float16", 2, 60.0),
