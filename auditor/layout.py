@@ -56,6 +56,13 @@ def parse_order(order: str) -> tuple[str, ...]:
     return tokens
 
 
+def canonical_order(order: str | None) -> str | None:
+    """The order string as :func:`parse_order` reads it, written back: lower case, no
+    spaces (``" TP - CP - DP - PP "`` → ``"tp-cp-dp-pp"``), so that two spellings of one
+    order are one topology; None stays None. Raises what :func:`parse_order` raises."""
+    return None if order is None else "-".join(parse_order(order))
+
+
 def layout(order: str, factorisation: str) -> tuple[str, ...]:
     """The wire dims of ``factorisation`` (``"dense"`` or ``"expert"``) in ``order``, fastest
     first: ``layout("tp-cp-ep-dp-pp", "expert")`` → ``("etp", "ep", "edp", "pp")``."""

@@ -116,21 +116,24 @@ class Topology:
 
     @classmethod
     def of(cls, world_size: int, sizes, order: str | None, topology: str) -> "Topology":
-        """From wire fields (a :class:`auditor.schemas.Sizes`); an unknown topology keeps the world size only."""
+        """From wire fields (a :class:`auditor.schemas.Sizes`; ``order`` validated, kept in
+        its canonical spelling, :func:`auditor.layout.canonical_order`); an unknown topology
+        keeps the world size only."""
         if topology == "unknown":
             return cls(world_size, (1, 1, 1, 1), None, None, False)
-        return cls(world_size, sizes.as_tuple(), sizes.expert_tuple(), order, True)
+        return cls(world_size, sizes.as_tuple(), sizes.expert_tuple(), layout.canonical_order(order), True)
 
     @classmethod
     def of_row(cls, r: RunRow) -> "Topology":
-        return cls(r.world_size, r.sizes, r.expert, r.order, r.known)
+        """From a stored run (its order as stored before orders were canonical, too)."""
+        return cls(r.world_size, r.sizes, r.expert, _stored_order(r.order), r.known)
 
     @classmethod
     def of_summary(cls, run: dict) -> "Topology":
         """From a run summary (:meth:`Service.get_run`)."""
         sz = run["sizes"]
         expert = (sz["edp"], sz["ep"], sz["etp"], sz["pp"]) if "edp" in sz else None
-        return cls(run["world_size"], tuple(sz[d] for d in DIMS), expert, run.get("order"),
+        return cls(run["world_size"], tuple(sz[d] for d in DIMS), expert, _stored_order(run.get("order")),
                    run.get("topology") != "unknown")
 
     def describe(self) -> dict:
@@ -246,6 +249,14 @@ OPEN_STEP_ROWS = 65_536
 _IN_STEP = operator.itemgetter(2, 3)
 #: A row's step: (series_id, step).
 _STEP_KEY = operator.itemgetter(0, 1)
+
+
+def _stored_order(order: str | None) -> str | None:
+    """A stored order in its canonical spelling; one that no longer parses as it was."""
+    try:
+        return layout.canonical_order(order)
+    except ValueError:
+        return order
 
 
 def _by_step(rows: Iterable[tuple]) -> dict[tuple[int, int], list[tuple]]:

@@ -54,6 +54,21 @@ def test_hang_localisation_names_which_ranks_reached_which_step(live_server, run
     assert stat["ranks_behind"] == 0 and stat["progress"] is None
 
 
+def test_two_spellings_of_one_order_are_one_topology(live_server, run_id):
+    """The order is read case- and space-insensitively (layout.parse_order): a run registered
+    as " TP - CP - DP - PP " took reports saying "tp-cp-dp-pp" as a topology_conflict (409, a
+    false refusal). Now both spellings are one topology, stored as "tp-cp-dp-pp"."""
+    r = live_server.put(f"/v1/runs/{run_id}", json={"world_size": 2, "sizes": {"dp": 2},
+                                                     "order": " TP - CP - DP - PP "})
+    assert r.status_code == 200, r.text
+    assert _post(live_server, [_sum_report(run_id, 0, 0, 2, order="tp-cp-dp-pp")]).status_code == 200
+    r = _post(live_server, [_sum_report(run_id, 1, 0, 2, order="Tp-Cp-Dp-Pp")])
+    assert (r.status_code, r.json()["steps_audited"]) == (200, 1), r.text
+    run = live_server.get(f"/v1/runs/{run_id}").json()
+    assert run["order"] == "tp-cp-dp-pp"
+    assert (run["status"], run["steps_audited"]) == ("consistent", 1), run
+
+
 def test_report_outside_the_placement_is_409_naming_it(live_server, run_id):
     """A statistic placed on the last pipeline stage: reports from pp=1 complete the step
     (expected = 2, not 4); a report from a pp=0 rank is a 409 placement_conflict naming its
