@@ -37,10 +37,11 @@ from auditor import core, layout
 from auditor import status as statuses
 from auditor.core import DIMS, EXPERT_DIMS, REPLACEABLE, RankReport
 from auditor.db.store import (
-    COLUMNS, COMPARED, Arrival, CleanSteps, ReportsExist, RowDeleted, RunRow, SeriesRow, StepRowExists, Store, VerdictItem, elements, json_safe, rank_reports, report_row,
+    COLUMNS, COMPARED, Arrival, CleanSteps, ReportsExist, RowDeleted, RunRow, SeriesRow, StepRowExists, Store, VerdictItem, elements, json_safe, rank_report, report_row,
 )
 from auditor.schemas import DEFAULT_SPECS, Report, RunRegistration, StatisticSpec
 from auditor.status import STATUSES
+from auditor.web import PAGE_STEPS
 
 log = logging.getLogger("auditor.service")
 
@@ -98,9 +99,6 @@ REPORT_FAULT_RANKS = 1024
 #: Rank rows per page of the step endpoint by default, and at most.
 STEP_RANK_ROWS = 10_000
 STEP_RANK_ROWS_MAX = 65_536
-#: Step summaries a run page reads at a time (:meth:`PageReads.steps_json`): ~1 KB each as
-#: rows and dicts, so a page of them costs ~2 MB whatever the run's length.
-PAGE_STEPS = 2000
 
 
 @dataclass(frozen=True, slots=True)
@@ -880,7 +878,7 @@ class Service:
             n = p.expected
             if v is None:
                 rr = rows.get(key)
-                reports = rank_reports(rr) if rr is not None else store.step_reports(conn, info.id, p.step)
+                reports = [rank_report(r) for r in rr] if rr is not None else store.step_reports(conn, info.id, p.step)
                 n = len(reports)
                 load = store.history(conn, info.id, p.step)
 

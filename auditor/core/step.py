@@ -475,16 +475,15 @@ def group_coords(reports: Sequence[RankReport]) -> list[RankReport]:
     if any(isinstance(r.group_ranks, str) for r in reports):
         spans: dict[str, RankSpans] = {}
 
-        def group(r: RankReport) -> RankSpans:
-            gr = r.group_ranks
-            text = gr if isinstance(gr, str) else compress_ranks(gr or ())
+        def span(text: str) -> RankSpans:
             g = spans.get(text)
             if g is None:
                 g = spans[text] = RankSpans(text)
-            if not g:
-                text = str(r.rank)
-                g = spans.get(text) or spans.setdefault(text, RankSpans(text))
             return g
+
+        def group(r: RankReport) -> RankSpans:
+            gr = r.group_ranks
+            return span(gr if isinstance(gr, str) else compress_ranks(gr or ())) or span(str(r.rank))
 
         reports = [dataclasses.replace(r, group_ranks=group(r)) for r in reports]
     groups = sorted({r.group_ranks or (r.rank,) for r in reports})

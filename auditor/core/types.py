@@ -265,11 +265,19 @@ def expand_ranks(text: str | None) -> tuple[int, ...] | None:
     """Inverse of :func:`compress_ranks`; None stays None."""
     if text is None:
         return None
-    out: list[int] = []
+    return tuple(r for lo, hi in zip(*_spans(text)) for r in range(lo, hi + 1))
+
+
+def _spans(text: str) -> tuple[list[int], list[int]]:
+    """The (first, last) ranks of each ``a`` or ``a-b`` part of a rank text, as two lists.
+    Raises ValueError for a part that is not an integer range."""
+    lo: list[int] = []
+    hi: list[int] = []
     for part in filter(None, text.split(",")):
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return tuple(out)
+        a, _, b = part.partition("-")
+        lo.append(int(a))
+        hi.append(int(b or a))
+    return lo, hi
 
 
 class RankSpans:
@@ -282,7 +290,7 @@ class RankSpans:
     iteration (ascending, lazily), ``in`` and :meth:`index` (O(log ranges)), truth (not
     empty). Equal and hashed by ``text``, which is canonical (ascending, runs merged): two
     sets are equal exactly when their texts are. ``<`` is the order of the member tuples
-    (:func:`rank_spans_key`). Immutable.
+    (:func:`_spans_cmp`). Immutable.
 
     Raises ValueError for a text that is not a rank list (``int`` of a part fails).
     """
@@ -290,20 +298,11 @@ class RankSpans:
     __slots__ = ("text", "_lo", "_hi", "_start", "_n")
 
     def __init__(self, text: str):
-        lo: list[int] = []
-        hi: list[int] = []
-        for part in filter(None, text.split(",")):
-            a, _, b = part.partition("-")
-            lo.append(int(a))
-            hi.append(int(b or a))
+        lo, hi = _spans(text)
         if any(b < a for a, b in zip(lo, hi)) or any(lo[i] <= hi[i - 1] + 1 for i in range(1, len(lo))):
             # not canonical (not written by compress_ranks): its canonical form
             text = compress_ranks(r for a, b in zip(lo, hi) for r in range(a, b + 1))
-            lo, hi = [], []
-            for part in filter(None, text.split(",")):
-                a, _, b = part.partition("-")
-                lo.append(int(a))
-                hi.append(int(b or a))
+            lo, hi = _spans(text)
         self.text = text
         self._lo, self._hi = lo, hi
         start, n = [], 0

@@ -512,12 +512,6 @@ def rank_report(row: Sequence) -> RankReport:
     return RankReport(*_AUDIT_FIELDS(row))
 
 
-def rank_reports(rows: Iterable[Sequence]) -> list[RankReport]:
-    """The engine's reports of ``reports`` row tuples (:data:`COLUMNS` order), one per row,
-    in order (:func:`rank_report`): what every read of a step for the engine goes through."""
-    return [RankReport(*_AUDIT_FIELDS(r)) for r in rows]
-
-
 def _run_row(row) -> RunRow:
     expert = (row.edp, row.ep, row.etp, row.pp) if row.edp is not None else None
     return RunRow(row.run_id, row.world_size, (row.dp, row.cp, row.tp, row.pp), row.created_at, expert,
@@ -781,9 +775,9 @@ class Store:
         return rows
 
     def step_reports(self, conn: sa.Connection, series_id: int, step: int) -> list[RankReport]:
-        """Every stored report of one step, as the engine's reports (:func:`rank_reports`:
+        """Every stored report of one step, as the engine's reports (:func:`rank_report`:
         ``group_ranks`` as the stored text)."""
-        return rank_reports(self.report_rows(conn, series_id, step))
+        return [rank_report(r) for r in self.report_rows(conn, series_id, step)]
 
     # ------------------------------------------------------------------------- steps
     def count_arrivals(self, conn: sa.Connection, added: Mapping[tuple[int, int], int],

@@ -1,6 +1,6 @@
 """A step's stored ``group_ranks`` (compressed text, e.g. "0-2399") read back as engine
 reports costs memory independent of ranks x group size: the reports carry the stored text
-(``auditor.db.store.rank_reports``) and the engine compares texts (``RankSpans``). Before,
+(``auditor.db.store.rank_report``) and the engine compares texts (``RankSpans``). Before,
 a 2,400-rank step whose ranks all name the whole group expanded 5.8 M ints (~206 MiB) per
 read, at ingest (the exact audit of a step that is not clean), on ``GET .../steps/{step}``
 and in the report's bad-step tables; so did a step whose ranks name different large groups
@@ -12,7 +12,7 @@ import httpx
 from factory import traced_peak
 
 from auditor.db.engine import ensure_schema, make_engine
-from auditor.db.store import COLUMNS, rank_report, rank_reports
+from auditor.db.store import COLUMNS, rank_report
 from auditor.schemas import parse_report_batch
 from auditor.service import Service
 from auditor.testing.server import ServerProcess
@@ -57,7 +57,7 @@ def _service(tmp_path) -> Service:
     return Service.from_engine(engine)
 
 
-def test_rank_reports_keep_the_stored_text():
+def test_rank_report_keeps_the_stored_text():
     """The engine's reports of stored rows carry ``group_ranks`` as the stored text."""
     def row_of(rank: int, text: str | None) -> tuple:
         vals = {c: 0 for c in COLUMNS}
@@ -66,9 +66,8 @@ def test_rank_reports_keep_the_stored_text():
         return tuple(vals[c] for c in COLUMNS)
 
     rows = [row_of(0, "0-3"), row_of(1, "0-3"), row_of(2, "0-1,3"), row_of(3, None)]
-    got = rank_reports(rows)
+    got = [rank_report(r) for r in rows]
     assert [r.group_ranks for r in got] == ["0-3", "0-3", "0-1,3", None]
-    assert [rank_report(r) for r in rows] == got
 
 
 def test_a_whole_group_step_of_2400_ranks_is_ingested_and_read_in_a_few_mib(tmp_path):
