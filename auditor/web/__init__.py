@@ -121,8 +121,9 @@ def _assets(inline: bool) -> dict[str, Any]:
 #: the HTML whole. The rest in pages of as many rows, in (rank, microbatch) order
 #: (``&from_rank=&from_mb=``); the step endpoint has every row.
 PAGE_RANK_ROWS = 2000
-#: Step summaries a page reads per request of ``GET .../steps`` (``auditor report --format
-#: html --url``); ``auditor.service.PAGE_STEPS`` is the same for the service's own reads.
+#: Step summaries a page reads at a time (``GET .../steps`` pages, or the service's own
+#: reads, ``auditor.service.PageReads``): ~1 KB each as rows and dicts, so a page of them
+#: costs ~2 MB whatever the run's length.
 PAGE_STEPS = 2000
 
 

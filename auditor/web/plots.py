@@ -71,24 +71,12 @@ def fault_colour(kind: str | None) -> str:
     return OK_COLOUR if kind is None else FAULT_COLOURS.get(kind, "#999999")
 
 
-def downsample_max(steps: Sequence[int], values: Sequence[float | None],
-                   max_points: int = MAX_POINTS) -> tuple[list[int], list[float]]:
-    """Drop null values; if more than ``max_points`` remain, keep the largest of each bucket
-    of ⌈n / max_points⌉ consecutive points (with its own step). Returns (steps, values)."""
-    pts = [(s, float(v)) for s, v in zip(steps, values) if v is not None and math.isfinite(float(v))]
-    if len(pts) <= max_points:
-        return [s for s, _ in pts], [v for _, v in pts]
-    k = math.ceil(len(pts) / max_points)
-    best = [max(pts[i:i + k], key=lambda p: p[1]) for i in range(0, len(pts), k)]
-    return [s for s, _ in best], [v for _, v in best]
-
-
 class MaxBuckets:
-    """:func:`downsample_max` one point at a time, in memory bounded by ``max_points``.
+    """A line of (step, value) points downsampled as it grows, one point at a time, in memory
+    bounded by ``max_points``.
 
     Points arrive in step order; null and non-finite values are dropped. Until more than
-    ``max_points`` points have arrived every point is kept (what :func:`downsample_max`
-    returns); past that, each kept point is the largest of a bucket of ``width``
+    ``max_points`` points have arrived every point is kept; past that, each kept point is the largest of a bucket of ``width``
     consecutive points (with its own step; the first of equals), ``width`` doubling
     whenever the buckets outgrow ``max_points`` — so a one-step spike is never averaged or
     thinned away, and :meth:`points` never returns more than ``max_points`` points."""
@@ -207,7 +195,10 @@ class StepHistory:
         return step_axis([] if self.first is None else [self.first, self.last])
 
     def sigma_figure(self, statistic: str) -> dict:
-        """:func:`sigma_figure` of the steps added."""
+        """Per-step CP-disagreement σ and applied-error σ of a ``moments`` statistic (log
+        scale), with the rounding tolerance of each step as a dashed line when the steps carry
+        one (``tolerance_sigma``). Zero is not drawable on a log axis: exact zeros are drawn
+        at a floor one decade below the smallest positive value (hover shows the true value)."""
         floor = self.min_positive / 10 if self.min_positive is not None else 1e-12
         data = []
         for name, key, colour, dash in SIGMA_SERIES:
@@ -228,7 +219,10 @@ class StepHistory:
         }}
 
     def timeline_figure(self, statistic: str) -> dict:
-        """:func:`fault_timeline_figure` of the steps added."""
+        """One row per fault kind (and ``incomplete``), a marker at every step it occurred in:
+        the steps where a run went bad, at a glance. Consistent steps appear as a thin green
+        rug along the bottom row ``ok``. Rows of more than ``max_points`` markers keep one per
+        bucket of consecutive occurrences (:class:`MaxBuckets`)."""
         data = []
         ok, _ = self.ok.points()
         if ok:
@@ -247,25 +241,6 @@ class StepHistory:
             "xaxis": self._axis(),
             "yaxis": {"type": "category", "categoryorder": "array", "categoryarray": rows, "automargin": True},
         }}
-
-
-def sigma_figure(steps: Sequence[dict[str, Any]], statistic: str) -> dict:
-    """Per-step CP-disagreement σ and applied-error σ of a ``moments`` statistic (log scale),
-    with the rounding tolerance of each step as a dashed line when the steps carry one
-    (``tolerance_sigma``). Steps are the summaries of ``GET .../steps``, any order
-    (:class:`StepHistory` builds the same figure from summaries streamed in step order).
-
-    Zero is not drawable on a log axis: exact zeros are drawn at a floor one decade below
-    the smallest positive value (hover shows the true value)."""
-    return StepHistory.of(sorted(steps, key=lambda s: s["step"])).sigma_figure(statistic)
-
-
-def fault_timeline_figure(steps: Sequence[dict[str, Any]], statistic: str) -> dict:
-    """One row per fault kind (and ``incomplete``), a marker at every step it occurred in:
-    the steps where a run went bad, at a glance. Consistent steps appear as a thin green
-    rug along the bottom row ``ok``. Rows of more than :data:`MAX_POINTS` markers keep one
-    per bucket of consecutive occurrences (:class:`MaxBuckets`)."""
-    return StepHistory.of(sorted(steps, key=lambda s: s["step"])).timeline_figure(statistic)
 
 
 #: Which of a rank's fault kinds colours it: diagnoses (the cause) before symptoms, the

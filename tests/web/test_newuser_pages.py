@@ -66,7 +66,7 @@ def test_plots_carry_no_non_finite_value_and_step_axes_have_whole_ticks():
     assert sigma["layout"]["xaxis"]["tickvals"] == [0, 1, 2] and sigma["layout"]["xaxis"]["tickformat"] == "d"
     ranks = figs["s0"]["steps"]["0"]["data"]
     assert [t["y"] for t in ranks if t["name"].startswith("applied")][0] == [None, 1e300]
-    long = plots.sigma_figure([{"step": s, "cp_disagreement_sigma": 0.1} for s in range(0, 500, 7)], "x")
+    long = web.history_of([{"step": s, "cp_disagreement_sigma": 0.1} for s in range(0, 500, 7)]).sigma_figure("x")
     assert "tickvals" not in long["layout"]["xaxis"] and long["layout"]["xaxis"]["tickformat"] == "d"
     assert plots.step_axis([3, 5])["tickvals"] == [3, 4, 5]
 

@@ -22,9 +22,15 @@ def test_long_runs_keep_every_spike():
     steps = list(range(100_000))
     values = [1e-7] * len(steps)
     values[73_456] = 0.5
-    xs, ys = plots.downsample_max(steps, values, max_points=1000)
-    assert len(xs) == 1000 and 73_456 in xs and max(ys) == 0.5
-    assert plots.downsample_max([0, 1, 2], [None, 0.1, float("nan")]) == ([1], [0.1])
+    line = plots.MaxBuckets(max_points=1000)
+    for s, v in zip(steps, values):
+        line.add(s, v)
+    xs, ys = line.points()
+    assert 500 <= len(xs) <= 1000 and 73_456 in xs and max(ys) == 0.5
+    short = plots.MaxBuckets()
+    for s, v in ((0, None), (1, 0.1), (2, float("nan"))):
+        short.add(s, v)
+    assert short.points() == ([1], [0.1])
 
 
 def test_figures_count_one_point_per_step_and_rank():
@@ -32,12 +38,12 @@ def test_figures_count_one_point_per_step_and_rank():
     step and fault kind (consistent steps on the ``ok`` row); per-rank figure: per panel one
     correct bar and one applied marker per rank row, coloured by the diagnosis."""
     history = [summary(s, s in (3, 4)) for s in range(10)]
-    sigma = plots.sigma_figure(history, "advantages")
+    sigma = web.history_of(history).sigma_figure("advantages")
     assert [t["name"] for t in sigma["data"]] == ["CP disagreement σ", "applied error σ", "rounding tolerance σ"]
     assert plots.count_points(sigma) == 30 and sigma["layout"]["yaxis"]["type"] == "log"
     zero = sigma["data"][0]
     assert zero["customdata"][0] == 0.0 and zero["y"][0] > 0  # exact zero drawn at the floor
-    timeline = plots.fault_timeline_figure(history, "advantages")
+    timeline = web.history_of(history).timeline_figure("advantages")
     assert {t["name"]: len(t["x"]) for t in timeline["data"]} == {"ok": 8, "cp_disagreement": 2, "wrong_group": 2}
     detail = {"step": 3, "ranks": [
         {"rank": r, "microbatch": 0, "coords": {"dp": 0, "cp": r}, "applied_mean": 0.1 * r, "correct_mean": 0.1,
