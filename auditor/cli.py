@@ -51,7 +51,9 @@ Timeout = typer.Option(
 def _header_token(value: str | None) -> str | None:
     """``--token`` is sent as ``Authorization: Bearer <token>``: printable ASCII only (httpx
     raised UnicodeEncodeError for any other character: a traceback, "unexpected" exit 2)."""
-    if value and not (value.isascii() and value.isprintable()):
+    from auditor.reader import header_safe
+
+    if value and not header_safe(value):
         raise typer.BadParameter("must be printable ASCII (it is sent in the Authorization header)")
     return value
 
@@ -640,11 +642,12 @@ def demo(
     """The reference case end to end: real gloo ranks with Megatron-core process groups whiten
     GRPO advantages under zigzag CP sharding twice — reduced over the DP group without CP
     (slime's bug) and with CP (the fix) — push to the auditor, and print both reports."""
-    from auditor.demo.reference import MAX_DEMO_WORLD
+    from auditor.demo.reference import check_world
 
-    if dp * cp > MAX_DEMO_WORLD:  # before torch, a service or ./auditor.db: nothing started
-        raise UsageError(f"--dp × --cp is {dp} × {cp} = {dp * cp:,} workers; the demo runs at most {MAX_DEMO_WORLD} "
-                         f"(each is a process holding torch, ~0.36 GiB)")
+    try:  # before torch, a service or ./auditor.db: nothing started
+        check_world(dp, cp)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     _require_torch()
     from auditor.demo import run_demo
 

@@ -40,6 +40,12 @@ __all__ = ["Reader", "ReaderError", "NotFoundError", "Run", "Report", "Statistic
            "StepDetail", "RankRow", "Fault"]
 
 
+def header_safe(value: str) -> bool:
+    """Whether ``value`` can be sent as an HTTP header value (a bearer token): printable
+    ASCII. httpx raises UnicodeEncodeError for other characters, on every request."""
+    return value.isascii() and value.isprintable()
+
+
 class ReaderError(Exception):
     """The service answered an error. ``status``: HTTP status; ``problem``: its JSON body
     (RFC 9457 problem details, or ``{"detail": ...}``)."""
@@ -335,7 +341,7 @@ class Reader:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"url must be an http(s) URL of an auditor service, got {url!r}")
         token = token or os.environ.get("AUDITOR_READ_TOKEN") or os.environ.get("AUDITOR_TOKEN") or None
-        if token is not None and not (token.isascii() and token.isprintable()):
+        if token is not None and not header_safe(token):
             raise ValueError("token must be printable ASCII (it is sent in the Authorization header)")
         self.url = url
         self._http = httpx.Client(base_url=url, timeout=timeout, transport=transport,

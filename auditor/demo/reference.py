@@ -246,6 +246,13 @@ def _whiten_on_rank(rank, world, port, dp, cp, samples, url, run_ids, timeout, s
 MAX_DEMO_WORLD = 32
 
 
+def check_world(dp: int, cp: int) -> None:
+    """Raise ValueError, naming both sizes, when dp·cp is above :data:`MAX_DEMO_WORLD`."""
+    if dp * cp > MAX_DEMO_WORLD:
+        raise ValueError(f"--dp × --cp is {dp} × {cp} = {dp * cp:,} workers; the demo runs at most {MAX_DEMO_WORLD} "
+                         f"(each is a process holding torch, ~0.36 GiB)")
+
+
 def run_workers(
     samples: Sequence[Sample],
     dp: int,
@@ -262,9 +269,7 @@ def run_workers(
     Returns RankResults sorted by global rank; raises as :func:`auditor.testing.world.spawn_world`,
     and ValueError (nothing spawned) when dp·cp is above :data:`MAX_DEMO_WORLD`.
     """
-    if dp * cp > MAX_DEMO_WORLD:
-        raise ValueError(f"--dp × --cp is {dp} × {cp} = {dp * cp:,} workers; the demo runs at most {MAX_DEMO_WORLD} "
-                         f"(each is a process holding torch, ~0.36 GiB)")
+    check_world(dp, cp)
     return spawn_world(_whiten_on_rank, dp * cp, (dp, cp, tuple(samples), url, run_ids, timeout, steps), timeout)
 
 

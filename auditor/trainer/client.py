@@ -141,19 +141,11 @@ class AuditorClient:
         if self.file_only:
             spool_dir = url[len("file://"):] if url.startswith("file://") else url[len("file:"):]
             spool = True
-        elif not _is_service_url(url):
+        elif (unusable := _unusable(url, token)) is not None:  # the spool only, said once
+            key, why, upload = unusable
             where = Path(spool_dir or default_spool_dir())
-            warn_once(f"url={url}", "auditor client: %r is not the http(s) URL of an auditor service (AUDITOR_URL="
-                      "http://host:8000) nor file:///dir; writing reports to the spool in %s only — upload them "
-                      "with `auditor import %s --url http://HOST:8000`", url, where, where)
-            self.file_only, spool_dir, spool = True, where, True
-            url = f"file://{where}"
-        elif token and not (str(token).isascii() and str(token).isprintable()):
-            where = Path(spool_dir or default_spool_dir())
-            warn_once(f"token={token!r}", "auditor client: the token is not printable ASCII (an HTTP header value); "
-                      "writing reports to the spool in %s only — upload them with "
-                      "`auditor import %s --url %s --token ...`",
-                      where, where, url)
+            warn_once(key, "auditor client: %s; writing reports to the spool in %s only — upload them with "
+                      "`auditor import %s %s`", why, where, where, upload)
             self.file_only, spool_dir, spool = True, where, True
             url = f"file://{where}"
         self.url = url.rstrip("/")
@@ -454,6 +446,17 @@ class AuditorClient:
             self.stats[outcome] += n
             self._settled += n
             self._settled_cond.notify_all()
+
+
+def _unusable(url: str, token) -> tuple[str, str, str] | None:
+    """Why no request can use ``url`` or ``token``, as (warning key, reason, the `auditor
+    import` arguments to upload the spool with); None when both are usable."""
+    if not _is_service_url(url):
+        return (f"url={url}", f"{url!r} is not the http(s) URL of an auditor service (AUDITOR_URL=http://host:8000) "
+                              "nor file:///dir", "--url http://HOST:8000")
+    if token and not (str(token).isascii() and str(token).isprintable()):
+        return f"token={token!r}", "the token is not printable ASCII (an HTTP header value)", f"--url {url} --token ..."
+    return None
 
 
 def _is_service_url(url: str) -> bool:
