@@ -67,6 +67,10 @@ AllowIncomplete = typer.Option(
     False, "--allow-incomplete",
     help="Pass a run whose steps were audited with reports missing (a job known to lose ranks); an inconsistent "
          "step still fails.")
+AllowUnverified = typer.Option(
+    False, "--allow-unverified",
+    help="Pass a run audited without a known layout (no topology: each rank checked only against the group it "
+         "reduced over, so a reduction over the wrong group cannot be told apart); a fault still fails.")
 AllowPending = typer.Option(
     False, "--allow-pending",
     help="Pass although some steps hold reports but no verdict yet (a check of a live run); without it they "
@@ -526,12 +530,14 @@ def check(
     allow_incomplete: bool = AllowIncomplete,
     allow_pending: bool = AllowPending,
     allow_refused: bool = AllowRefused,
+    allow_unverified: bool = AllowUnverified,
     token: Optional[str] = ReadToken,
     timeout: float = Timeout,
 ) -> None:
     """For the CI job of a training framework: exit 1 if RUN_ID is inconsistent (a step
-    inconsistent, or one the engine could not audit), incomplete (a step audited with
-    reports missing; --allow-incomplete accepts that), has steps with reports but no
+    inconsistent, or one the engine could not audit), unverified (a step audited without
+    a known layout: the groups could not be checked; --allow-unverified accepts that),
+    incomplete (a step audited with reports missing; --allow-incomplete accepts that), has steps with reports but no
     verdict yet (--allow-pending), had reports refused for contradicting stored ones (a
     reused run id; --allow-refused), or fewer than --min-steps steps were audited; 0
     otherwise; 2 if the run, the service or the database cannot be found — or if
@@ -543,7 +549,7 @@ def check(
     # the verdict needs no per-rank table (rank_rows=0: no step re-audited, whatever the world)
     data = _fetch_report(run_id, url, database_url, bad_steps=20, token=token, timeout=timeout, rank_rows=0)
     passed, lines = status.check(data, allow_incomplete=allow_incomplete, allow_refused=allow_refused,
-                                 min_steps=min_steps, allow_pending=allow_pending)
+                                 min_steps=min_steps, allow_pending=allow_pending, allow_unverified=allow_unverified)
     for line in lines:
         typer.echo(line)
     if not passed:
@@ -574,7 +580,8 @@ def _which_run(run_id: str | None, url: str | None, database_url: str | None, to
 
 
 #: How ``auditor runs`` and the report header print each status (auditor.status).
-_STATUS_STYLE = {"inconsistent": "[red bold]INCONSISTENT[/]", "incomplete": "[yellow bold]INCOMPLETE[/]",
+_STATUS_STYLE = {"inconsistent": "[red bold]INCONSISTENT[/]", "unverified": "[magenta bold]UNVERIFIED[/]",
+                 "incomplete": "[yellow bold]INCOMPLETE[/]",
                  "consistent": "[green]consistent[/]", "pending": "no step audited yet"}
 
 runs_app = typer.Typer(help="Runs: list them (no subcommand) or delete one.", invoke_without_command=True)
@@ -616,7 +623,7 @@ def runs(ctx: typer.Context, url: Optional[str] = ServiceUrl, database_url: Opti
     from auditor import status
 
     t = Table("run", "status", "world", Column("dp×cp×tp×pp", no_wrap=True), "statistics", "steps audited",
-              "inconsistent", "incomplete", "refused")
+              "inconsistent", "unverified", "incomplete", "refused")
     for r in data:
         s = r["sizes"]
         # an unknown topology's sizes are placeholders of 1, not a 1×1×1×1 layout (as on the run page)
@@ -625,7 +632,7 @@ def runs(ctx: typer.Context, url: Optional[str] = ServiceUrl, database_url: Opti
         state = status.status_of(r)
         t.add_row(r["run_id"], _STATUS_STYLE.get(state, state), str(r["world_size"]), sizes,
                   ", ".join(r["statistics"]), str(r["steps_audited"]), str(r["steps_inconsistent"]),
-                  str(r.get("steps_incomplete", "—")), str(r.get("refused_reports", "—")))
+                  str(r.get("steps_unverified", "—")), str(r.get("steps_incomplete", "—")), str(r.get("refused_reports", "—")))
     _console().print(t)
 
 
@@ -796,9 +803,11 @@ def audit_spools(
     keep_database: Optional[str] = typer.Option(
         None, "--database-url", help="Store into this database instead of a temporary SQLite file."),
     check: bool = typer.Option(False, "--check", help="Exit 1 unless every audited run passes `auditor check`: "
-                                                      "no inconsistent or incomplete step, no refused report."),
+                                                      "no inconsistent, unverified or incomplete step, no refused "
+                                                      "report."),
     allow_incomplete: bool = AllowIncomplete,
     allow_refused: bool = AllowRefused,
+    allow_unverified: bool = AllowUnverified,
     batch_size: int = typer.Option(10_000, min=1, max=100_000,
                                    help="Reports stored and audited per transaction (cut between steps); "
                                         "memory grows with it, not with the spools."),
@@ -831,7 +840,8 @@ def audit_spools(
 
         failed = False
         for data in reports:
-            passed, lines = status.check(data, allow_incomplete=allow_incomplete, allow_refused=allow_refused)
+            passed, lines = status.check(data, allow_incomplete=allow_incomplete, allow_refused=allow_refused,
+                                         allow_unverified=allow_unverified)
             for line in lines:
                 typer.echo(line, err=format is Format.json)  # JSON on stdout stays parseable
             failed |= not passed

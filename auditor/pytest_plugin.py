@@ -29,7 +29,13 @@ otherwise pass silently. ``audited.expect_inconsistent(run_id)`` inverts the che
 run that reproduces a known bug; ``audited.runs()``/``audited.report(run_id)`` give typed
 results (:mod:`auditor.reader`).
 
-Marker ``@pytest.mark.audited(min_steps=1)`` requests the fixture and sets its options.
+A run audited without a known layout (no Megatron ``parallel_state`` or ``megatron.core.mpu``
+accessors, no DeviceMesh, no ``AUDITOR_TOPOLOGY``: each rank could be checked only against
+the group it reduced over) is ``unverified`` and fails the test with what to set, unless the
+marker says ``allow_unverified=True``.
+
+Marker ``@pytest.mark.audited(min_steps=1, allow_unverified=False)`` requests the fixture and
+sets its options.
 """
 
 from __future__ import annotations
@@ -47,8 +53,9 @@ MAX_STEPS_QUOTED = 3
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "audited(min_steps=1): collect the auditor reports of this test's ranks (AUDITOR_URL) and "
-                   "fail the test with the diagnosis when a step is inconsistent (auditor.pytest_plugin)")
+        "markers", "audited(min_steps=1, allow_unverified=False): collect the auditor reports of this test's ranks "
+                   "(AUDITOR_URL) and fail the test with the diagnosis when a step is inconsistent, or unverified "
+                   "(no layout known) unless allowed (auditor.pytest_plugin)")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -91,6 +98,7 @@ class Audited:
     service: AuditorService
     started: float
     min_steps: int = 1
+    allow_unverified: bool = False
     expected_bad: set[str] = field(default_factory=set)
 
     @property
@@ -127,15 +135,16 @@ class Audited:
         for run in runs:
             if run.run_id in self.expected_bad:
                 if run.status != "inconsistent":
-                    problems.append(f"auditor: run {run.run_id!r} was expected to be inconsistent, but every "
-                                    f"audited step ({run.steps_audited}) is consistent")
+                    problems.append(f"auditor: run {run.run_id!r} was expected to be inconsistent, but it is "
+                                    f"{run.status} ({run.steps_audited} step(s) audited)")
                 continue
             report = self.report(run.run_id)
-            passed, lines = report.check()  # the status every surface shows (auditor.status)
+            # the status every surface shows (auditor.status)
+            passed, lines = report.check(allow_unverified=self.allow_unverified)
             if not passed:
                 if report.status in ("inconsistent", "incomplete"):
                     problems.append(diagnosis(report))
-                problems.extend(f"auditor: {line}" for line in lines if "REFUSED" in line)
+                problems.extend(f"auditor: {line}" for line in lines if "REFUSED" in line or "UNVERIFIED" in line)
         if problems:
             pytest.fail("\n".join(problems), pytrace=False)
 
@@ -190,7 +199,8 @@ def audited(request: pytest.FixtureRequest, auditor_service: AuditorService, mon
     options = dict(marker.kwargs) if marker else {}
     monkeypatch.setenv("AUDITOR_URL", auditor_service.url)
     monkeypatch.setenv("AUDITOR_SPOOL_DIR", str(tmp_path_factory.mktemp("auditor-spool")))
-    return Audited(auditor_service, started=time.time() - 1e-3, min_steps=int(options.get("min_steps", 1)))
+    return Audited(auditor_service, started=time.time() - 1e-3, min_steps=int(options.get("min_steps", 1)),
+                   allow_unverified=bool(options.get("allow_unverified", False)))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -92,10 +92,11 @@ class Run:
     steps_audited: int
     steps_inconsistent: int
     consistent: bool
-    #: ``inconsistent``, ``incomplete``, ``consistent`` or ``pending`` (:mod:`auditor.status`);
-    #: derived from the counts when an older service sends none
+    #: ``inconsistent``, ``unverified``, ``incomplete``, ``consistent`` or ``pending``
+    #: (:mod:`auditor.status`); derived from the counts when an older service sends none
     status: str = ""
     steps_incomplete: int = 0
+    steps_unverified: int = 0
     refused_reports: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -226,9 +227,10 @@ class StatisticReport:
     worst_cp_disagreement_step: int | None = None
     worst_applied_error_sigma: float | None = None
     worst_applied_error_step: int | None = None
-    #: ``inconsistent``, ``incomplete``, ``consistent`` or ``pending`` (:mod:`auditor.status`)
+    #: ``inconsistent``, ``unverified``, ``incomplete``, ``consistent`` or ``pending`` (:mod:`auditor.status`)
     status: str = ""
     steps_audit_error: int = 0
+    steps_unverified: int = 0
     refused_reports: int = 0
     refused_first_step: int | None = None
     refused_last_step: int | None = None
@@ -254,11 +256,14 @@ class Report:
     created_at: float | None = None
     last_activity: float | None = None
     page: str | None = None
-    #: ``inconsistent``, ``incomplete``, ``consistent`` or ``pending`` (:mod:`auditor.status`)
+    #: ``inconsistent``, ``unverified``, ``incomplete``, ``consistent`` or ``pending`` (:mod:`auditor.status`)
     status: str = ""
     #: reports refused (409) for contradicting the run's stored ones (a reused run id)
     refused_reports: int = 0
     topology: str | None = None
+    #: where the ranks' layout came from (``megatron``, ``megatron.core.mpu``, ``device_mesh``, ...)
+    topology_source: str | None = None
+    steps_unverified: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -267,10 +272,10 @@ class Report:
                       statistics=lambda v: [StatisticReport.from_json(s) for s in v])
 
     def check(self, *, allow_incomplete: bool = False, allow_refused: bool = False,
-              min_steps: int = 0, allow_pending: bool = False) -> tuple[bool, list[str]]:
+              min_steps: int = 0, allow_pending: bool = False, allow_unverified: bool = False) -> tuple[bool, list[str]]:
         """``auditor check`` of this report: ``(passed, lines)`` (:func:`auditor.status.check`)."""
         return check_report(self.raw, allow_incomplete=allow_incomplete, allow_refused=allow_refused,
-                            min_steps=min_steps, allow_pending=allow_pending)
+                            min_steps=min_steps, allow_pending=allow_pending, allow_unverified=allow_unverified)
 
     @property
     def raw(self) -> dict[str, Any]:

@@ -15,7 +15,8 @@ from auditor import status as statuses
 from auditor.web import fixed
 
 #: The header's word for each run status (:mod:`auditor.status`).
-STATUS_TEXT = {"inconsistent": "[red bold]INCONSISTENT[/]", "incomplete": "[yellow bold]INCOMPLETE[/]",
+STATUS_TEXT = {"inconsistent": "[red bold]INCONSISTENT[/]", "unverified": "[magenta bold]UNVERIFIED[/]",
+               "incomplete": "[yellow bold]INCOMPLETE[/]",
                "consistent": "[green]consistent[/]", "pending": "[yellow]no step audited yet[/]"}
 
 #: Bad steps shown per statistic, and rank rows shown per bad step, by default.
@@ -44,7 +45,8 @@ def render_report(report: dict[str, Any], console: Console, *, max_steps: int = 
         for d in ("edp", "ep", "etp"):
             sizes.pop(d, None)
     extra = (f"  order={report['order']}" if report.get("order") else "") + (
-        "  topology unknown (judged against group_ranks)" if report.get("topology") == "unknown" else "")
+        "  topology unknown (judged against group_ranks)" if report.get("topology") == "unknown" else "") + (
+        f"  layout from {report['topology_source']}" if report.get("topology_source") else "")
     console.print(
         f"[bold]run {report.get('run_id')}[/]: {verdict}  world_size={report.get('world_size')}  "
         + " ".join(f"{k}={v}" for k, v in sizes.items()) + extra
@@ -53,7 +55,10 @@ def render_report(report: dict[str, Any], console: Console, *, max_steps: int = 
     refused = statuses.refused_line(report)
     if refused is not None:
         console.print(f"[red bold]{refused}[/]", highlight=False)
-    if statuses.status_of(report) == "incomplete":
+    if any(s.get("steps_unverified") for s in report.get("statistics") or []):
+        console.print(f"[magenta bold]unverified:[/] {statuses.unverified_line(report)}", highlight=False)
+    if any(s.get("steps_incomplete") for s in report.get("statistics") or []) and (
+            statuses.status_of(report) in ("incomplete", "unverified")):
         console.print(f"[yellow bold]incomplete:[/] {statuses.incomplete_line(report)}", highlight=False)
     if not statistics:
         console.print("  no audited statistics yet")
@@ -74,13 +79,14 @@ def render_report(report: dict[str, Any], console: Console, *, max_steps: int = 
 
 def _summary_table(statistics: list[dict[str, Any]]) -> Table:
     table = Table(title="Verdicts per statistic")
-    for col, justify in (("statistic", "left"), ("kind", "left"), ("ok/bad/inc", "right"),
+    for col, justify in (("statistic", "left"), ("kind", "left"), ("ok/bad/unv/inc", "right"),
                          ("bad steps (first–last)", "right"), ("faults", "left"),
                          ("CP σ worst @step / latest", "right"), ("error σ worst @step / latest", "right")):
         table.add_column(col, justify=justify)
     for s in statistics:
         faults = "\n".join(f"{k} ×{n}" for k, n in (s.get("faults") or {}).items()) or "—"
-        counts = "/".join(_int(s.get(k)) for k in ("steps_consistent", "steps_inconsistent", "steps_incomplete"))
+        counts = "/".join(_int(s.get(k)) for k in ("steps_consistent", "steps_inconsistent", "steps_unverified",
+                                                       "steps_incomplete"))
         first, last = s.get("first_bad_step"), s.get("last_bad_step")
         span = "—" if first is None else (str(first) if first == last else f"{first}–{last}")
         table.add_row(

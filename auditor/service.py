@@ -1152,6 +1152,7 @@ class Service:
         out["status"] = statuses.combine(s["status"] for s in out["statistics"])
         out["consistent"] = statuses.is_consistent(out["status"])
         out["steps_incomplete"] = sum(s["steps_incomplete"] for s in out["statistics"])
+        out["steps_unverified"] = sum(s["steps_unverified"] for s in out["statistics"])
         out["refused_reports"] = sum(s["refused_reports"] for s in out["statistics"])
         return out
 
@@ -1165,7 +1166,7 @@ class Service:
         audited = sum(s[f"steps_{v}"] for v in core.VERDICTS)
         # a CP σ of steps audited with reports missing measures only the CP groups whose
         # peers all arrived: with no complete step, there is no CP figure to show
-        complete = s["steps_consistent"] + s["steps_inconsistent"] + s["steps_audit_error"]
+        complete = s["steps_consistent"] + s["steps_inconsistent"] + s["steps_audit_error"] + s["steps_unverified"]
         cp = {k: (s[k] if complete else None) for k in ("cp_disagreement_sigma", "worst_cp_disagreement_sigma",
                                                           "worst_cp_disagreement_step")}
         if complete and s["steps_incomplete"] and s["last_audited_step"] is not None:
@@ -1177,7 +1178,7 @@ class Service:
             "status": statuses.statistic_status(s),
             "steps_audited": audited, "steps_consistent": s["steps_consistent"],
             "steps_inconsistent": s["steps_inconsistent"], "steps_incomplete": s["steps_incomplete"],
-            "steps_audit_error": s["steps_audit_error"],
+            "steps_audit_error": s["steps_audit_error"], "steps_unverified": s["steps_unverified"],
             "steps_pending": pending,
             # verdicts a late report replaced (each such step's previous_verdict says which)
             "steps_reaudited": sum(s[f"superseded_{v}"] for v in REPLACEABLE),
@@ -1398,6 +1399,7 @@ def _run_summary(r, srows) -> dict:
         "statistics": sorted(s["statistic"] for s in srows),
         "steps_audited": audited, "steps_inconsistent": bad, "steps_audit_error": errors,
         "steps_incomplete": sum(s["steps_incomplete"] for s in srows),
+        "steps_unverified": sum(s["steps_unverified"] for s in srows),
         "refused_reports": sum(s["refused_reports"] for s in srows),
         "status": state, "consistent": statuses.is_consistent(state),
     }

@@ -11,6 +11,11 @@ Status, worst first:
 ``inconsistent``
     some step is ``inconsistent`` or ``audit_error`` (the engine could not judge it: no
     evidence of consistency).
+``unverified``
+    no such step, but some step was audited without a layout that says which group each
+    rank should have reduced over (topology unknown, and the values alone do not establish
+    it: :mod:`auditor.core.layoutless`). Nothing wrong was found, and nothing proves the
+    groups right: a reduction over the wrong process group would look the same.
 ``incomplete``
     no such step, but some step was audited while reports were missing (``missing_report``):
     the missing ranks' values were never checked.
@@ -25,7 +30,7 @@ from __future__ import annotations
 from typing import Any, Iterable, Mapping
 
 #: Every status, worst first.
-STATUSES = ("inconsistent", "incomplete", "consistent", "pending")
+STATUSES = ("inconsistent", "unverified", "incomplete", "consistent", "pending")
 #: The ``?status=`` values of ``GET /v1/runs`` and the run list.
 FILTERS = STATUSES
 
@@ -33,12 +38,14 @@ FILTERS = STATUSES
 def statistic_status(counts: Mapping[str, Any]) -> str:
     """The status of one statistic from its step counts (a ``series`` row or a statistic
     of the report JSON: ``steps_consistent``, ``steps_inconsistent``, ``steps_incomplete``,
-    ``steps_audit_error``; a missing or null count is 0). Raises nothing."""
+    ``steps_audit_error``, ``steps_unverified``; a missing or null count is 0). Raises nothing."""
     def n(key: str) -> int:
         return int(counts.get(key) or 0)
 
     if n("steps_inconsistent") or n("steps_audit_error"):
         return "inconsistent"
+    if n("steps_unverified"):
+        return "unverified"
     if n("steps_incomplete"):
         return "incomplete"
     if n("steps_consistent"):
@@ -142,22 +149,41 @@ def refused_line(report: Mapping[str, Any]) -> str | None:
             f"{', '.join(kinds) or 'conflict'}): the run id was reused or a rank re-sent different values")
 
 
-#: The caveat for a run whose ranks declared no topology.
-UNKNOWN_TOPOLOGY_CAVEAT = ("note: topology unknown — each rank was judged only against the group it reduced over, "
-                           "so a reduction over the wrong CP/DP group cannot be detected; set AUDITOR_TOPOLOGY "
-                           "(e.g. dp=4,cp=2) or call auditor.set_topology(...) on every rank")
+#: What to set so that the groups can be checked, one line per way (the run page, ``check``,
+#: the pytest plugin and ``auditor report`` show these).
+HOW_TO_VERIFY = (
+    "Megatron-core: call parallel_state.initialize_model_parallel(...) before the first report "
+    "(a stubbed megatron.core.mpu with get_context_parallel_world_size/rank and "
+    "get_data_parallel_group(with_context_parallel=...) is read too)",
+    "DeviceMesh (torchtitan, FSDP2): auditor.set_device_mesh(mesh) once on every rank",
+    "anything else: AUDITOR_TOPOLOGY=dp=4,cp=2 (your job's sizes) on every rank, or auditor.set_topology(dp=4, cp=2)",
+)
+
+
+def unverified_line(report: Mapping[str, Any]) -> str:
+    """Why a report is ``unverified``, in one line: how many steps per statistic, where the
+    layout came from (``topology_source``), and what to set (:data:`HOW_TO_VERIFY`)."""
+    stats = [s for s in report.get("statistics") or [] if s.get("steps_unverified")]
+    parts = [f"{s.get('statistic')} {int(s['steps_unverified'])} of {s.get('steps_audited')}" for s in stats]
+    src = report.get("topology_source")
+    came = f"; layout source: {src}" if src else ""
+    return (f"{sum(int(s['steps_unverified']) for s in stats)} step(s) audited without a known layout "
+            f"({', '.join(parts)}{came}): no fault found, but which process group each rank should have reduced "
+            "over is unknown, so a reduction over the wrong group (a CP or DP bug) cannot be told from a right one. "
+            "To check it: " + "; ".join(HOW_TO_VERIFY))
 
 
 def check(report: Mapping[str, Any], *, allow_incomplete: bool = False, allow_refused: bool = False,
-          min_steps: int = 0, allow_pending: bool = False) -> tuple[bool, list[str]]:
+          min_steps: int = 0, allow_pending: bool = False, allow_unverified: bool = False) -> tuple[bool, list[str]]:
     """The CI check of one run's report JSON (``auditor check``, ``auditor audit --check``,
     the pytest plugin): ``(passed, lines)``. Fails when the status is ``inconsistent``;
     ``incomplete`` (unless ``allow_incomplete``: runs known to lose ranks); some step has
     reports but no verdict yet (unless ``allow_pending``: a check of a live run), since
     the reports that did arrive may be wrong; reports were refused for contradicting stored
-    ones (unless ``allow_refused``); or fewer than ``min_steps`` steps were audited.
-    ``lines`` say why, one per finding, the first naming the run and its status; a run of
-    unknown topology adds the caveat (it changes nothing of ``passed``)."""
+    ones (unless ``allow_refused``); ``unverified`` (unless ``allow_unverified``: a run
+    known to have no layout, accepted as checked only against the groups its ranks reduced
+    over); or fewer than ``min_steps`` steps were audited. ``lines`` say why, one per
+    finding, the first naming the run and its status."""
     run_id = report.get("run_id")
     stats = report.get("statistics") or []
     state = status_of(report)
@@ -175,7 +201,17 @@ def check(report: Mapping[str, Any], *, allow_incomplete: bool = False, allow_re
         passed = False
         if any(s.get("steps_incomplete") for s in stats):
             lines.append(f"{run_id}: also incomplete — {incomplete_line(report)}")
-    elif state == "incomplete":
+        if any(s.get("steps_unverified") for s in stats):
+            lines.append(f"{run_id}: also unverified — {unverified_line(report)}")
+    elif state == "unverified":
+        if allow_unverified:
+            lines.append(f"{run_id}: unverified, allowed by --allow-unverified ({audited} step(s) audited) — "
+                         f"{unverified_line(report)}")
+        else:
+            lines.append(f"{run_id}: UNVERIFIED — {unverified_line(report)}; pass --allow-unverified to accept a "
+                         "run checked only against the groups its ranks reduced over")
+            passed = False
+    if state in ("unverified", "incomplete") and any(s.get("steps_incomplete") for s in stats):
         if allow_incomplete:
             lines.append(f"{run_id}: incomplete, allowed by --allow-incomplete ({audited} step(s) audited) — "
                          f"{incomplete_line(report)}")
@@ -183,9 +219,9 @@ def check(report: Mapping[str, Any], *, allow_incomplete: bool = False, allow_re
             lines.append(f"{run_id}: INCOMPLETE — {incomplete_line(report)}; pass --allow-incomplete for a run "
                          "known to lose ranks")
             passed = False
-    elif state == "pending":
+    if state == "pending":
         lines.append(f"{run_id}: no step audited yet (0 step(s) audited)")
-    else:
+    elif state == "consistent":
         lines.append(f"{run_id}: consistent ({audited} step(s) audited)")
     pending = {s["statistic"]: int(s.get("steps_pending") or 0) for s in stats if s.get("steps_pending")}
     if pending:
@@ -208,6 +244,4 @@ def check(report: Mapping[str, Any], *, allow_incomplete: bool = False, allow_re
     if audited < min_steps:
         lines.append(f"{run_id}: only {audited} step(s) audited, fewer than --min-steps {min_steps}")
         passed = False
-    if report.get("topology") == "unknown":
-        lines.append(f"{run_id}: {UNKNOWN_TOPOLOGY_CAVEAT}")
     return passed, lines

@@ -29,9 +29,11 @@ KINDS: tuple[str, ...] = ("moments", "sum", "norm")
 
 #: Step verdicts, in the order reports and metrics list them. ``audit_error``: the engine
 #: raised on the step (recorded by the service, never returned by :func:`audit_step`).
-VERDICTS: tuple[str, ...] = ("consistent", "inconsistent", "incomplete", "audit_error")
+#: ``unverified``: no fault found, but the layout is unknown and the values do not establish
+#: which group each rank should have reduced over (:mod:`auditor.core.layoutless`).
+VERDICTS: tuple[str, ...] = ("consistent", "inconsistent", "incomplete", "audit_error", "unverified")
 #: Verdicts a re-audit may replace (recorded while reports were missing).
-REPLACEABLE: tuple[str, ...] = ("incomplete", "inconsistent", "audit_error")
+REPLACEABLE: tuple[str, ...] = ("incomplete", "inconsistent", "audit_error", "unverified")
 
 
 class FaultKind(str, enum.Enum):

@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from auditor import layout
-from auditor.core import checks, diagnose, stats
+from auditor.core import checks, diagnose, layoutless, stats
 from auditor.core.findings import VERB, Findings, ranks_text
 from auditor.core.step import INT_FIELDS, Part, Step
 from auditor.core.types import (
@@ -91,8 +91,10 @@ def audit_step(
     -------
     A :class:`StepVerdict`. Faults are aggregated per kind and diagnosis, so one step yields
     a handful of findings, not one per rank; per-rank detail is in ``rows``. Verdict:
-    ``inconsistent`` if any fault other than ``missing_report``; else ``incomplete`` if
-    reports are missing; else ``consistent``. ``cp_disagreement_sigma`` and
+    ``inconsistent`` if any fault other than ``missing_report``; else, with an unknown
+    topology whose groups the values do not establish (:mod:`auditor.core.layoutless`),
+    ``unverified`` (reports missing or not: a re-audit of a completed step may still find a
+    fault); else ``incomplete`` if reports are missing; else ``consistent``. ``cp_disagreement_sigma`` and
     ``applied_error_sigma`` are in units of the correct standard deviation and defined for
     ``moments`` only (``None`` for ``sum``/``norm``, whose rows carry ``relative_error``).
 
@@ -107,7 +109,12 @@ def audit_step(
     world = world_size or math.prod(sizes)
     unknown = topology == "unknown"
     dims = DIMS
-    if unknown:  # judged against group_ranks: one synthetic dim (the position in the group)
+    declared = spec
+    if unknown and layoutless.world_group_proven(reports, spec, kind, num_microbatches, world):
+        # the values prove every rank's expected group is the world (core.layoutless, 2)
+        reports, sizes, spec = layoutless.world_layout(reports, spec, world)
+        unknown = False
+    elif unknown:  # judged against group_ranks: one synthetic dim (the position in the group)
         spec = dataclasses.replace(spec, reduce_over=("dp",), replicas=(), placement=(), replicated_along=None)
     elif spec.factorisation == "expert":
         if expert_sizes is None:
@@ -126,9 +133,13 @@ def audit_step(
             st = Step(reports, sizes, spec, kind, num_microbatches, dims, placed, by_group_ranks=unknown)
             found = Findings(st.rank)
             rows, groups_out, cp_sigma, err_sigma, tol_sigma = _audit(st, _Lazy(history), found)
+            if unknown:
+                layoutless.agreement(st, st.part(("dp",)), declared, found)
         faults.extend(found.faults())
     if any(f.kind != FaultKind.MISSING_REPORT for f in faults):
         verdict = "inconsistent"
+    elif unknown:  # no fault, but whether each group was the right one is not established
+        verdict = "unverified"
     elif missing_fault is not None:
         verdict = "incomplete"
     else:

@@ -1225,8 +1225,9 @@ class Store:
         ``ix_runs_created_at_run_id`` and the per-series aggregates. ``status`` filters by
         the status :mod:`auditor.status` defines, in SQL over those aggregates:
         ``inconsistent`` (some series has an inconsistent or audit_error step),
-        ``incomplete`` (none, but some step audited incomplete), ``consistent`` (neither,
-        and some step audited) or ``pending`` (no step audited). Raises ``ValueError`` for
+        ``unverified`` (none, but some step audited unverified), ``incomplete`` (neither,
+        but some step audited incomplete), ``consistent`` (none of these, and some step
+        audited) or ``pending`` (no step audited). Raises ``ValueError`` for
         any other ``status``."""
         q = sa.select(runs).order_by(runs.c.created_at.desc(), runs.c.run_id.desc())
         if status is not None:
@@ -1238,11 +1239,13 @@ class Store:
                 return sa.exists().where(c.run_id == runs.c.run_id, cond)
 
             bad = some(sa.or_(c.steps_inconsistent > 0, c.steps_audit_error > 0))
+            unverified = some(c.steps_unverified > 0)
             incomplete = some(c.steps_incomplete > 0)
             ok = some(c.steps_consistent > 0)
-            q = q.where({"inconsistent": bad, "incomplete": sa.and_(~bad, incomplete),
-                         "consistent": sa.and_(~bad, ~incomplete, ok),
-                         "pending": sa.and_(~bad, ~incomplete, ~ok)}[status])
+            q = q.where({"inconsistent": bad, "unverified": sa.and_(~bad, unverified),
+                         "incomplete": sa.and_(~bad, ~unverified, incomplete),
+                         "consistent": sa.and_(~bad, ~unverified, ~incomplete, ok),
+                         "pending": sa.and_(~bad, ~unverified, ~incomplete, ~ok)}[status])
         if after is not None:
             q = q.where(sa.or_(runs.c.created_at < after[0],
                                sa.and_(runs.c.created_at == after[0], runs.c.run_id < after[1])))

@@ -54,12 +54,14 @@ series = sa.Table(
     sa.Column("steps_inconsistent", BigInt, nullable=False, server_default="0"),
     sa.Column("steps_incomplete", BigInt, nullable=False, server_default="0"),
     sa.Column("steps_audit_error", BigInt, nullable=False, server_default="0"),
+    sa.Column("steps_unverified", BigInt, nullable=False, server_default="0"),
     # Verdicts replaced by a re-audit (a late report completed a step audited while
     # incomplete). steps_<v> counts steps whose *current* verdict is v; steps_<v> +
     # superseded_<v> counts verdicts v ever recorded (monotonic: what /metrics exports).
     sa.Column("superseded_incomplete", BigInt, nullable=False, server_default="0"),
     sa.Column("superseded_inconsistent", BigInt, nullable=False, server_default="0"),
     sa.Column("superseded_audit_error", BigInt, nullable=False, server_default="0"),
+    sa.Column("superseded_unverified", BigInt, nullable=False, server_default="0"),
     sa.Column("first_bad_step", BigInt),
     sa.Column("last_bad_step", BigInt),
     sa.Column("last_audited_step", BigInt),

@@ -645,14 +645,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         request: Request,
         limit: int = Query(100, ge=1, le=1000, description="Runs per page."),
         cursor: str | None = Query(None, max_length=1024, description="`next_cursor` of the previous page."),
-        status: Literal["inconsistent", "incomplete", "consistent", "pending"] | None = Query(
+        status: Literal["inconsistent", "unverified", "incomplete", "consistent", "pending"] | None = Query(
             None, description="Only runs of this status: inconsistent (some step inconsistent or audit_error), "
-                              "incomplete (none, but some step audited with reports missing), consistent (every "
-                              "audited step consistent) or pending (no step audited yet)."),
+                              "unverified (none, but some step audited without a known layout: its groups could "
+                              "not be checked), incomplete (neither, but some step audited with reports missing), "
+                              "consistent (every audited step consistent) or pending (no step audited yet)."),
     ):
         """Runs, newest first: ``{"runs": [{run_id, world_size, sizes, created_at,
         last_activity, statistics, steps_audited, steps_inconsistent, steps_incomplete,
-        refused_reports, status, consistent}],
+        steps_unverified, refused_reports, status, consistent}],
         "next_cursor": str | null}``. Pass ``next_cursor`` back as ``cursor`` for the next
         page (opaque; null on the last page). Times are Unix seconds."""
         s = svc_of(request)
@@ -708,7 +709,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         statistic: str = Path(min_length=1, max_length=128, pattern=STATISTIC_PATTERN),
         start: int | None = Query(None, alias="from", ge=0, le=2**62, description="First step (inclusive)."),
         stop: int | None = Query(None, alias="to", ge=0, le=2**62, description="Last step (inclusive)."),
-        verdict: Literal["consistent", "inconsistent", "incomplete", "audit_error", "pending"] | None = Query(
+        verdict: Literal["consistent", "inconsistent", "incomplete", "audit_error", "unverified", "pending"] | None = Query(
             None, description="Only steps with this verdict (pending: not audited yet)."),
         limit: int = Query(1000, ge=1, le=10_000, description="Steps per page."),
         cursor: str | None = Query(None, max_length=1024, description="`next_cursor` of the previous page."),
@@ -808,7 +809,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     def runs_page(
         request: Request,
         cursor: str | None = Query(None, max_length=1024),
-        status: Literal["inconsistent", "incomplete", "consistent", "pending"] | None = None,
+        status: Literal["inconsistent", "unverified", "incomplete", "consistent", "pending"] | None = None,
     ) -> HTMLResponse:
         s = svc_of(request)
         after = decode_cursor(cursor, runs_key)

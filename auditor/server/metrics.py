@@ -180,7 +180,7 @@ class AuditCollector:
         rows = self._load(time.time() - self._retention, self._max_series)
         steps = CounterMetricFamily(
             "auditor_steps_audited",
-            "Verdicts recorded, by verdict (consistent, inconsistent, incomplete, audit_error). A step re-audited "
+            "Verdicts recorded, by verdict (consistent, inconsistent, incomplete, audit_error, unverified). A step re-audited "
             "after a late report counts under its first and its final verdict; the report shows the final one.",
             labels=["run", "statistic", "verdict"]
         )

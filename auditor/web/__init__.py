@@ -52,7 +52,8 @@ def environment() -> jinja2.Environment:
     env.globals["status_of"] = statuses.status_of
     env.globals["refused_line"] = statuses.refused_line
     env.globals["incomplete_line"] = statuses.incomplete_line
-    env.globals["unknown_topology_caveat"] = statuses.UNKNOWN_TOPOLOGY_CAVEAT
+    env.globals["unverified_line"] = statuses.unverified_line
+    env.globals["how_to_verify"] = statuses.HOW_TO_VERIFY
     return env
 
 

@@ -16,7 +16,7 @@ from typing import Any, Iterable, Sequence
 MAX_POINTS = 4000
 
 #: One colour per verdict and per fault kind (kinds outside the table get grey).
-VERDICT_COLOURS = {"consistent": "#2e7d32", "inconsistent": "#c62828", "incomplete": "#ef6c00",
+VERDICT_COLOURS = {"consistent": "#2e7d32", "inconsistent": "#c62828", "incomplete": "#ef6c00", "unverified": "#6a1b9a",
                    "pending": "#757575"}
 FAULT_COLOURS = {
     "cp_disagreement": "#d62728", "group_mismatch": "#9467bd", "wrong_group": "#e377c2",

@@ -227,10 +227,12 @@ def test_spec_mixing_factorisations_is_rejected():
 
 # ------------------------------------------------------------------------ unknown topology
 def test_unknown_topology_judged_against_group_ranks():
-    """topology 'unknown': each rank is judged against the group it reported. Two groups
-    {0, 1} and {2, 3}, each reduced correctly, are consistent (the correct mean is numpy's
-    over the group); a rank whose applied value is another group's is group_mismatch; a
-    rank naming a group its peers do not is wrong_group naming both sets."""
+    """topology 'unknown', a spec the values cannot settle (reduce_over dp only: cp peers may
+    rightly reduce apart): each rank is judged against the group it reported. Two groups
+    {0, 1} and {2, 3}, each reduced correctly, are ``unverified`` — no fault, but nothing
+    says the groups were the right ones — with numpy's mean of each group; a rank whose
+    applied value is another group's is group_mismatch; a rank naming a group its peers do
+    not is wrong_group naming both sets."""
     rng = np.random.default_rng(7)
     vals = [rng.standard_normal(30 + r) for r in range(4)]
 
@@ -245,15 +247,16 @@ def test_unknown_topology_judged_against_group_ranks():
                           a_var=float(allv.var(ddof=1)), group=g))
         return out
 
+    dp_only = StatisticSpec(reduce_over=["dp"])
     pairs = {0: (0, 1), 1: (0, 1), 2: (2, 3), 3: (2, 3)}
-    v = audit.audit_step(build(pairs), (1, 1, 1, 1), StatisticSpec(), topology="unknown", world_size=4)
-    assert v.verdict == "consistent" and [g.ranks for g in v.groups] == [[0, 1], [2, 3]]
+    v = audit.audit_step(build(pairs), (1, 1, 1, 1), dp_only, topology="unknown", world_size=4)
+    assert v.verdict == "unverified" and v.faults == [] and [g.ranks for g in v.groups] == [[0, 1], [2, 3]]
     assert v.groups[0].mean == pytest.approx(np.concatenate(vals[:2]).mean(), abs=1e-12)
-    v = audit.audit_step(build(pairs, bad=2), (1, 1, 1, 1), StatisticSpec(), topology="unknown", world_size=4)
+    v = audit.audit_step(build(pairs, bad=2), (1, 1, 1, 1), dp_only, topology="unknown", world_size=4)
     assert kinds(v)["group_mismatch"].ranks == [2] and "wrong_group" not in kinds(v)
     odd = dict(pairs)
     odd[1] = (1,)
-    v = audit.audit_step(build(odd), (1, 1, 1, 1), StatisticSpec(), topology="unknown", world_size=4)
+    v = audit.audit_step(build(odd), (1, 1, 1, 1), dp_only, topology="unknown", world_size=4)
     f = kinds(v)["wrong_group"]
     assert f.ranks == [0] and f.evidence["peer"] == 1 and f.evidence["peer_group_ranks"] == "1"
 

@@ -39,7 +39,7 @@ def incomplete_run(live_server, run_id: str, steps: int = 6) -> None:
 def test_check_fails_an_incomplete_run_and_says_what_is_missing(live_server, run_id):
     """The new-user repro: check --min-steps 6 of a run missing rank 1 exits 1 naming 6 steps
     and rank 1 (was: "consistent (6 step(s) audited)", exit 0); --allow-incomplete passes;
-    report's header says INCOMPLETE with the 0/0/6 table and no CP σ of 0; JSON status
+    report's header says INCOMPLETE with the 0/0/0/6 table and no CP σ of 0; JSON status
     incomplete, consistent false; runs shows the status and the incomplete count."""
     run_id = f"inc-{run_id[-8:]}"  # short: one line of the `auditor runs` table
     incomplete_run(live_server, run_id)
@@ -59,13 +59,13 @@ def test_check_fails_an_incomplete_run_and_says_what_is_missing(live_server, run
     out = auditor("report", run_id, "--url", live_server.url)
     head = out.stdout.splitlines()[0]
     assert f"run {run_id}: INCOMPLETE" in head and "consistent" not in head, out.stdout
-    assert "6 step(s) audited with reports missing" in out.stdout and "0/0/6 of 6" in out.stdout
+    assert "6 step(s) audited with reports missing" in out.stdout and "0/0/0/6 of 6" in out.stdout
     assert "0.000000" not in out.stdout and "missing_report ×6" in out.stdout
     out = auditor("runs", "--url", live_server.url)
     assert "incomplete" in out.stdout and "refused" in out.stdout  # the columns
     (line,) = [x for x in out.stdout.splitlines() if run_id in x]
     assert [c.strip() for c in line.split("│")[1:-1]] == [
-        run_id, "INCOMPLETE", "4", "2×2×1×1", "advantages", "6", "0", "6", "0"], out.stdout
+        run_id, "INCOMPLETE", "4", "2×2×1×1", "advantages", "6", "0", "0", "6", "0"], out.stdout
 
 
 def test_check_fails_a_reused_run_id(live_server, run_id):
@@ -90,15 +90,24 @@ def test_check_fails_a_reused_run_id(live_server, run_id):
     assert "12 report(s) conflicting with stored ones were refused, steps 0–2" in " ".join(out.stdout.split())
 
 
-def test_check_of_an_unknown_topology_carries_the_caveat(live_server, run_id):
-    """Exit 0 as before, plus one line naming AUDITOR_TOPOLOGY / set_topology."""
+def test_check_of_an_unknown_topology_fails_unverified_unless_allowed(live_server, run_id):
+    """No topology and equal token counts (the values cannot prove the group): `check` exits 1
+    with the UNVERIFIED line naming the three ways to set the layout, over HTTP and on the
+    database; --allow-unverified exits 0; `report` and `runs` say UNVERIFIED."""
     reports = [{"run_id": run_id, "statistic": "s", "step": 0, "rank": r, "world_size": 2, "topology": "unknown",
-                "kind": "sum", "local": {"sum": 1.0 + r}, "applied": {"sum": 3.0}, "group_ranks": [0, 1]}
+                "kind": "sum", "local": {"sum": 2.0}, "applied": {"sum": 4.0}, "group_ranks": [0, 1]}
                for r in range(2)]
     assert live_server.post("/v1/reports", json={"reports": reports}).status_code == 200
-    out = auditor("check", run_id, "--url", live_server.url)
-    assert (out.returncode, out.stdout.splitlines()) == (
-        0, [f"{run_id}: consistent (1 step(s) audited)", f"{run_id}: {status.UNKNOWN_TOPOLOGY_CAVEAT}"])
+    for source in (("--url", live_server.url), ("--database-url", live_server.database_url)):
+        out = auditor("check", run_id, *source)
+        (line,) = out.stdout.splitlines()
+        assert out.returncode == 1 and line.startswith(f"{run_id}: UNVERIFIED — 1 step(s) audited without a known")
+        assert all(way in line for way in status.HOW_TO_VERIFY)
+        assert auditor("check", run_id, "--allow-unverified", *source).returncode == 0
+        assert auditor("check", run_id, "--allow-incomplete", "--allow-pending", *source).returncode == 1
+    out = auditor("report", run_id, "--url", live_server.url)
+    assert f"run {run_id}: UNVERIFIED" in out.stdout and "0/0/1/0 of 1" in out.stdout
+    assert "UNVERIFIED" in auditor("runs", "--url", live_server.url).stdout
 
 
 def test_audit_check_of_spools_missing_a_rank_exits_1(tmp_path, run_id):
@@ -112,7 +121,7 @@ def test_audit_check_of_spools_missing_a_rank_exits_1(tmp_path, run_id):
             json.dumps(r) + "\n" for s in range(6) for r in world_reports(run_id, step=s) if r["rank"] == rank))
     out = auditor("audit", str(spool), "--check")
     assert out.returncode == 1, out.stdout + out.stderr
-    assert f"run {run_id}: INCOMPLETE" in out.stdout and "0/0/6 of 6" in out.stdout
+    assert f"run {run_id}: INCOMPLETE" in out.stdout and "0/0/0/6 of 6" in out.stdout
     assert f"{run_id}: INCOMPLETE — 6 step(s) audited with reports missing (advantages 6 of 6); rank 1 never " \
            "reported" in out.stdout
     out = auditor("audit", str(spool), "--check", "--format", "json")

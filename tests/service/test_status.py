@@ -1,7 +1,7 @@
 """One status for a run and a statistic (auditor.status), on SQLite and PostgreSQL: runs
 whose steps were audited with reports missing are ``incomplete``, never "consistent"; reports
 a 409 refused for contradicting stored ones are counted per series and fail the check; a run
-of unknown topology gets the caveat; a new run's batch that disagrees with itself is worded
+of unknown topology is ``unverified`` unless its values prove its groups; a new run's batch that disagrees with itself is worded
 as such."""
 
 from __future__ import annotations
@@ -175,15 +175,51 @@ def test_a_new_runs_batch_mixing_topologies_says_the_batch_disagrees(service, ru
         service.get_run(run_id)
 
 
-def test_unknown_topology_check_carries_the_caveat(service, run_id):
-    """A run whose ranks declared no topology passes the check (exit code unchanged) with one
-    line saying what cannot be detected and what to set."""
-    reports = [Report.model_validate({
-        "run_id": run_id, "statistic": "s", "step": 0, "rank": r, "world_size": 2, "topology": "unknown",
-        "kind": "sum", "local": {"sum": 1.0 + r}, "applied": {"sum": 3.0}, "group_ranks": [0, 1]}) for r in range(2)]
-    service.ingest(reports)
-    rep = service.report(run_id)
+def unknown(run_id: str, locals_, applied_, step: int = 0, ranks=None) -> list[Report]:
+    """A token-count (``sum``) step of a 2-rank run that declared no topology."""
+    return [Report.model_validate({
+        "run_id": run_id, "statistic": "s", "step": step, "rank": r, "world_size": 2, "topology": "unknown",
+        "kind": "sum", "local": {"sum": locals_[r]}, "applied": {"sum": applied_[r]}, "group_ranks": [0, 1]})
+        for r in (ranks if ranks is not None else range(2))]
+
+
+def test_unknown_topology_is_unverified_everywhere_unless_the_values_prove_the_group(service, run_id):
+    """No topology. Ranks with different token counts (1, 2) both dividing by 3: the data
+    prove they are not replicas and had to reduce together — consistent, the check passes
+    with one line. Ranks with equal counts (2, 2) both dividing by 4: replicas or not, the
+    values cannot say — unverified in the report, the statistic, the run summary and the
+    ?status= filter (ranked over incomplete, under inconsistent); the check fails naming the
+    steps and the three ways to set the layout, and passes with allow_unverified only."""
+    proven, blind = f"{run_id}-proven", f"{run_id}-blind"
+    service.ingest(unknown(proven, (1.0, 2.0), (3.0, 3.0)))
+    rep = service.report(proven)
+    assert (rep["status"], rep["consistent"], rep["steps_unverified"]) == ("consistent", True, 0)
+    assert status.check(rep) == (True, [f"{proven}: consistent (1 step(s) audited)"])
+
+    service.ingest(unknown(blind, (2.0, 2.0), (4.0, 4.0)))
+    rep = service.report(blind)
+    (st,) = rep["statistics"]
+    assert (rep["status"], rep["consistent"], st["status"], st["steps_unverified"]) == (
+        "unverified", False, "unverified", 1)
+    assert service.get_run(blind)["status"] == "unverified"
+    assert blind in {r["run_id"] for r in service.list_runs("unverified")}
+    assert blind not in {r["run_id"] for r in service.list_runs("consistent")}
     passed, lines = status.check(rep)
-    assert passed is True and rep["status"] == "consistent"
-    assert lines == [f"{run_id}: consistent (1 step(s) audited)", f"{run_id}: {status.UNKNOWN_TOPOLOGY_CAVEAT}"]
-    assert "AUDITOR_TOPOLOGY" in lines[1] and "set_topology" in lines[1] and "CP/DP" in lines[1]
+    assert passed is False and lines[0].startswith(f"{blind}: UNVERIFIED — 1 step(s) audited without a known layout")
+    assert all(way in lines[0] for way in status.HOW_TO_VERIFY) and "--allow-unverified" in lines[0]
+    assert status.check(rep, allow_incomplete=True, allow_pending=True, allow_refused=True)[0] is False
+    assert status.check(rep, allow_unverified=True)[0] is True
+
+    # rank 1 of step 1 never reports: unverified (not incomplete: --allow-incomplete must not pass it)
+    service.ingest(unknown(blind, (2.0, 2.0), (4.0, 4.0), step=1, ranks=[0]))
+    service.sweep(grace_seconds=0.0, now=time.time() + 1)
+    rep = service.report(blind)
+    assert (rep["status"], rep["statistics"][0]["steps_unverified"]) == ("unverified", 2)
+    assert status.check(rep, allow_incomplete=True)[0] is False
+
+    # a fault outranks it: ranks with equal counts dividing by different denominators
+    service.ingest(unknown(blind, (2.0, 2.0), (4.0, 2.0), step=2))
+    rep = service.report(blind)
+    assert rep["status"] == "inconsistent" and rep["statistics"][0]["faults"]["group_mismatch"] >= 1
+    passed, lines = status.check(rep)
+    assert passed is False and lines[1].startswith(f"{blind}: also unverified")
