@@ -53,6 +53,8 @@ Step = Annotated[int, Field(ge=0, le=_MAX_STEP)]
 PosInt = Annotated[int, Field(ge=1, le=_MAX_SIZE)]
 #: Bounds of Report.group_ranks and Report.order.
 _MAX_GROUP, _MAX_ORDER = WIRE_MAX_SIZE, 32
+#: ``topology_source``: printable ASCII, at most 96 characters (DESIGN.md §3.1).
+_SOURCE_PATTERN = r"^[ -~]{1,96}$"
 
 
 class RuleError(ValueError):
@@ -705,6 +707,9 @@ class Report(_Strict):
     order: Annotated[str, Field(max_length=_MAX_ORDER)] | None = None
     #: "unknown": the trainer does not know its coordinates; judged from group_ranks alone.
     topology: Literal["known", "unknown"] = "known"
+    #: Where the rank's layout came from (``megatron.core.parallel_state``, ``megatron.core.mpu``,
+    #: ``device_mesh``, ``AUDITOR_TOPOLOGY``, ... or why none: DESIGN.md §3.1); informational.
+    topology_source: Annotated[str, Field(pattern=_SOURCE_PATTERN)] | None = None
     #: Not a field: whether every float of the report is known to be finite (no: the
     #: pydantic path reads NaN and Infinity; :class:`FastReport` says yes).
     values_finite: ClassVar[bool] = False
@@ -941,6 +946,7 @@ class FastReport(_Fast, kw_only=True):
     spec: msgspec.Raw = None  # type: ignore[assignment]
     order: Annotated[str, msgspec.Meta(max_length=_MAX_ORDER)] | None = None
     topology: Literal["known", "unknown"] = "known"
+    topology_source: Annotated[str, msgspec.Meta(pattern=_SOURCE_PATTERN)] | None = None
     #: Not a field: msgspec reads no NaN or Infinity token nor a number beyond float range,
     #: so every float of a fast-decoded report is finite (:func:`auditor.db.store.report_row`
     #: need not look for non-finite values).

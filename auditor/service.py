@@ -403,7 +403,7 @@ class Service:
         return self.get_run(run_id)
 
     def _ensure_run(self, conn: sa.Connection, run_id: str, topo: Topology, now: float, index: int | None,
-                    stored: Topology | None = None, first: int | None = None) -> float | None:
+                    stored: Topology | None = None, first: int | None = None, source: str | None = None) -> float | None:
         """Create the run with ``topo`` unless it exists; raise :class:`ConflictError` if it
         is stored (or ``stored``, its topology as this transaction knows it) with another
         topology. ``first``: the index of the report of this batch that created the run in
@@ -413,7 +413,7 @@ class Service:
         born = None
         if stored is None:
             row = self.store.ensure_run(conn, run_id, topo.world_size, topo.sizes, now, topo.expert, topo.order,
-                                        topo.known)
+                                        topo.known, source)
             stored, born = Topology.of_row(row), row.created_at
         if stored != topo:
             field_ = "topology" if stored.known != topo.known else "order" if stored.order != topo.order else "sizes"
@@ -588,7 +588,8 @@ class Service:
                 if topo_of.get(r.run_id) != topo:  # creates it, or raises
                     made = new_runs.get(r.run_id)  # created by an earlier report of this batch?
                     born = self._ensure_run(conn, r.run_id, topo, now, i, topo_of.get(r.run_id),
-                                            first=made[2] if made is not None and made[1] == now else None)
+                                            first=made[2] if made is not None and made[1] == now else None,
+                                            source=r.topology_source)
                     topo_of[r.run_id] = topo
                     new_runs[r.run_id] = (topo, born, i)
                 skey = (r.run_id, r.statistic)
@@ -1133,8 +1134,8 @@ class Service:
         table is the step endpoint's (:meth:`step`). Raises :class:`NotFound`.
         """
         run = self.get_run(run_id)
-        out = {k: run[k] for k in ("run_id", "world_size", "sizes", "order", "topology", "created_at",
-                                   "last_activity") if k in run}
+        out = {k: run[k] for k in ("run_id", "world_size", "sizes", "order", "topology", "topology_source",
+                                   "created_at", "last_activity") if k in run}
         out["statistics"] = []
         with self.store.read() as conn:
             series = [(s, self.store.bad_steps(conn, s["id"], bad_steps_limit))
@@ -1394,7 +1395,7 @@ def _run_summary(r, srows) -> dict:
     expert = (r["edp"], r["ep"], r["etp"], r["pp"]) if r["edp"] is not None else None
     topo = Topology(r["world_size"], tuple(r[d] for d in DIMS), expert, r["rank_order"], r["topology"] != "unknown")
     return {
-        "run_id": r["run_id"], **topo.describe(), "created_at": r["created_at"],
+        "run_id": r["run_id"], **topo.describe(), "topology_source": r["topology_source"], "created_at": r["created_at"],
         "last_activity": max((s["updated_at"] for s in srows), default=r["created_at"]),
         "statistics": sorted(s["statistic"] for s in srows),
         "steps_audited": audited, "steps_inconsistent": bad, "steps_audit_error": errors,

@@ -553,8 +553,9 @@ class Store:
     # ------------------------------------------------------------------ runs and series
     def ensure_run(self, conn: sa.Connection, run_id: str, world_size: int, sizes: tuple[int, int, int, int],
                    now: float, expert: tuple[int, int, int, int] | None = None, order: str | None = None,
-                   known: bool = True) -> RunRow:
-        """Create the run with this topology unless it exists; return the stored run. Raises
+                   known: bool = True, source: str | None = None) -> RunRow:
+        """Create the run with this topology (and ``source``, where its layout came from)
+        unless it exists; return the stored run. Raises
         :class:`RowDeleted` when a concurrent deletion of the run committed between the two
         statements (PostgreSQL, read committed: the INSERT found the row, the SELECT no
         more)."""
@@ -563,7 +564,7 @@ class Store:
                 run_id=run_id, world_size=world_size, created_at=now,
                 **dict(zip(("dp", "cp", "tp", "pp"), sizes)),
                 **(dict(zip(("edp", "ep", "etp"), expert[:3])) if expert else {}),
-                rank_order=order, topology="known" if known else "unknown",
+                rank_order=order, topology="known" if known else "unknown", topology_source=source,
             ).on_conflict_do_nothing()
         )
         row = conn.execute(sa.select(runs).where(runs.c.run_id == run_id)).one_or_none()

@@ -35,6 +35,8 @@ runs = sa.Table(
     sa.Column("ep", sa.Integer),
     sa.Column("etp", sa.Integer),
     sa.Column("rank_order", sa.String(32)),
+    # where the first report's layout came from (Report.topology_source), informational
+    sa.Column("topology_source", sa.String(96)),
     sa.Column("topology", sa.String(16), nullable=False, server_default="known"),
 )
 

@@ -77,6 +77,7 @@ def mesh_topology(rank: int, world: int) -> dict | None:
     order = _mesh_order(mesh, [mapping[n] for n in names], out["sizes"])
     if order is not None:
         out["order"] = order
+    out["topology_source"] = "device_mesh"
     return out
 
 

@@ -7,14 +7,25 @@ Sources, first that applies:
    from the rank number (:func:`auditor.layout.coords_of`);
 2. Megatron-core's ``parallel_state`` when initialised (:mod:`auditor.trainer.megatron`):
    dense and expert coordinates, the order from its process groups;
-3. a ``DeviceMesh`` registered with :func:`auditor.trainer.mesh.set_device_mesh`
+3. a ``megatron.core.mpu`` that is not an initialised ``parallel_state`` — the stub a
+   framework's CPU tests install, or accessors present without
+   ``model_parallel_is_initialized()`` (:func:`auditor.trainer.megatron.mpu_topology`): the
+   sizes and ranks its accessors state, ``dp`` from ``get_data_parallel_group()``'s members;
+4. a ``DeviceMesh`` registered with :func:`auditor.trainer.mesh.set_device_mesh`
    (torchtitan, FSDP2): mesh dims mapped to the contract's dims;
-4. none: warn once, loudly, and send ``"topology": "unknown"`` so the service judges each
-   rank against the group it reduced over (``group_ranks``) instead of guessing.
+5. Megatron's parsed arguments (:func:`auditor.trainer.megatron.args_topology`);
+6. none: warn once, loudly, and send ``"topology": "unknown"`` so the service judges each
+   rank against the group it reduced over (``group_ranks``) — ``unverified`` unless the
+   values settle it — instead of guessing.
 
-An explicit topology that cannot be used (``AUDITOR_TOPOLOGY=dp=3,cp=5`` in a world of 2)
-is said once, with the reason, and the reports say ``unknown`` (no other source is guessed
-in its place); it is checked once per process, not per step.
+Every report says where its layout came from (``topology_source``: ``set_topology``,
+``AUDITOR_TOPOLOGY``, ``megatron.core.parallel_state``, ``megatron.core.mpu accessors
+(...)``, ``device_mesh``, ``megatron args``, or why there is none). A source that states only
+part of the layout is recorded as partial (``unknown``, the source naming what was stated),
+never completed by a guess. An explicit topology that cannot be used
+(``AUDITOR_TOPOLOGY=dp=3,cp=5`` in a world of 2) is said once, with the reason, and the
+reports say ``unknown`` with that reason as their source (no other source is guessed in its
+place); it is checked once per process, not per step.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ import torch.distributed as dist
 
 from auditor import layout
 from auditor.trainer import mesh as _mesh
-from auditor.trainer.megatron import megatron_topology
+from auditor.trainer.megatron import args_topology, megatron_topology, mpu_topology
 from auditor.trainer.settings import read_settings, warn_once
 
 log = logging.getLogger("auditor.topology")
@@ -105,7 +116,7 @@ def wire_topology(rank: int | None = None, world: int | None = None) -> dict[str
     explicit = _from_explicit(rank, world)
     if explicit is not None:
         return explicit
-    for source in (megatron_topology, _mesh.mesh_topology):
+    for source in (megatron_topology, mpu_topology, _mesh.mesh_topology, args_topology):
         try:
             found = source(rank, world)
         except Exception as exc:  # noqa: BLE001 - a source that fails must not stop training
@@ -115,29 +126,33 @@ def wire_topology(rank: int | None = None, world: int | None = None) -> dict[str
                 log.debug("traceback", exc_info=True)
             found = None
         if found is not None:
+            if found.get("topology") == "unknown":
+                _warn_unknown(found["topology_source"])
             return found
     if world == 1:  # one rank: nothing to guess
-        return {"coords": {"dp": 0, "cp": 0, "tp": 0, "pp": 0}, "sizes": {"dp": 1, "cp": 1, "tp": 1, "pp": 1}}
-    _warn_unknown()
+        return {"coords": {"dp": 0, "cp": 0, "tp": 0, "pp": 0}, "sizes": {"dp": 1, "cp": 1, "tp": 1, "pp": 1},
+                "topology_source": "a single rank"}
+    _warn_unknown(None)
     return UNKNOWN
 
 
 #: The topology fields of a report when no source knows this rank's coordinates.
-UNKNOWN: dict[str, Any] = {"topology": "unknown"}
+UNKNOWN: dict[str, Any] = {"topology": "unknown", "topology_source": "none found"}
 
 
-def _warn_unknown() -> None:
+def _warn_unknown(partial: str | None) -> None:
     global _warned_unknown
     with _lock:
         if _warned_unknown:
             return
         _warned_unknown = True
+    what = (f"only part of the layout is stated ({partial})" if partial else
+            "no topology known on this rank (no initialised Megatron parallel_state or megatron.core.mpu "
+            "accessors, no DeviceMesh registered with auditor.set_device_mesh(), no AUDITOR_TOPOLOGY)")
     log.warning(
-        "auditor: no topology known on this rank (no initialised Megatron parallel_state, no DeviceMesh "
-        "registered with auditor set_device_mesh(), no AUDITOR_TOPOLOGY): reports say 'topology: unknown' and "
-        "the service can only check each rank against the group it reduced over, not whether that group is "
-        "the right one (a CP bug cannot show as cp_disagreement). Set AUDITOR_TOPOLOGY=dp=..,cp=..,tp=..,pp=.. "
-        "or call set_device_mesh(mesh).")
+        "auditor: %s: reports say 'topology: unknown' and the service can only check each rank against the group "
+        "it reduced over, not whether that group is the right one; the run is 'unverified' unless the values "
+        "settle it. Set AUDITOR_TOPOLOGY=dp=..,cp=..,tp=..,pp=.. or call set_device_mesh(mesh).", what)
 
 
 #: (source text, rank, world) -> topology fields: explicit topologies checked once per process.
@@ -164,11 +179,14 @@ def _from_explicit(rank: int, world: int) -> dict | None:
             if spec is None:
                 layout.parse_order(key[1])
                 spec = {"sizes": parse_topology(key[0]), "order": key[1]}
-            found = _explicit_at(spec, rank, world)
+            found = {**_explicit_at(spec, rank, world),
+                     "topology_source": "set_topology" if what.startswith("set_") else "AUDITOR_TOPOLOGY"}
         except ValueError as exc:
             warn_once(f"topology-{key[:2]}-{world}", "auditor: %s cannot be used: %s; reporting topology unknown "
-                      "(the service can only check each rank against the group it reduced over)", what, exc)
-            found = UNKNOWN
+                      "(the service can only check each rank against the group it reduced over: the run is "
+                      "'unverified' unless its values settle it)", what, exc)
+            reason = f"{what} refused: {exc}".replace("·", "*").encode("ascii", "replace").decode()  # printable ASCII
+            found = {"topology": "unknown", "topology_source": reason[:96]}
         with _lock:
             _checked[key] = found
     return found

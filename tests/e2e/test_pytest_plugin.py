@@ -87,3 +87,27 @@ def test_an_incomplete_run_and_a_reused_run_id_fail_the_audited_test(tmp_path):
         "missing_report: 1 of 4 expected reports never arrived"), summary
     assert ("auditor: plug-rerun: REFUSED REPORTS — 4 report(s) conflicting with stored ones were refused, steps 0 "
             "(advantages 4; conflicting_report)") in text, text
+
+
+def test_a_stubbed_mpu_harness_fails_the_bug_and_an_unverified_run(tmp_path):
+    """A framework's CPU test with a stub megatron.core.mpu and the one-import slime hook
+    (tests/e2e/data/stubbed_mpu_regression.py): the buggy group fails INCONSISTENT naming
+    cp_disagreement, the fixed group passes; a run of unknown layout whose values cannot
+    settle its group fails UNVERIFIED with the three ways to set the layout, and passes with
+    ``@pytest.mark.audited(allow_unverified=True)``."""
+    from auditor import status
+
+    text = (Path(__file__).parent / "data" / "stubbed_mpu_regression.py").read_text()
+    (tmp_path / "test_stubbed.py").write_text(text.replace("@E2E@", str(Path(__file__).parent)))
+    out = run_pytest(tmp_path, "-p", "auditor.pytest_plugin", "-rf",
+                     env={"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "COLUMNS": "1000"})
+    text = out.stdout + out.stderr
+    assert out.returncode == 1 and "2 failed, 2 passed" in text, text
+    summary = {ln.split(" - ")[0]: ln for ln in text.splitlines() if ln.startswith("FAILED")}
+    assert summary["FAILED test_stubbed.py::test_whitening[buggy]"].startswith(
+        "FAILED test_stubbed.py::test_whitening[buggy] - Failed: auditor: run 'stub-buggy' is INCONSISTENT — "
+        "advantages step 0: cp_disagreement"), summary
+    assert summary["FAILED test_stubbed.py::test_blind"].startswith(
+        "FAILED test_stubbed.py::test_blind - Failed: auditor: stub-blind: UNVERIFIED — 1 step(s) audited without "
+        "a known layout"), summary
+    assert all(way in text for way in status.HOW_TO_VERIFY), text

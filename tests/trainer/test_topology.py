@@ -32,18 +32,22 @@ def test_explicit_topology_from_the_environment(monkeypatch):
     monkeypatch.setenv("AUDITOR_TOPOLOGY", "cp=2,tp=2")
     t = topology.wire_topology(rank=5, world=8)
     assert t["sizes"] == {"dp": 2, "cp": 2, "tp": 2, "pp": 1} and t["order"] == "tp-cp-ep-dp-pp"
+    assert t["topology_source"] == "AUDITOR_TOPOLOGY"
     assert t["coords"] == {"dp": 1, "cp": 0, "tp": 1, "pp": 0}  # 5 = tp 1 + 2·(cp 0 + 2·dp 1)
     monkeypatch.setenv("AUDITOR_TOPOLOGY", "pp=2,ep=2")
     t = topology.wire_topology(rank=3, world=4)
     assert t["sizes"] == {"dp": 2, "cp": 1, "tp": 1, "pp": 2, "ep": 2, "etp": 1, "edp": 1}
     assert t["coords"] == {"dp": 1, "cp": 0, "tp": 0, "pp": 1, "etp": 0, "ep": 1, "edp": 0}
     monkeypatch.setenv("AUDITOR_TOPOLOGY", "cp=3")
-    assert topology.wire_topology(rank=0, world=4) == {"topology": "unknown"}
+    assert topology.wire_topology(rank=0, world=4) == {
+        "topology": "unknown",
+        "topology_source": "AUDITOR_TOPOLOGY=cp=3 refused: cp=3 has 3 ranks (dp*cp*tp*pp), the world has 4"}
     with pytest.raises(ValueError, match="unknown dim 'xp'"):
         topology.parse_topology("xp=2")
     topology.clear()
     monkeypatch.delenv("AUDITOR_TOPOLOGY")
     topology.set_topology(dp=2, tp=2, order="tp-cp-ep-dp-pp")
-    assert topology.wire_topology(rank=2, world=4)["coords"] == {"dp": 1, "cp": 0, "tp": 0, "pp": 0}
+    t = topology.wire_topology(rank=2, world=4)
+    assert t["coords"] == {"dp": 1, "cp": 0, "tp": 0, "pp": 0} and t["topology_source"] == "set_topology"
     topology.clear()
-    assert topology.wire_topology(rank=0, world=4) == {"topology": "unknown"}
+    assert topology.wire_topology(rank=0, world=4) == {"topology": "unknown", "topology_source": "none found"}
