@@ -7,7 +7,7 @@ Judging each rank against its own ``group_ranks`` proves only that the all-reduc
 the ranks it names; a reduction over the wrong process group (the seed's bug) is then
 invisible, so such a step is never ``consistent``: its verdict is ``unverified``
 (:func:`auditor.core.audit_step`). Before giving up, the engine uses what the values prove
-on their own (docs/DESIGN.md §5.3 "What the auditor can conclude without a topology"):
+on their own (docs/DESIGN.md §5.2 "What the auditor can conclude without a topology"):
 
 1. **Every rank must apply the same statistic** when the spec reduces over every dim that
    splits the data (:func:`covers_data`: the dims outside ``reduce_over`` are ``replicas``,

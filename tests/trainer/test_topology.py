@@ -3,6 +3,8 @@ explicit topology (coordinates from the rank under the order)."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from auditor.trainer.settings import read_settings
@@ -51,3 +53,42 @@ def test_explicit_topology_from_the_environment(monkeypatch):
     assert t["coords"] == {"dp": 1, "cp": 0, "tp": 0, "pp": 0} and t["topology_source"] == "set_topology"
     topology.clear()
     assert topology.wire_topology(rank=0, world=4) == {"topology": "unknown", "topology_source": "none found"}
+
+
+def test_a_stubbed_mpu_states_what_it_states_and_nothing_more(monkeypatch):
+    """A megatron.core.mpu that is not an initialised parallel_state (a framework test's
+    stub): the sizes its accessors give, the unstated dims 1 only when the stated ones fill
+    the world; a stub stating less is a partial layout — unknown, its source naming what was
+    stated — never a guess. No accessor at all: not a source. Megatron's parsed args give the
+    sizes with dp the rest and Megatron's order."""
+    import types
+
+    from auditor.trainer import megatron, topology
+
+    topology.clear()
+    mpu = types.ModuleType("megatron.core.mpu")
+    mpu.get_context_parallel_world_size, mpu.get_context_parallel_rank = (lambda: 2), (lambda: 1)
+    mpu.get_data_parallel_world_size, mpu.get_data_parallel_rank = (lambda: 2), (lambda: 1)
+    monkeypatch.setitem(sys.modules, "megatron.core.mpu", mpu)
+    monkeypatch.delitem(sys.modules, "megatron.core.parallel_state", raising=False)
+    t = topology.wire_topology(rank=3, world=4)
+    assert t == {"coords": {"dp": 1, "cp": 1, "tp": 0, "pp": 0}, "sizes": {"dp": 2, "cp": 2, "tp": 1, "pp": 1},
+                 "topology_source": "megatron.core.mpu accessors (dp=2, cp=2; tp, pp = 1: the stated sizes fill the "
+                                    "world)"}
+    assert megatron.mpu_topology(3, 8) == {
+        "topology": "unknown",
+        "topology_source": "megatron.core.mpu (partial: dp=2, cp=2 of a world of 8; tp, pp not stated)"}
+    mpu.get_context_parallel_rank = lambda: 2  # a rank outside its size states nothing
+    assert megatron.mpu_topology(3, 4)["topology_source"].startswith("megatron.core.mpu (partial: dp=2 of")
+    monkeypatch.setitem(sys.modules, "megatron.core.mpu", types.ModuleType("megatron.core.mpu"))
+    assert megatron.mpu_topology(0, 4) is None
+
+    gv = types.ModuleType("megatron.training.global_vars")
+    gv._GLOBAL_ARGS = types.SimpleNamespace(tensor_model_parallel_size=2, pipeline_model_parallel_size=1,
+                                            context_parallel_size=2)
+    monkeypatch.setitem(sys.modules, "megatron.training.global_vars", gv)
+    assert megatron.args_topology(5, 8) == {"coords": {"dp": 1, "cp": 0, "tp": 1, "pp": 0},
+                                            "sizes": {"dp": 2, "cp": 2, "tp": 2, "pp": 1},
+                                            "order": "tp-cp-ep-dp-pp", "topology_source": "megatron args"}
+    assert megatron.args_topology(0, 6)["topology"] == "unknown"
+    topology.clear()
