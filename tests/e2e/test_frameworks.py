@@ -161,12 +161,14 @@ def test_verl_token_mean_over_dp_and_cp(live_server, megatron_world):
 def test_verl_tokens_over_dp_only_is_wrong_group(live_server, megatron_world):
     """The token count summed over get_data_parallel_group() (CP excluded) with cp=2: each CP
     slice divides by its own slice's tokens, the loss is no longer the token mean, and the
-    audit says wrong_group found ['dp'], expected ['cp', 'dp'], on every rank."""
+    audit says wrong_group found ['dp'], expected ['cp', 'dp'], on every rank, and
+    cp_disagreement."""
     prefix, values = megatron_world
     for r, v in enumerate(values):
         assert v["verl-dp-only"]["denominator"] == sum(float(VERL[2 * d + r % 2][1].sum()) for d in (0, 1))
     assert np.mean([v["verl-dp-only"]["loss"] for v in values]) != pytest.approx(VERL_TOKEN_MEAN, rel=1e-3)
     _, faults = _inconsistent(live_server, f"{prefix}-verl-dp-only")
+    assert "cp_disagreement" in faults
     f = faults["wrong_group"]
     assert f["ranks"] == [0, 1, 2, 3]
     assert f["evidence"]["found"] == ["dp"] and sorted(f["evidence"]["expected"]) == ["cp", "dp"]
