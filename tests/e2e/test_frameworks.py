@@ -25,7 +25,9 @@ from framework_worlds import (
     MAX_NORM, fsdp_grads, megatron_grads, megatron_worker, mesh_worker, titan_labels, verl_batch,
 )
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.parametrize("backend", ["sqlite"], indirect=True)]
+pytestmark = pytest.mark.multiprocess
+#: The worlds report to the live service on SQLite (the engine is the same on PostgreSQL).
+SQLITE = pytest.mark.parametrize("backend", ["sqlite"], indirect=True)
 
 TIMEOUT = 240.0
 
@@ -69,6 +71,27 @@ def mesh_world(live_server):
     return _spawn(mesh_worker, live_server, "fw-mesh")
 
 
+def _pins() -> dict[str, str]:
+    """name -> version of every framework pin: scripts/frameworks.txt and the test extra's ==."""
+    import tomllib
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    lines = [ln.split("#")[0].strip() for ln in (root / "scripts" / "frameworks.txt").read_text().splitlines()]
+    extra = tomllib.loads((root / "pyproject.toml").read_text())["project"]["optional-dependencies"]["test"]
+    return dict(req.split("==") for req in [*filter(None, lines), *extra] if "==" in req)
+
+
+def test_the_frameworks_tested_are_the_pinned_ones():
+    """The installed megatron-core, torchtitan, spmd-types, tyro and verl are the versions
+    pinned in scripts/frameworks.txt and the test extra (the tests below pin their behaviour)."""
+    from importlib.metadata import version
+
+    pins = _pins()
+    assert {"megatron-core", "torchtitan", "spmd-types", "tyro", "verl"} <= set(pins), pins
+    assert {name: version(name) for name in pins} == pins
+
+
 def _sq(arrays) -> float:
     return math.fsum(float((a.astype(np.float64) ** 2).sum()) for a in arrays)
 
@@ -79,6 +102,7 @@ MCORE_NORM_SQ = (_sq(g[k] for g in MCORE_SHARDS.values() for k in ("fc1", "fc2")
                  + _sq(megatron_grads(s, 0)["ln"] for s in (0, 1)))
 
 
+@SQLITE
 def test_megatron_grad_norm_over_the_model_parallel_group(live_server, megatron_world):
     """tp=2, pp=2: Megatron-core's get_grad_norm_fp32 over get_model_parallel_group() (TP
     duplicates filtered by param_is_not_tensor_parallel_duplicate) equals audited_norm_sq
@@ -94,6 +118,7 @@ def test_megatron_grad_norm_over_the_model_parallel_group(live_server, megatron_
     assert rep["sizes"]["tp"] == rep["sizes"]["pp"] == 2 and stat["spec"]["replicated_along"] == ["tp"]
 
 
+@SQLITE
 def test_megatron_grad_norm_over_the_tp_group_is_wrong_group(live_server, megatron_world):
     """The norm reduced over get_tensor_model_parallel_group() only (each stage its own norm,
     Megatron's own function and the hook agree on it): wrong_group on every rank, expected
@@ -111,6 +136,7 @@ def test_megatron_grad_norm_over_the_tp_group_is_wrong_group(live_server, megatr
     assert sorted(f["evidence"]["expected"]) == ["pp", "tp"] and f["evidence"]["found"] == ["tp"]
 
 
+@SQLITE
 def test_megatron_grad_norm_counting_tp_duplicates_is_replica_overcount(live_server, megatron_world):
     """grads_for_norm without the duplicate filter: Megatron's norm counts each stage's layer
     norm on both tp ranks (numpy: the right norm² plus one more copy of each); reported as
@@ -126,6 +152,7 @@ def test_megatron_grad_norm_counting_tp_duplicates_is_replica_overcount(live_ser
                                                                            rel=1e-6)
 
 
+@SQLITE
 @pytest.mark.xfail(strict=True, reason=(
     "product bug: with spec.replicated_along, replica_overcount's evidence.replicated_counted and message "
     "give the group size (4, 'once per rank of the reduction over [tp, pp]') where each duplicated layer "
@@ -145,6 +172,7 @@ VERL_TOKENS = sum(float(m.sum()) for _, m in VERL.values())
 VERL_TOKEN_MEAN = math.fsum(float((lm * m).astype(np.float64).sum()) for lm, m in VERL.values()) / VERL_TOKENS
 
 
+@SQLITE
 def test_verl_token_mean_over_dp_and_cp(live_server, megatron_world):
     """verl's agg_loss "token-mean" with batch_num_tokens from audited_sum over
     get_data_parallel_group(with_context_parallel=True): every rank divides by all 4 ranks'
@@ -158,6 +186,7 @@ def test_verl_token_mean_over_dp_and_cp(live_server, megatron_world):
     assert (rep["sizes"]["dp"], rep["sizes"]["cp"]) == (2, 2)
 
 
+@SQLITE
 def test_verl_tokens_over_dp_only_is_wrong_group(live_server, megatron_world):
     """The token count summed over get_data_parallel_group() (CP excluded) with cp=2: each CP
     slice divides by its own slice's tokens, the loss is no longer the token mean, and the
@@ -174,6 +203,7 @@ def test_verl_tokens_over_dp_only_is_wrong_group(live_server, megatron_world):
     assert f["evidence"]["found"] == ["dp"] and sorted(f["evidence"]["expected"]) == ["cp", "dp"]
 
 
+@SQLITE
 def test_verl_local_denominator_is_wrong_group(live_server, megatron_world):
     """agg_loss's own fallback (no batch_num_tokens: the rank's local token count, not
     all-reduced) equals dividing by the hook's sum over a group of one; the audit says
@@ -191,6 +221,7 @@ def test_verl_local_denominator_is_wrong_group(live_server, megatron_world):
 FSDP_NORM_SQ = _sq(fsdp_grads(0).values())
 
 
+@SQLITE
 def test_torch_clip_grad_norm_over_fsdp_dtensors(live_server, mesh_world):
     """FSDP2-style Shard(0) DTensors on a 1-D mesh of 4: torch.nn.utils.clip_grad_norm_'s
     total norm equals audited_norm_sq over the mesh's group to 6 decimals and numpy's norm
@@ -206,6 +237,7 @@ def test_torch_clip_grad_norm_over_fsdp_dtensors(live_server, mesh_world):
     assert rep["sizes"]["dp"] == 4
 
 
+@SQLITE
 def test_clip_grad_norm_of_local_shards_is_wrong_group(live_server, mesh_world):
     """clip_grad_norm_ over each rank's local shards (to_local()): a different norm on every
     rank, each the norm of its own quarter (numpy); wrong_group, expected ['dp'], nothing
@@ -222,6 +254,7 @@ def test_clip_grad_norm_of_local_shards_is_wrong_group(live_server, mesh_world):
     assert f["evidence"]["expected"] == ["dp"] and f["evidence"]["found"] == []
 
 
+@SQLITE
 def test_torchtitan_pipeline_aware_grad_norm(live_server, mesh_world):
     """pp=2 stages, each sharded over dp_shard=2: torchtitan's clip_grad_norm_(pp_mesh=
     mesh['pp']) equals audited_norm_sq over the world to 6 decimals and numpy's norm of
@@ -235,6 +268,7 @@ def test_torchtitan_pipeline_aware_grad_norm(live_server, mesh_world):
     assert (rep["sizes"]["dp"], rep["sizes"]["pp"]) == (2, 2)
 
 
+@SQLITE
 def test_grad_norm_without_the_pp_reduction_is_wrong_group(live_server, mesh_world):
     """torch's clip_grad_norm_ alone with PP (torchtitan issue 596, why torchtitan has its
     own): each stage clips with its own norm (numpy); wrong_group found ['dp'], expected
@@ -253,6 +287,7 @@ def test_grad_norm_without_the_pp_reduction_is_wrong_group(live_server, mesh_wor
 TITAN_TOKENS = {d: float((titan_labels(d) != -100).sum()) for d in (0, 1)}
 
 
+@SQLITE
 def test_torchtitan_token_count_over_the_batch_mesh(live_server, mesh_world):
     """dp_shard=2, cp=2: torchtitan's dist_sum_tensor of the valid-token count over the batch
     mesh (labels counted before the CP split: cp ranks hold the same count) equals
@@ -265,6 +300,7 @@ def test_torchtitan_token_count_over_the_batch_mesh(live_server, mesh_world):
     assert (rep["sizes"]["dp"], rep["sizes"]["cp"]) == (2, 2) and stat["spec"]["replicas"] == ["cp", "tp"]
 
 
+@SQLITE
 def test_torchtitan_token_count_over_the_loss_mesh_is_replica_overcount(live_server, mesh_world):
     """The same count summed over the loss mesh (dp_shard × cp): every token counted cp=2
     times; replica_overcount."""
