@@ -2,6 +2,7 @@
 # Set up a fresh machine: a virtualenv in .venv with the package and its extras.
 #   scripts/setup.sh          service + trainer side (torch CPU wheel, megatron-core)
 #   scripts/setup.sh --test   also the test tools: pytest, playwright, promtool/prometheus,
+#                             the frameworks of scripts/frameworks.txt (--no-deps),
 #                             docker-compose and chromium (Debian packages; the browser tests
 #                             drive /usr/bin/chromium), and a running PostgreSQL
 set -euo pipefail
@@ -20,6 +21,8 @@ if [ "${1:-}" != "--test" ]; then
 fi
 
 "${pip[@]}" -e ".[torch,postgres,test]"
+# frameworks whose own code the suite runs (tests/e2e/test_frameworks.py): pinned, --no-deps
+"${pip[@]}" --no-deps -r scripts/frameworks.txt
 
 missing=()
 command -v promtool >/dev/null || missing+=(prometheus)
