@@ -164,8 +164,8 @@ def replica_overcount(st: Step, exp: Part, p: Part, hit, first: int, axes, varia
         f.flag(FaultKind.REPLICA_OVERCOUNT, (axes, p.dedupe, variant), hit,
                lambda ranks, k=k, x=factor, d=dims: (
                    f"{ranks_text(ranks)} {verb} a squared norm that counts the replicated parameters "
-                   f"(replicated_sum_sq, e.g. TP-duplicated layer norms) {k:.3g}× — once per rank of the reduction "
-                   f"over {dims_text(d)} — where once was expected: {_ratio_text(kind, what, x, 'correct')}. "
+                   f"(replicated_sum_sq, e.g. TP-duplicated layer norms) {k:.3g}× — once per rank holding the same "
+                   f"replicated part, in the reduction over {dims_text(d)} — where once was expected: {_ratio_text(kind, what, x, 'correct')}. "
                    "Add the replicated gradients' squares on one rank only (or after the all-reduce)"),
                {**evidence, "replicated_counted": k, "found": list(dims), "expected": list(reduce_over)})
     else:

@@ -305,9 +305,10 @@ class Step:
             absum = np.bincount(inv, w * np.abs(v), minlength=ng)
             if self.kind == "norm":
                 counted = np.bincount(inv, w, minlength=ng)
-                rep_mean = self._replicated_once(inv, ng, size, rep, axes)
+                rep_mean, classes = self._replicated_once(inv, ng, size, rep, axes)
                 vals["value_rep_each"] = total + np.bincount(inv, w * rep, minlength=ng)
-                vals["rep_factor"] = counted
+                # each replicated part is added once per rank holding it: the ranks of its class
+                vals["rep_factor"] = counted / np.maximum(classes, 1.0)
                 # reduction_op: the square of the mean of per-rank norms √(sum_sq + replicated_sum_sq)
                 own = np.sqrt(np.maximum(v + rep, 0.0))
                 vals["mean_of_norms"] = (np.bincount(inv, w * own, minlength=ng) / np.maximum(counted, 1.0)) ** 2
@@ -322,21 +323,22 @@ class Step:
         self._parts[ck] = p
         return p
 
-    def _replicated_once(self, inv: np.ndarray, ng: int, size: np.ndarray, rep: np.ndarray, axes) -> np.ndarray:
+    def _replicated_once(self, inv: np.ndarray, ng: int, size: np.ndarray, rep: np.ndarray, axes) -> tuple[np.ndarray, np.ndarray]:
         """Per group: the replicated part counted once per class of ranks that must hold the
         same ``replicated_sum_sq`` — Σ_c mean_{r∈c} rep_r over the classes c of the group by
         coordinate along ``axes ∖ spec.replicated_along`` (DESIGN.md §3.1). Without
-        ``replicated_along`` one class per group (v1: the group mean)."""
+        ``replicated_along`` one class per group (v1: the group mean). Returns that and the
+        number of classes per group."""
         along = self.spec.replicated_along
         split = [a for a in axes if a != "mb" and along is not None and a not in along]
         if not split:
-            return np.bincount(inv, rep, minlength=ng) / np.maximum(size, 1.0)
+            return np.bincount(inv, rep, minlength=ng) / np.maximum(size, 1.0), np.ones(ng)
         ckey = inv.astype(np.int64) * int(np.prod([self.radix[self.axes.index(a)] for a in split])) + self._key(split)
         _, first, cinv = np.unique(ckey, return_index=True, return_inverse=True)
         cinv = cinv.reshape(-1)
         csize = np.bincount(cinv).astype(np.float64)
         cmean = np.bincount(cinv, rep) / np.maximum(csize, 1.0)
-        return np.bincount(inv[first], cmean, minlength=ng)
+        return np.bincount(inv[first], cmean, minlength=ng), np.bincount(inv[first], minlength=ng).astype(np.float64)
 
     # ------------------------------------------------------------------ matching
     def gamma(self, p: Part) -> np.ndarray:

@@ -153,11 +153,6 @@ def test_megatron_grad_norm_counting_tp_duplicates_is_replica_overcount(live_ser
 
 
 @SQLITE
-@pytest.mark.xfail(strict=True, reason=(
-    "product bug: with spec.replicated_along, replica_overcount's evidence.replicated_counted and message "
-    "give the group size (4, 'once per rank of the reduction over [tp, pp]') where each duplicated layer "
-    "norm was counted once per rank along replicated_along (tp: 2×) — auditor/core/step.py sets "
-    "rep_factor to the group's rank count"))
 def test_megatron_duplicate_count_names_the_tp_replicas(live_server, megatron_world):
     """Each stage's layer norm was added on both of its tp ranks: counted 2× (|tp|), not 4×."""
     prefix, _ = megatron_world
