@@ -93,7 +93,8 @@ def test_check_fails_a_reused_run_id(live_server, run_id):
 def test_check_of_an_unknown_topology_fails_unverified_unless_allowed(live_server, run_id):
     """No topology and equal token counts (the values cannot prove the group): `check` exits 1
     with the UNVERIFIED line naming the three ways to set the layout, over HTTP and on the
-    database; --allow-unverified exits 0; `report` and `runs` say UNVERIFIED."""
+    database; --allow-unverified exits 0; `report`, `runs`, the run page, the run list's
+    filter and the Reader say unverified."""
     reports = [{"run_id": run_id, "statistic": "s", "step": 0, "rank": r, "world_size": 2, "topology": "unknown",
                 "kind": "sum", "local": {"sum": 2.0}, "applied": {"sum": 4.0}, "group_ranks": [0, 1]}
                for r in range(2)]
@@ -108,6 +109,18 @@ def test_check_of_an_unknown_topology_fails_unverified_unless_allowed(live_serve
     out = auditor("report", run_id, "--url", live_server.url)
     assert f"run {run_id}: UNVERIFIED" in out.stdout and "0/0/1/0 of 1" in out.stdout
     assert "UNVERIFIED" in auditor("runs", "--url", live_server.url).stdout
+    page = live_server.get(f"/runs/{run_id}").text
+    assert 'id="run-verdict">UNVERIFIED<' in page and 'id="run-unverified"' in page
+    assert "AUDITOR_TOPOLOGY=dp=4,cp=2" in page and "set_device_mesh" in page
+    assert run_id in live_server.get("/?status=unverified").text
+    assert run_id not in live_server.get("/?status=consistent").text
+    from auditor import Reader
+
+    with Reader(live_server.url) as r:
+        rep = r.report(run_id)
+        assert (rep.status, rep.steps_unverified, rep.statistic("s").steps_unverified) == ("unverified", 1, 1)
+        assert rep.check()[0] is False and rep.check(allow_unverified=True)[0] is True
+        assert [x.run_id for x in r.runs(status="unverified") if x.run_id == run_id] == [run_id]
 
 
 def test_audit_check_of_spools_missing_a_rank_exits_1(tmp_path, run_id):
