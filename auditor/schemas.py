@@ -22,6 +22,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter,
 
 from auditor import layout
 from auditor.config import WIRE_MAX_SIZE
+from auditor.core.findings import dims_text
 from auditor.core.stats import SUBNORMAL_SPACING, UNIT_ROUNDOFF, mean_var_tolerance, reduction_gamma
 from auditor.core.types import DIMS, EXPERT_DIMS, Spec
 Dim = Literal["dp", "cp", "tp", "pp", "edp", "ep", "etp"]
@@ -167,10 +168,6 @@ class Sizes(_Strict, _SizesAPI):
     etp: PosInt | None = None
 
 
-def _dims_text(dims) -> str:
-    return "[" + ", ".join(repr(d) for d in dims) + "]"
-
-
 # The spec rules (DESIGN.md §3 "Specs the engine cannot judge"): each a pure function of the
 # engine's :class:`Spec` (and, for the placement, the run's sizes), raising a RuleError at
 # the spec field it blames (``loc`` relative to the spec). Both decoders reach them through
@@ -192,10 +189,10 @@ def replicas_rule(spec: Spec, replicas_given: bool = True) -> None:
     if both:
         default = "" if replicas_given else " (replicas defaults to ['tp'] when not given: send replicas)"
         raise RuleError(
-            f"replicas {_dims_text(spec.replicas)} and reduce_over {_dims_text(spec.reduce_over)} both name "
-            f"{_dims_text(both)}{default}: a dim is reduced over (its ranks hold different data, summed) or a "
+            f"replicas {dims_text(spec.replicas)} and reduce_over {dims_text(spec.reduce_over)} both name "
+            f"{dims_text(both)}{default}: a dim is reduced over (its ranks hold different data, summed) or a "
             "replica dim (its ranks hold the same data, counted once), not both; the audit could not tell a "
-            f"correct reduction over {_dims_text(both)} from replicas summed. Remove {_dims_text(both)} from "
+            f"correct reduction over {dims_text(both)} from replicas summed. Remove {dims_text(both)} from "
             "one of them", "replicas")
 
 
@@ -210,8 +207,8 @@ def replicated_along_rule(spec: Spec) -> None:
     outside = [d for d in spec.replicated_along if d not in spec.reduce_over]
     if outside:
         raise RuleError(
-            f"replicated_along {_dims_text(spec.replicated_along)} names {_dims_text(outside)}, outside reduce_over "
-            f"{_dims_text(spec.reduce_over)}: it lists the dims of the reduction group along which "
+            f"replicated_along {dims_text(spec.replicated_along)} names {dims_text(outside)}, outside reduce_over "
+            f"{dims_text(spec.reduce_over)}: it lists the dims of the reduction group along which "
             "replicated_sum_sq is identical (counted once); use a subset of reduce_over, or null (the whole group)",
             "replicated_along")
 
@@ -233,7 +230,7 @@ def placement_rule(spec: Spec, sizes: Mapping[str, int]) -> None:
         if d in spec.reduce_over and len(sel) < n:
             raise RuleError(
                 f"placement.{d} places the statistic on {d} coordinates {sel} of {n}, but reduce_over "
-                f"{_dims_text(spec.reduce_over)} reduces over {d}: an all-reduce over {d} hands its result to every "
+                f"{dims_text(spec.reduce_over)} reduces over {d}: an all-reduce over {d} hands its result to every "
                 f"{d} rank, so all {n} hold the statistic. Place it along dims outside reduce_over, or drop {d} "
                 "from reduce_over", "placement", d)
 
