@@ -12,7 +12,7 @@ import itertools
 import math
 import operator
 import re
-from typing import Annotated, ClassVar, Literal
+from typing import Annotated, ClassVar, Literal, Mapping
 
 import msgspec
 import numpy as np
@@ -22,6 +22,7 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter,
 
 from auditor import layout
 from auditor.config import WIRE_MAX_SIZE
+from auditor.core.findings import dims_text
 from auditor.core.stats import SUBNORMAL_SPACING, UNIT_ROUNDOFF, mean_var_tolerance, reduction_gamma
 from auditor.core.types import DIMS, EXPERT_DIMS, Spec
 Dim = Literal["dp", "cp", "tp", "pp", "edp", "ep", "etp"]
@@ -169,6 +170,91 @@ class Sizes(_Strict, _SizesAPI):
     etp: PosInt | None = None
 
 
+# The spec rules (DESIGN.md §3 "Specs the engine cannot judge"): each a pure function of the
+# engine's :class:`Spec` (and, for the placement, the run's sizes), raising a RuleError at
+# the spec field it blames (``loc`` relative to the spec). Both decoders reach them through
+# the same calls: :class:`StatisticSpec` (a report's ``spec``, decoded by pydantic on both
+# paths, :func:`_spec_of`; a registration's), :func:`_spec_kind_rules` and
+# :func:`spec_topology_rules` (:func:`_extended_rules` for a report, :class:`RunRegistration`
+# for a registration). Each excludes a combination the checks and diagnoses of
+# :mod:`auditor.core` take as impossible, whose audit would report findings that are not true.
+
+
+def replicas_rule(spec: Spec, replicas_given: bool = True) -> None:
+    """No dim both in ``reduce_over`` and in ``replicas``. The engine reads a reduced dim as
+    one whose ranks hold different data (summed) and a replica dim as one whose ranks hold
+    the same data (counted once, and compared: ``replica_divergence``); a dim that is both
+    makes the correct value one rank's own and every sum over it a ``replica_overcount``
+    that the diagnosis also calls a ``wrong_group`` ("divided by their local count only").
+    RuleError at ``replicas``; ``replicas_given`` False words the default (``["tp"]``)."""
+    both = [d for d in spec.replicas if d in spec.reduce_over]
+    if both:
+        default = "" if replicas_given else " (replicas defaults to ['tp'] when not given: send replicas)"
+        raise RuleError(
+            f"replicas {dims_text(spec.replicas)} and reduce_over {dims_text(spec.reduce_over)} both name "
+            f"{dims_text(both)}{default}: a dim is reduced over (its ranks hold different data, summed) or a "
+            "replica dim (its ranks hold the same data, counted once), not both; the audit could not tell a "
+            f"correct reduction over {dims_text(both)} from replicas summed. Remove {dims_text(both)} from "
+            "one of them", "replicas")
+
+
+def replicated_along_rule(spec: Spec) -> None:
+    """``replicated_along`` lies inside ``reduce_over``: it names the dims of the reduction
+    group along which a ``norm``'s ``replicated_sum_sq`` is identical, so that it is counted
+    once per class of the group (DESIGN.md §3.1); a dim outside the group has no two members
+    of one group along it, and ``replica_divergence`` would compare ranks of different groups.
+    RuleError at ``replicated_along``."""
+    if spec.replicated_along is None:
+        return
+    outside = [d for d in spec.replicated_along if d not in spec.reduce_over]
+    if outside:
+        raise RuleError(
+            f"replicated_along {dims_text(spec.replicated_along)} names {dims_text(outside)}, outside reduce_over "
+            f"{dims_text(spec.reduce_over)}: it lists the dims of the reduction group along which "
+            "replicated_sum_sq is identical (counted once); use a subset of reduce_over, or null (the whole group)",
+            "replicated_along")
+
+
+def placement_rule(spec: Spec, sizes: Mapping[str, int]) -> None:
+    """Every placed coordinate lies inside its dim, and a dim the spec reduces over is placed
+    on all its coordinates or not at all: an all-reduce over a dim hands its result to every
+    rank along it, so all of them hold (and report) the statistic; with a placement along it
+    the engine would count the group's unplaced members out and the service would refuse
+    their reports (``placement_conflict``). ``sizes``: {dim: size} of the run's
+    factorisations (a dim not in it has size 1). RuleError at ``placement.<dim>``."""
+    try:
+        placed = spec.placed(sizes)
+    except ValueError as exc:  # "spec.placement.<dim> holds ..."
+        m = re.match(r"spec\.placement\.(\w+)", str(exc))
+        raise RuleError(str(exc), "placement", *([m.group(1)] if m else [])) from None
+    for d, sel in placed.items():
+        n = sizes.get(d, 1)
+        if d in spec.reduce_over and len(sel) < n:
+            raise RuleError(
+                f"placement.{d} places the statistic on {d} coordinates {sel} of {n}, but reduce_over "
+                f"{dims_text(spec.reduce_over)} reduces over {d}: an all-reduce over {d} hands its result to every "
+                f"{d} rank, so all {n} hold the statistic. Place it along dims outside reduce_over, or drop {d} "
+                "from reduce_over", "placement", d)
+
+
+def _prefixed(rules, prefix: tuple[str, ...], *args) -> None:
+    """``rules(*args)``, its RuleError re-raised with ``prefix`` before its ``loc`` (a spec
+    rule blames a field of the spec; the caller knows where the spec sits)."""
+    try:
+        rules(*args)
+    except RuleError as e:
+        raise RuleError(str(e), *prefix, *e.loc) from None
+
+
+def spec_topology_rules(spec: Spec, sizes: Mapping[str, int], has_expert: bool) -> None:
+    """The spec against a known topology (a report's own, or a registered run's): expert dims
+    need the expert factorisation (``has_expert``), and :func:`placement_rule` on ``sizes``
+    (the run's dims, expert ones included). RuleError with ``loc`` relative to the spec."""
+    if spec.factorisation == "expert" and not has_expert:
+        raise RuleError("spec names expert dims (edp, ep, etp) but sizes carry no expert factorisation")
+    placement_rule(spec, sizes)
+
+
 class StatisticSpec(_Strict):
     """How a statistic must be reduced (DESIGN.md §3).
 
@@ -196,7 +282,8 @@ class StatisticSpec(_Strict):
         return self
 
     def _spec_rules(self) -> None:
-        """No dim twice in a list, placement normalised, one factorisation; RuleError naming the field."""
+        """No dim twice in a list, placement normalised, one factorisation, then
+        :func:`replicas_rule` and :func:`replicated_along_rule`; RuleError naming the field."""
         for name in ("reduce_over", "replicas", "replicated_along"):
             dims = getattr(self, name) or []
             if len(set(dims)) != len(dims):
@@ -216,6 +303,9 @@ class StatisticSpec(_Strict):
                 f"the spec mixes dense dims {sorted(named & layout.DENSE_ONLY)} with expert dims "
                 f"{sorted(named & layout.EXPERT_ONLY)}: a statistic is judged in one factorisation, "
                 "(dp, cp, tp, pp) or (edp, ep, etp, pp)", field)
+        core = self.to_core()
+        replicas_rule(core, "replicas" in self.model_fields_set)
+        replicated_along_rule(core)
 
     def to_core(self) -> Spec:
         """The audit engine's :class:`auditor.core.types.Spec` (dims in the order given)."""
@@ -624,16 +714,24 @@ def _group_rules(r, ranks_facts: tuple[bool, int] | None = None) -> None:
 
 def _spec_kind_rules(kind: str, spec: "StatisticSpec") -> None:
     """What a spec may say for a statistic of ``kind`` (DESIGN.md §3): only a ``sum`` is
-    reduced over the microbatches of its step. RuleError at ``spec.over_microbatches``."""
+    reduced over the microbatches of its step, only a ``norm`` has a replicated part
+    (``replicated_along``; the engine reads it for no other kind). RuleError at
+    ``spec.over_microbatches`` or ``spec.replicated_along``."""
     if spec.over_microbatches and kind != "sum":
         raise RuleError(f"spec.over_microbatches applies to kind 'sum' only; a {kind!r} statistic is judged per "
                         "microbatch (each microbatch's reports form their own groups): send one statistic per "
                         "microbatch, or sums", "spec", "over_microbatches")
+    if spec.replicated_along is not None and kind != "norm":
+        raise RuleError(f"spec.replicated_along applies to kind 'norm' only (the dims along which "
+                        f"replicated_sum_sq is identical); a {kind!r} statistic has no replicated part: send "
+                        "kind 'norm', or leave replicated_along out", "spec", "replicated_along")
 
 
 def _extended_rules(r, core_spec: Spec | None) -> None:
     """The DESIGN.md §3.1 rules: unknown topology, expert sizes, order, spec dims."""
     s, c, spec = r.sizes, r.coords, r.spec
+    if spec is not None:
+        _spec_kind_rules(r.kind, spec)
     if r.topology == "unknown":
         if not s.is_default or not c.is_origin or r.order is not None:
             raise RuleError("topology 'unknown': omit coords, sizes and order (they would be a guess)",
@@ -669,15 +767,8 @@ def _extended_rules(r, core_spec: Spec | None) -> None:
                 raise RuleError(f"coords.{dim} ({getattr(c, dim)}) is not what order {r.order!r} gives rank "
                                 f"{r.rank} ({ci})", "coords", dim)
     if spec is not None:
-        _spec_kind_rules(r.kind, spec)
-        core = spec.to_core() if core_spec is None else core_spec
-        if core.factorisation == "expert" and e is None:
-            raise RuleError("spec names expert dims (edp, ep, etp) but sizes carry no expert factorisation", "spec")
-        try:
-            core.placed(s.as_dict())  # raises for a coordinate outside its dim
-        except ValueError as exc:  # "spec.placement.<dim> holds ..."
-            m = re.match(r"spec\.placement\.(\w+)", str(exc))
-            raise RuleError(str(exc), "spec", "placement", *([m.group(1)] if m else [])) from None
+        _prefixed(spec_topology_rules, ("spec",), spec.to_core() if core_spec is None else core_spec, s.as_dict(),
+                  e is not None)
 
 
 class Report(_Strict):
@@ -1240,16 +1331,8 @@ class RunRegistration(_Strict):
                 if spec.placement:
                     raise RuleError("spec.placement needs a known topology", "statistics", name, "spec", "placement")
                 continue
-            core = spec.to_core()
-            if core.factorisation == "expert" and not self.sizes.has_expert:
-                raise RuleError("spec names expert dims (edp, ep, etp) but sizes carry no expert factorisation",
-                                "statistics", name, "spec")
-            try:
-                core.placed(self.sizes.as_dict())
-            except ValueError as exc:  # "spec.placement.<dim> holds ..."
-                m = re.match(r"spec\.placement\.(\w+)", str(exc))
-                raise RuleError(str(exc), "statistics", name, "spec", "placement",
-                                *([m.group(1)] if m else [])) from None
+            _prefixed(spec_topology_rules, ("statistics", name, "spec"), spec.to_core(), self.sizes.as_dict(),
+                      self.sizes.has_expert)
 
 
 class IngestResult(BaseModel):

@@ -139,10 +139,18 @@ def report(draw):
     if draw(st.booleans()):
         r["dtype"] = draw(st.sampled_from(["float64", "float32", "tf32", "float16", "bfloat16"]))
     if draw(st.integers(0, 2)) == 0:
-        spec = {"reduce_over": draw(st.lists(st.sampled_from(["dp", "cp", "tp", "pp"]), unique=True, max_size=2)),
+        # the spec rules (schemas.replicas_rule, replicated_along_rule, placement_rule) kept
+        # or broken: replicas inside reduce_over (also by the default ['tp']), replicated_along
+        # outside it or for another kind, a placement along a reduced dim
+        dense = st.sampled_from(["dp", "cp", "tp", "pp"])
+        spec = {"reduce_over": draw(st.lists(dense, unique=True, max_size=2)),
                 "variance": draw(st.sampled_from(["sample", "population"]))}
+        if draw(st.booleans()):
+            spec["replicas"] = draw(st.lists(dense, unique=True, max_size=2))
+        if draw(st.integers(0, 3)) == 0:
+            spec["replicated_along"] = draw(st.lists(dense, unique=True, max_size=2))
         if not unknown and draw(st.booleans()):
-            spec["placement"] = {"pp": draw(st.sampled_from(["first", "last", [0], [-1, 0]]))}
+            spec["placement"] = {draw(dense): draw(st.sampled_from(["first", "last", [0], [-1, 0], [0, 1, 2]]))}
         if draw(st.booleans()):
             spec["over_microbatches"] = draw(st.booleans())
         r["spec"] = spec
@@ -478,6 +486,19 @@ _L = {"count": 2.0, "sum": 1.0, "sum_sq": 1.0, "min": 0.0, "max": 1.0}
     ({"coords": {"ep": 1}, "group_ranks": [0]}, False),
     # over_microbatches: a sum's only (a moments statistic took it and ignored it: false alarms)
     ({"spec": {"over_microbatches": True}}, False),
+    # specs the engine cannot judge: a dim reduced over and a replica, replicated_along outside
+    # the group or for another kind, a placement along a reduced dim (issue 22 §3)
+    ({"spec": {"reduce_over": ["dp"], "replicas": ["dp", "tp"]}}, False),
+    ({"spec": {"reduce_over": ["dp", "tp"]}}, False), ({"spec": {"reduce_over": ["dp", "tp"], "replicas": []}}, True),
+    ({"kind": "norm", "local": {"sum_sq": 1.0}, "applied": {"sum_sq": 2.0},
+      "spec": {"reduce_over": ["tp", "pp"], "replicas": ["dp"], "replicated_along": ["dp"]}}, False),
+    ({"kind": "norm", "local": {"sum_sq": 1.0}, "applied": {"sum_sq": 2.0},
+      "spec": {"reduce_over": ["tp", "pp"], "replicas": ["dp"], "replicated_along": ["tp"]}}, True),
+    ({"spec": {"reduce_over": ["tp", "pp"], "replicas": ["dp"], "replicated_along": ["tp"]}}, False),
+    ({"world_size": 2, "sizes": {"pp": 2}, "spec": {"reduce_over": ["pp"], "replicas": [], "placement": {"pp": "last"}}},
+     False),
+    ({"world_size": 2, "sizes": {"pp": 2}, "spec": {"reduce_over": ["dp"], "placement": {"pp": "last"}}}, True),
+    ({"spec": {"reduce_over": ["pp"], "replicas": [], "placement": {"pp": "last"}}}, True),  # pp = 1: all of it
     ({"kind": "sum", "local": {"sum": 1.0}, "applied": {"sum": 2.0}, "spec": {"over_microbatches": True}}, True),
 ])
 @pytest.mark.parametrize("size, where", [(5, 1), (40, 0), (40, 17), (40, 39)])
@@ -633,6 +654,15 @@ def test_shared_shapes_are_each_checked():
     ({"spec": {"over_microbatches": True}}, ("spec", "over_microbatches")),
     ({"kind": "norm", "local": {"sum_sq": 1.0}, "applied": {"sum_sq": 2.0}, "spec": {"over_microbatches": True}},
      ("spec", "over_microbatches")),
+    ({"spec": {"reduce_over": ["dp"], "replicas": ["dp", "tp"]}}, ("spec", "replicas")),
+    ({"spec": {"reduce_over": ["dp", "tp"]}}, ("spec", "replicas")),  # the default replicas ['tp']
+    ({"kind": "norm", "local": {"sum_sq": 1.0}, "applied": {"sum_sq": 2.0},
+      "spec": {"reduce_over": ["tp", "pp"], "replicas": ["dp"], "replicated_along": ["cp"]}},
+     ("spec", "replicated_along")),
+    ({"spec": {"reduce_over": ["tp"], "replicas": [], "replicated_along": ["tp"]}}, ("spec", "replicated_along")),
+    ({"topology": "unknown", "group_ranks": [0], "spec": {"over_microbatches": True}}, ("spec", "over_microbatches")),
+    ({"world_size": 2, "sizes": {"pp": 2}, "spec": {"reduce_over": ["pp"], "replicas": [], "placement": {"pp": [0]}}},
+     ("spec", "placement", "pp")),
 ])
 def test_each_rule_error_names_the_field_it_blames(change, loc):
     """Every rule of the report, its blocks and its spec puts the wire field its message
@@ -652,6 +682,16 @@ def test_each_rule_error_names_the_field_it_blames(change, loc):
     ({"world_size": 2, "topology": "unknown", "order": "tp-cp-dp-pp"}, ("order",)),
     ({"world_size": 1, "statistics": {"adv": {"spec": {"over_microbatches": True}}}},
      ("statistics", "adv", "spec", "over_microbatches")),
+    ({"world_size": 1, "statistics": {"adv": {"spec": {"reduce_over": ["dp"], "replicas": ["dp", "tp"]}}}},
+     ("statistics", "adv", "spec", "replicas")),
+    ({"world_size": 1, "statistics": {"gn": {"kind": "norm", "spec": {"reduce_over": ["tp"], "replicas": [],
+                                                                      "replicated_along": ["pp"]}}}},
+     ("statistics", "gn", "spec", "replicated_along")),
+    ({"world_size": 1, "statistics": {"adv": {"spec": {"replicated_along": ["dp"]}}}},
+     ("statistics", "adv", "spec", "replicated_along")),
+    ({"world_size": 2, "sizes": {"pp": 2}, "statistics": {"gn": {"kind": "norm", "spec": {
+        "reduce_over": ["tp", "pp"], "replicas": ["dp"], "placement": {"pp": "last"}}}}},
+     ("statistics", "gn", "spec", "placement", "pp")),
 ])
 def test_run_registration_errors_name_the_field(body, loc):
     with pytest.raises(ValidationError) as e:

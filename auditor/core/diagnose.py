@@ -25,6 +25,95 @@ from auditor.core.types import FaultKind, compress_ranks
 #: How many earlier steps ``stale_statistic`` compares an applied value with.
 STALE_LOOKBACK = 8
 
+#: Megatron-core 0.16's ``parallel_state`` (``mpu``) accessor of the group over each dim set
+#: (``initialize_model_parallel``: the dense ``RankGenerator`` groups ``dp``, ``dp-cp``,
+#: ``cp``, ``tp``, ``pp``, ``tp-pp``, ``tp-dp``, ``tp-dp-cp``, ``tp-cp``; the expert ones
+#: ``dp`` (edp), ``ep``, ``tp`` (etp), ``tp-ep``, ``tp-ep-pp``).
+MEGATRON_GROUPS: dict[frozenset[str], str] = {
+    frozenset({"dp"}): "get_data_parallel_group()",
+    frozenset({"dp", "cp"}): "get_data_parallel_group(with_context_parallel=True)",
+    frozenset({"cp"}): "get_context_parallel_group()",
+    frozenset({"tp"}): "get_tensor_model_parallel_group()",
+    frozenset({"pp"}): "get_pipeline_model_parallel_group()",
+    frozenset({"tp", "pp"}): "get_model_parallel_group()",
+    frozenset({"tp", "dp"}): "get_tensor_and_data_parallel_group()",
+    frozenset({"tp", "dp", "cp"}): "get_tensor_and_data_parallel_group(with_context_parallel=True)",
+    frozenset({"tp", "cp"}): "get_tensor_and_context_parallel_group()",
+    frozenset({"edp"}): "get_expert_data_parallel_group()",
+    frozenset({"ep"}): "get_expert_model_parallel_group()",
+    frozenset({"etp"}): "get_expert_tensor_parallel_group()",
+    frozenset({"etp", "ep"}): "get_expert_tensor_and_model_parallel_group()",
+    frozenset({"etp", "ep", "pp"}): "get_expert_tensor_model_pipeline_parallel_group()",
+}
+#: ``topology_source`` values whose runs name their groups by Megatron's accessors (None: not
+#: known, Megatron's wording); ``device_mesh`` runs by mesh slices; any other source
+#: (``AUDITOR_TOPOLOGY``, ``set_topology``, ``unknown``, ...) by the ranks of a ``dist.new_group``.
+MEGATRON_SOURCES = frozenset({None, "megatron", "megatron.core.mpu"})
+MESH_SOURCE = "device_mesh"
+#: Members a plain-torch hint lists one by one; a larger group is named by its rank ranges.
+HINT_MEMBERS_LISTED = 16
+
+
+def group_hint(kind: str, expected, missing, sizes, dims, members, example: int,
+               source: str | None = None) -> str:
+    """The fix clause of a ``wrong_group`` message (" — …"), in the terms of the framework
+    the run's layout came from (``source``, the run's ``topology_source``; None: Megatron).
+
+    ``kind``: the statistic's kind; ``expected``: the dims the spec reduces over (its
+    factorisation's names); ``missing``: those of size > 1 the rank left out; ``sizes``:
+    {dim: ranks along it that hold the statistic}; ``dims``: the factorisation's dims (dense
+    or expert); ``members``: the sorted ranks of the expected group of rank ``example``.
+
+    * Megatron (``megatron``, ``megatron.core.mpu``, None): the ``parallel_state`` accessor of
+      the expected dim set (:data:`MEGATRON_GROUPS`); else the world when the set spans every
+      rank, else the accessor of its dims of size > 1 (the same ranks in this run), else "no
+      accessor spans …" and the ranks.
+      The two hints of before keep their words: CP left out of ``['dp', 'cp']``
+      (``moments``/``sum``) and a norm over ``['tp', 'pp']``.
+    * ``device_mesh``: the mesh slice of the expected dims, flattened
+      (``mesh["dp", "cp"]._flatten().get_group()``).
+    * anything else: the ranks the group must hold, as ``dist.new_group(ranks=[...])``.
+    """
+    want = frozenset(expected)
+    big = frozenset(d for d in expected if sizes.get(d, 1) > 1)
+    names = [d for d in dims if d in want]
+    if source in MEGATRON_SOURCES:
+        accessor = MEGATRON_GROUPS.get(want)
+        if accessor == MEGATRON_GROUPS[frozenset({"dp", "cp"})] and kind in ("moments", "sum") and "cp" in missing:
+            return f" — under context parallelism use {accessor}"
+        if accessor == MEGATRON_GROUPS[frozenset({"tp", "pp"})] and kind == "norm":
+            return f" — reduce the squared norm over the model-parallel group ({accessor})"
+        if accessor is not None:
+            return f" — reduce over {dims_text(names)} with {accessor}"
+        one = [d for d in names if d not in big]  # dims with one rank here: the same group without them
+        if want == frozenset(dims) or (big and big == frozenset(d for d in dims if sizes.get(d, 1) > 1)):
+            return " — reduce over every rank (the default group, dist.group.WORLD)"
+        if big in MEGATRON_GROUPS:
+            return (f" — reduce over {dims_text(names)} with {MEGATRON_GROUPS[big]} (the same ranks here: "
+                    f"{dims_text(one)} of size 1)")
+        return (f" — no Megatron accessor spans {dims_text(names)}: build the group with "
+                f"torch.distributed.new_group(ranks={_ranks_arg(members)}) ({_one_per(example, names)})")
+    if source == MESH_SOURCE:
+        sliced = ", ".join(f'"{d}"' for d in names)
+        group = f"mesh[{sliced}].get_group()" if len(names) == 1 else f"mesh[{sliced}]._flatten().get_group()"
+        return (f" — reduce over the DeviceMesh slice of {dims_text(names)}: {group} (with the mesh's own names "
+                "for these dims)")
+    return (f" — the group must hold ranks {compress_ranks(members)}: "
+            f"torch.distributed.new_group(ranks={_ranks_arg(members)}) ({_one_per(example, names)})")
+
+
+def _one_per(example: int, names) -> str:
+    return (f"the group of rank {example}; every rank creates one group per set of ranks equal outside "
+            f"{dims_text(names)}, in the same order")
+
+
+def _ranks_arg(members) -> str:
+    """The ``ranks`` argument of a ``new_group`` call: the list, or its ranges when long."""
+    members = list(members)
+    if len(members) <= HINT_MEMBERS_LISTED:
+        return "[" + ", ".join(str(r) for r in members) + "]"
+    return f"<the {len(members)} ranks {compress_ranks(members)}>"
+
 
 def candidates(st: Step, reduce_over: tuple[str, ...], over_mb: bool):
     """Every alternative reduction, most plausible first: (sort key, axes, dedupe, variant).
@@ -60,11 +149,13 @@ def candidates(st: Step, reduce_over: tuple[str, ...], over_mb: bool):
     return out
 
 
-def diagnose(st: Step, exp: Part, bad: np.ndarray, reduce_over, over_mb: bool, history, f: Findings) -> None:
+def diagnose(st: Step, exp: Part, bad: np.ndarray, reduce_over, over_mb: bool, history, f: Findings,
+             source: str | None = None) -> None:
     """Name the cause of each mismatch ``bad``: variance convention, another group
     (``wrong_group``), replicas counted more than once (``replica_overcount``), an earlier
     step's value (``stale_statistic``). Vectorised over elements; each candidate group is one
-    partition."""
+    partition. ``source``: the run's ``topology_source``, the framework whose terms the fix
+    of a ``wrong_group`` is worded in (:func:`group_hint`; None: Megatron's)."""
     todo = bad.copy()
     if st.kind == "moments":
         todo &= ~variance_convention(st, exp, todo, f)
@@ -80,9 +171,9 @@ def diagnose(st: Step, exp: Part, bad: np.ndarray, reduce_over, over_mb: bool, h
         mb = "mb" in axes
         first = int(np.flatnonzero(hit)[0])
         if dedupe and variant == "value":
-            wrong_group(st, exp, p, hit, first, dims, mb, reduce_over, over_mb, f)
+            wrong_group(st, exp, p, hit, first, dims, mb, reduce_over, over_mb, f, source)
         else:
-            replica_overcount(st, exp, p, hit, first, axes, variant, reduce_over, over_mb, f)
+            replica_overcount(st, exp, p, hit, first, axes, variant, reduce_over, over_mb, f, source)
     if todo.any():
         stale_statistic(st, exp, todo, reduce_over, history, f)  # clears the elements it explains
     for variant in {"norm": ("mean_of_norms",), "sum": ("mean",)}.get(st.kind, ()):
@@ -134,7 +225,7 @@ def variance_convention(st: Step, exp: Part, todo: np.ndarray, f: Findings) -> n
 
 
 def replica_overcount(st: Step, exp: Part, p: Part, hit, first: int, axes, variant: str, reduce_over,
-                      over_mb: bool, f: Findings) -> None:
+                      over_mb: bool, f: Findings, source: str | None = None) -> None:
     """``replica_overcount`` for the elements ``hit``, whose applied value matches the
     reduction over ``axes`` with replicas summed (``norm``: ``variant`` ``value_rep_each``,
     the replicated part added on every rank). The factor is relative to the same reduction
@@ -153,7 +244,7 @@ def replica_overcount(st: Step, exp: Part, p: Part, hit, first: int, axes, varia
     sizes = dict(zip(st.dims, st.expected_sizes.tolist()))
     core = {d for d in dims if sizes[d] > 1 and (variant != "value" or d not in spec.replicas)}
     if core != {d for d in reduce_over if sizes[d] > 1} or mb != over_mb:
-        wrong_group(st, exp, once, hit, first, dims, mb, reduce_over, over_mb, f)
+        wrong_group(st, exp, once, hit, first, dims, mb, reduce_over, over_mb, f, source)
     # which ratio ``factor`` is: of counts (moments), of sums, or of squared norms — for a
     # norm the clipping norm itself is off by the square root of it
     evidence = {"factor": factor, "factor_of": {"moments": "count", "sum": "sum", "norm": "sum_sq"}[kind]}
@@ -188,10 +279,11 @@ def _ratio_text(kind: str, what: str, factor: float, reference: str) -> str:
 
 
 def wrong_group(st: Step, exp: Part, p: Part, hit, first: int, dims, mb: bool, reduce_over, over_mb: bool,
-                f: Findings) -> None:
+                f: Findings, source: str | None = None) -> None:
     """``wrong_group`` for the elements ``hit``, whose applied value matches the groups of
     ``p`` (a reduction over ``dims``, and the microbatches if ``mb``): names the dims found
-    and expected, who was left out or wrongly included, and the fix."""
+    and expected, who was left out or wrongly included, and the fix (:func:`group_hint`, in
+    the terms of ``source``, the run's ``topology_source``)."""
     kind = st.kind
     what = WHAT[kind]
     sizes = dict(zip(st.axes, st.expected_sizes.tolist()))
@@ -228,10 +320,8 @@ def wrong_group(st: Step, exp: Part, p: Part, hit, first: int, dims, mb: bool, r
                                                   f"{sizes['mb']} microbatches of the step was expected "
                                                   "(gradient accumulation: divide by the step's token count)"))
         text = ": ".join(parts[:2]) + ("; " + "; ".join(parts[2:]) if len(parts) > 2 else "")
-        if "cp" in missing_dims and kind in ("moments", "sum"):
-            text += " — under context parallelism use get_data_parallel_group(with_context_parallel=True)"
-        elif kind == "norm" and missing_dims:
-            text += " — reduce the squared norm over the model-parallel group (get_model_parallel_group())"
+        if missing_dims or extra_dims:
+            text += group_hint(kind, reduce_over, missing_dims, sizes, st.dims, want, int(st.rank[first]), source)
         return text
 
     evidence = {"found": list(dims), "expected": list(reduce_over), "example_rank": int(st.rank[first]),

@@ -23,11 +23,11 @@ import regenerate
 
 from auditor import core
 from auditor.db.store import elements, rank_report, report_row
-from auditor.schemas import StatisticSpec, parse_report_batch
+from auditor.schemas import parse_report_batch
 
 
 def _engine_input(case) -> tuple[core.Spec, list[list[core.RankReport]]]:
-    spec = StatisticSpec(**case.spec).to_core()
+    spec = regenerate.core_spec(case.spec)
     steps = [[core.RankReport(**generate.rank_report_fields(b)) for b in s.reports] for s in case.steps]
     return spec, steps
 

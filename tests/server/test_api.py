@@ -131,6 +131,14 @@ def test_bad_input_is_a_422_naming_the_field_and_stores_nothing(live_server, run
     ({"spec": {"placement": {"cp": [5]}}}, ["spec", "placement", "cp"],
      "spec.placement.cp holds 5, outside the 2 coordinates of cp"),
     ({"spec": {"reduce_over": ["dp", "dp"]}}, ["spec", "reduce_over"], "reduce_over lists a dimension twice: ['dp', 'dp']"),
+    ({"spec": {"reduce_over": ["dp", "cp"], "replicas": ["cp", "tp"]}}, ["spec", "replicas"],
+     "replicas ['cp', 'tp'] and reduce_over ['dp', 'cp'] both name ['cp']: a dim is reduced over (its ranks hold "
+     "different data, summed) or a replica dim (its ranks hold the same data, counted once), not both; the audit "
+     "could not tell a correct reduction over ['cp'] from replicas summed. Remove ['cp'] from one of them"),
+    ({"spec": {"placement": {"cp": "last"}}}, ["spec", "placement", "cp"],
+     "placement.cp places the statistic on cp coordinates [1] of 2, but reduce_over ['dp', 'cp'] reduces over cp: "
+     "an all-reduce over cp hands its result to every cp rank, so all 2 hold the statistic. Place it along dims "
+     "outside reduce_over, or drop cp from reduce_over"),
 ])
 def test_each_rule_422_names_the_offending_field(live_server, run_id, change, field, msg):
     """A broken rule's 422 names the wire field it blames (``loc`` and ``field``), not the
@@ -251,6 +259,22 @@ def test_run_registration_fixes_topology(live_server, run_id):
     assert r.status_code == 409 and r.json()["type"] == "urn:auditor:problem:topology_conflict"
     bad = live_server.put("/v1/runs/bad%20id", json=body)
     assert bad.status_code == 422
+
+
+@pytest.mark.parametrize("stat, field", [
+    ({"spec": {"reduce_over": ["dp"], "replicas": ["dp", "tp"]}}, "statistics.adv.spec.replicas"),
+    ({"kind": "norm", "spec": {"reduce_over": ["tp", "pp"], "replicas": ["dp", "cp"], "replicated_along": ["dp"]}},
+     "statistics.adv.spec.replicated_along"),
+    ({"spec": {"reduce_over": ["dp", "cp"], "replicas": ["tp"], "placement": {"cp": [0]}}},
+     "statistics.adv.spec.placement.cp"),
+])
+def test_a_registration_with_a_spec_the_engine_cannot_judge_is_a_422(live_server, run_id, stat, field):
+    """``PUT /v1/runs/{id}`` refuses the specs a report's spec is refused for (a dim reduced
+    over and a replica, replicated_along outside the group, a placement along a reduced dim),
+    naming the field; nothing is registered, so the run is still open to its reports."""
+    r = live_server.put(f"/v1/runs/{run_id}", json={"world_size": 2, "sizes": {"cp": 2}, "statistics": {"adv": stat}})
+    assert r.status_code == 422 and [e["field"] for e in r.json()["errors"]] == [field], r.text
+    assert live_server.get(f"/v1/runs/{run_id}").status_code == 404
 
 
 def test_nan_is_accepted_and_flagged_non_finite(live_server, run_id):
