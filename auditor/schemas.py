@@ -879,6 +879,8 @@ _RUN_ID_RE = re.compile(_search_pattern(RUN_ID_PATTERN))
 _STATISTIC_RE = re.compile(_search_pattern(STATISTIC_PATTERN))
 _RUN_IDS: set[str] = set()
 _STATISTICS: set[str] = set()
+_SOURCE_RE = re.compile(_search_pattern(_SOURCE_PATTERN))
+_SOURCES: set[str | None] = {None}
 
 
 def _check_names(names, seen: set[str], rx: re.Pattern) -> None:
@@ -1037,7 +1039,8 @@ class FastReport(_Fast, kw_only=True):
     spec: msgspec.Raw = None  # type: ignore[assignment]
     order: Annotated[str, msgspec.Meta(max_length=_MAX_ORDER)] | None = None
     topology: Literal["known", "unknown"] = "known"
-    topology_source: Annotated[str, msgspec.Meta(pattern=_SOURCE_PATTERN)] | None = None
+    #: its pattern checked in :func:`_batch_holds`, once per distinct text (as the names')
+    topology_source: str | None = None
     #: Not a field: msgspec reads no NaN or Infinity token nor a number beyond float range,
     #: so every float of a fast-decoded report is finite (:func:`auditor.db.store.report_row`
     #: need not look for non-finite values).
@@ -1069,6 +1072,7 @@ def decode_report_batch(body: bytes) -> list[FastReport] | None:
 
 
 _get_run_id, _get_statistic = operator.attrgetter("run_id"), operator.attrgetter("statistic")
+_get_source = operator.attrgetter("topology_source")
 _get_spec, _get_group_ranks = operator.attrgetter("spec"), operator.attrgetter("group_ranks")
 _get_order = operator.attrgetter("order")
 #: Rows of tuples as one flat iterator (``np.fromiter`` reads None as NaN and bools as 0/1).
@@ -1111,6 +1115,12 @@ def _batch_holds(reports: list[FastReport]) -> bool:
         _check_names(set(map(_get_run_id, reports)), _RUN_IDS, _RUN_ID_RE)
     if not _STATISTICS.issuperset(map(_get_statistic, reports)):
         _check_names(set(map(_get_statistic, reports)), _STATISTICS, _STATISTIC_RE)
+    if not _SOURCES.issuperset(map(_get_source, reports)):
+        for source in set(map(_get_source, reports)) - _SOURCES:
+            if _SOURCE_RE.search(source) is None:
+                raise ValueError(f"topology_source {source!r} does not match {_SOURCE_RE.pattern}")
+            if len(_SOURCES) < 1 << 12:
+                _SOURCES.add(source)
     specs = list(map(_get_spec, reports))
     ranks = list(map(_get_group_ranks, reports))
     cores: dict[int, Spec] = {}  # id(StatisticSpec) -> its engine spec

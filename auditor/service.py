@@ -111,20 +111,22 @@ class Topology:
     expert: tuple[int, int, int, int] | None = None
     order: str | None = None
     known: bool = True
+    #: where the layout came from (``topology_source``): words fix hints, never a conflict
+    source: str | None = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, world_size: int, sizes, order: str | None, topology: str) -> "Topology":
+    def of(cls, world_size: int, sizes, order: str | None, topology: str, source: str | None = None) -> "Topology":
         """From wire fields (a :class:`auditor.schemas.Sizes`; ``order`` validated, kept in
         its canonical spelling, :func:`auditor.layout.canonical_order`); an unknown topology
         keeps the world size only."""
         if topology == "unknown":
-            return cls(world_size, (1, 1, 1, 1), None, None, False)
-        return cls(world_size, sizes.as_tuple(), sizes.expert_tuple(), layout.canonical_order(order), True)
+            return cls(world_size, (1, 1, 1, 1), None, None, False, source)
+        return cls(world_size, sizes.as_tuple(), sizes.expert_tuple(), layout.canonical_order(order), True, source)
 
     @classmethod
     def of_row(cls, r: RunRow) -> "Topology":
         """From a stored run (its order as stored before orders were canonical, too)."""
-        return cls(r.world_size, r.sizes, r.expert, _stored_order(r.order), r.known)
+        return cls(r.world_size, r.sizes, r.expert, _stored_order(r.order), r.known, r.source)
 
     @classmethod
     def of_summary(cls, run: dict) -> "Topology":
@@ -132,7 +134,7 @@ class Topology:
         sz = run["sizes"]
         expert = (sz["edp"], sz["ep"], sz["etp"], sz["pp"]) if "edp" in sz else None
         return cls(run["world_size"], tuple(sz[d] for d in DIMS), expert, _stored_order(run.get("order")),
-                   run.get("topology") != "unknown")
+                   run.get("topology") != "unknown", run.get("topology_source"))
 
     def describe(self) -> dict:
         """``world_size``, ``sizes`` (expert ones too) and, when set, ``order`` / ``topology: unknown``."""
@@ -169,7 +171,7 @@ class Topology:
     def audit_args(self) -> dict:
         """The topology keywords of :func:`auditor.core.audit_step`."""
         return {"expert_sizes": self.expert, "order": self.order, "topology": "known" if self.known else "unknown",
-                "world_size": self.world_size}
+                "world_size": self.world_size, "source": self.source}
 
 
 @dataclass(frozen=True, slots=True)
@@ -584,7 +586,7 @@ class Service:
                 if same == last and r.spec is None:
                     continue  # same run, topology and series as the report before: checked
                 last = same
-                topo = Topology.of(r.world_size, sz, r.order, r.topology)
+                topo = Topology.of(r.world_size, sz, r.order, r.topology, r.topology_source)
                 if topo_of.get(r.run_id) != topo:  # creates it, or raises
                     made = new_runs.get(r.run_id)  # created by an earlier report of this batch?
                     born = self._ensure_run(conn, r.run_id, topo, now, i, topo_of.get(r.run_id),

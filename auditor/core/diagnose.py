@@ -45,10 +45,12 @@ MEGATRON_GROUPS: dict[frozenset[str], str] = {
     frozenset({"etp", "ep"}): "get_expert_tensor_and_model_parallel_group()",
     frozenset({"etp", "ep", "pp"}): "get_expert_tensor_model_pipeline_parallel_group()",
 }
-#: ``topology_source`` values whose runs name their groups by Megatron's accessors (None: not
-#: known, Megatron's wording); ``device_mesh`` runs by mesh slices; any other source
-#: (``AUDITOR_TOPOLOGY``, ``set_topology``, ``unknown``, ...) by the ranks of a ``dist.new_group``.
-MEGATRON_SOURCES = frozenset({None, "megatron", "megatron.core.mpu"})
+#: ``topology_source`` values starting with this name their groups by Megatron's accessors
+#: (``megatron.core.parallel_state``, ``megatron.core.mpu accessors (...)``, ``megatron args``;
+#: None, not known: Megatron's wording too); ``device_mesh`` runs by mesh slices; any other
+#: source (``AUDITOR_TOPOLOGY``, ``set_topology``, ``none found``, ...) by the ranks of a
+#: ``dist.new_group``.
+MEGATRON_SOURCE_PREFIX = "megatron"
 MESH_SOURCE = "device_mesh"
 #: Members a plain-torch hint lists one by one; a larger group is named by its rank ranges.
 HINT_MEMBERS_LISTED = 16
@@ -77,7 +79,7 @@ def group_hint(kind: str, expected, missing, sizes, dims, members, example: int,
     want = frozenset(expected)
     big = frozenset(d for d in expected if sizes.get(d, 1) > 1)
     names = [d for d in dims if d in want]
-    if source in MEGATRON_SOURCES:
+    if source is None or source.startswith(MEGATRON_SOURCE_PREFIX):
         accessor = MEGATRON_GROUPS.get(want)
         if accessor == MEGATRON_GROUPS[frozenset({"dp", "cp"})] and kind in ("moments", "sum") and "cp" in missing:
             return f" — under context parallelism use {accessor}"

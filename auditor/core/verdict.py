@@ -54,6 +54,7 @@ def audit_step(
     order: str | None = None,
     topology: str = "known",
     world_size: int | None = None,
+    source: str | None = None,
 ) -> StepVerdict:
     """Audit one step of a statistic of ``kind`` (DESIGN.md §3 table).
 
@@ -86,6 +87,10 @@ def audit_step(
         ``"unknown"``: no coordinates; each rank's expected group is its ``group_ranks``.
     world_size:
         Ranks of the run (default: the product of ``sizes``; required for an unknown topology).
+    source:
+        Where the run's layout came from (its ``topology_source``): ``wrong_group``'s fix is
+        worded in that framework's terms (:func:`auditor.core.diagnose.group_hint`; None:
+        Megatron's accessors).
 
     Returns
     -------
@@ -132,7 +137,7 @@ def audit_step(
         with np.errstate(all="ignore"):  # NaN/Inf/overflow are findings, not warnings
             st = Step(reports, sizes, spec, kind, num_microbatches, dims, placed, by_group_ranks=unknown)
             found = Findings(st.rank)
-            rows, groups_out, cp_sigma, err_sigma, tol_sigma = _audit(st, _Lazy(history), found)
+            rows, groups_out, cp_sigma, err_sigma, tol_sigma = _audit(st, _Lazy(history), found, source)
             if unknown:
                 layoutless.agreement(st, st.part(("dp",)), declared, found)
         faults.extend(found.faults())
@@ -229,7 +234,7 @@ class _Lazy:
 
 
 
-def _audit(st: Step, history: "_Lazy", f: Findings):
+def _audit(st: Step, history: "_Lazy", f: Findings, source: str | None = None):
     """Checks, then diagnoses of the mismatches, then the table and the σ figures."""
     kind, spec = st.kind, st.spec
     reduce_over = tuple(d for d in st.dims if d in spec.reduce_over)
@@ -260,7 +265,7 @@ def _audit(st: Step, history: "_Lazy", f: Findings):
         bad = judged & st.a_ok & ~match
     checks.group_mismatch(st, exp, e_vals, bad, exp_axes, f)
     if bad.any():
-        diagnose.diagnose(st, exp, bad, reduce_over, over_mb, history, f)
+        diagnose.diagnose(st, exp, bad, reduce_over, over_mb, history, f, source)
     if st.by_group_ranks:
         checks.group_agreement(st, f)
     else:

@@ -110,6 +110,8 @@ class RunRow:
     expert: tuple[int, int, int, int] | None = None
     order: str | None = None
     known: bool = True
+    #: where the first report's layout came from (``Report.topology_source``), if it said
+    source: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -515,7 +517,7 @@ def rank_report(row: Sequence) -> RankReport:
 def _run_row(row) -> RunRow:
     expert = (row.edp, row.ep, row.etp, row.pp) if row.edp is not None else None
     return RunRow(row.run_id, row.world_size, (row.dp, row.cp, row.tp, row.pp), row.created_at, expert,
-                  row.rank_order, row.topology != "unknown")
+                  row.rank_order, row.topology != "unknown", row.topology_source)
 
 
 class Store:
@@ -624,7 +626,7 @@ class Store:
         row = conn.execute(
             sa.select(series.c.id, series.c.run_id, series.c.statistic, series.c.kind, series.c.spec,
                       runs.c.world_size, runs.c.dp, runs.c.cp, runs.c.tp, runs.c.pp, runs.c.created_at,
-                      runs.c.edp, runs.c.ep, runs.c.etp, runs.c.rank_order, runs.c.topology)
+                      runs.c.edp, runs.c.ep, runs.c.etp, runs.c.rank_order, runs.c.topology, runs.c.topology_source)
             .join(runs, runs.c.run_id == series.c.run_id).where(series.c.id == series_id)
         ).one_or_none()
         if row is None:
