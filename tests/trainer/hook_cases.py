@@ -100,36 +100,51 @@ def cases(rank: int, client, counted=None) -> list[str]:
     run("sum-bf16", lambda: audited_sum([counts[0].bfloat16(), counts[1]], step=24, dtype=torch.bfloat16, **kw))
     gsq = (torch.randn(1000, generator=g) ** 2).sum()
     run("norm-tensor", lambda: audited_norm_sq(gsq, 0.125, step=30, **kw))
-    run("norm-float", lambda: audited_norm_sq(float(gsq), step=31, **kw))
+    gsq_float = float(gsq)
+    run("norm-float", lambda: audited_norm_sq(gsq_float, step=31, **kw))
     run("norm-replicated-along", lambda: audited_norm_sq(gsq, torch.tensor(3.25), step=32,
                                                          replicated_along=["tp"], **kw))
     run("norm-f64", lambda: audited_norm_sq(gsq.double() / 7, 1 / 3, step=33, dtype=torch.float64, **kw))
+    if client is None:  # nothing to compare with: a report is all it does
+        return names
     run("report-statistic", lambda: report_statistic(
         client, run_id="issue24", statistic="custom", step=40, kind="sum", local={"sum": 1.0 + rank},
         applied={"sum": 3.0}, process_group=None))
     return names
 
 
-def _worker(rank: int, world: int, port: int, spool: str) -> list[dict]:
+def _worker(rank: int, world: int, port: int, spool: str) -> dict:
     import os
 
     import torch.distributed as dist
 
+    from auditor.testing import count_host_syncs
     from auditor.trainer.client import AuditorClient
 
     os.environ["AUDITOR_TOPOLOGY"] = "dp=2"
+    os.environ.pop("AUDITOR_URL", None)  # the wrapper without a client: the bare function
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    syncs: dict[str, list[int]] = {}
+
+    def counted(name, call):
+        with count_host_syncs() as seen:
+            call()
+        syncs.setdefault(name, []).append(seen.count)
+
+    cases(rank, None, counted)  # no client: what the calls cost without the auditor
     client = AuditorClient(f"file://{spool}/{rank}", rank=rank)
-    cases(rank, client)
+    cases(rank, client, counted)
     client.close()
     dist.destroy_process_group()
     (spooled,) = Path(f"{spool}/{rank}").glob("*.jsonl")
     reports = [json.loads(line) for line in spooled.read_text().splitlines()]
-    return reports
+    return {"reports": reports, "syncs": syncs, "stats": client.stats}
 
 
-def run_world(spool: str) -> list[list[dict]]:
-    """The reports of :func:`cases` on two gloo ranks, per rank, in the order they were made."""
+def run_world(spool: str) -> list[dict]:
+    """:func:`cases` on two gloo ranks, per rank: ``reports`` (the wire dicts, in the order
+    they were made), ``syncs`` (case name → [host syncs without a client, with one]) and
+    the client's ``stats``."""
     from auditor.testing.world import spawn_world
 
     return spawn_world(_worker, 2, (spool,), 120.0)
@@ -139,5 +154,5 @@ if __name__ == "__main__":
     import tempfile
 
     sys.path.insert(0, str(HERE.parents[1]))
-    FIXTURE.write_text(json.dumps(run_world(tempfile.mkdtemp()), indent=1) + "\n")
+    FIXTURE.write_text(json.dumps([r["reports"] for r in run_world(tempfile.mkdtemp())], indent=1) + "\n")
     print(f"wrote {FIXTURE}")
