@@ -177,7 +177,8 @@ class AuditorClient:
         self.stats: dict[str, int] = dict.fromkeys(
             ("enqueued", "sent", "rejected", "spooled", "replayed", "dropped", "retries", "reports_dropped"), 0)
         self._ring = Ring(ring_size)
-        self._ring_half = max(1, ring_size // 2)
+        self._ring_half = max(1, ring_size // 2)  # the sender is woken from here
+        self._ring_spill = max(1, ring_size * 3 // 4)  # the spill thread reads slots from here
         self._said: set[str] = set()  # conditions of reports_dropped already logged
         self.spool: Spool | None = (
             Spool(Path(spool_dir or default_spool_dir()) / default_spool_name(rank),
@@ -246,8 +247,8 @@ class AuditorClient:
                 return
             if not self._enqueue(Deferred(self._ring, handle, finish)):
                 self._ring.release(handle)  # closed or filled meanwhile: the slot is free again
-            elif self._ring.in_use >= self._ring_half and not self._spill_wake.is_set():
-                self._spill_wake.set()  # read the slots before the ring fills
+            elif self._ring.in_use >= self._ring_half and not self._wake.is_set():
+                self._wake.set()  # the sender reads the slots before the ring fills
         except Exception:  # noqa: BLE001 - the training step must never see a client error
             log.debug("auditor client: report_deferred failed", exc_info=True)
 
@@ -271,6 +272,8 @@ class AuditorClient:
                 self._wake.set()
             if n >= self._high_water and not self._spill_wake.is_set():
                 self._spill_wake.set()
+        if self._ring.in_use >= self._ring_spill and not self._spill_wake.is_set():
+            self._spill_wake.set()  # the sender is not keeping up (or is stuck): read slots to the spool
         return True
 
     def _drop_at_handover(self, reason: str) -> None:
@@ -348,7 +351,7 @@ class AuditorClient:
     # ------------------------------------------------------------------ spill thread
 
     def _should_spill(self) -> bool:
-        if self.file_only or len(self._queue) >= self._high_water or self._ring.in_use >= self._ring_half:
+        if self.file_only or len(self._queue) >= self._high_water or self._ring.in_use >= self._ring_spill:
             return True
         down = self._down_since
         return down is not None and time.monotonic() - down >= self.spool_after

@@ -39,20 +39,15 @@ def test_ring_copies_values_and_gives_slots_back():
         Ring(0)
 
 
-def _dead_client(tmp_path, **kw) -> AuditorClient:
-    """A client of a service that is not there, whose sender sleeps (flush_interval 60 s):
-    nothing is read from the ring unless the test asks."""
-    return AuditorClient(f"http://127.0.0.1:{free_port()}", spool=False, flush_interval=60, flush_timeout=0.2,
-                         max_backoff=0.05, spool_dir=tmp_path, **kw)
-
-
 def test_a_full_ring_drops_counts_and_says_it_once(tmp_path, caplog):
-    """Two slots: the third and later deferred reports are dropped at hand-over, counted in
+    """Two slots and a starved sender (the test holds the lock it reads slots under): the
+    third and later deferred reports are dropped at hand-over, counted in
     ``reports_dropped`` (and ``dropped``), logged once; the queued two are built on the
     sender thread from the values as they were when handed over."""
-    client = _dead_client(tmp_path, ring_size=2)
+    client = AuditorClient(f"http://127.0.0.1:{free_port()}", spool=False, flush_timeout=0.2, max_backoff=0.05,
+                           spool_dir=tmp_path, ring_size=2)
     built = []
-    with caplog.at_level(logging.WARNING, logger="auditor.client"):
+    with caplog.at_level(logging.WARNING, logger="auditor.client"), client._ring.resolve_lock:
         for i in range(5):
             payload = torch.tensor([float(i)], dtype=torch.float64)
             client.report_deferred(payload, lambda v: built.append(v) or {"v": v})
@@ -123,6 +118,7 @@ def test_a_100000_report_outage_keeps_memory_flat_and_counts_the_drops(tmp_path)
 
 
 def _dropping_worker(rank: int, world: int, port: int, url: str, run_id: str) -> dict:
+    import contextlib
     import os
 
     import torch.distributed as dist
@@ -132,11 +128,13 @@ def _dropping_worker(rank: int, world: int, port: int, url: str, run_id: str) ->
 
     os.environ["AUDITOR_TOPOLOGY"] = "dp=2"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    # rank 1: one ring slot and a sender that sleeps until flush: its second report is dropped
-    client = AuditorClient(url, rank=rank, spool=False, **({"ring_size": 1, "flush_interval": 60} if rank else {}))
+    client = AuditorClient(url, rank=rank, spool=False, ring_size=1 if rank else 4096)
     values = torch.tensor([1.5, -0.5, -1.0, 2.0]) + rank
-    for step in (1, 0):
-        distributed_masked_whiten(values, torch.ones(4), client=client, run_id=run_id, step=step)
+    # rank 1: one ring slot and a starved sender (it cannot read a slot while the lock it
+    # reads under is held): its second report finds the ring full and is dropped
+    with client._ring.resolve_lock if rank else contextlib.nullcontext():
+        for step in (1, 0):
+            distributed_masked_whiten(values, torch.ones(4), client=client, run_id=run_id, step=step)
     client.flush(timeout=30)
     client.close()
     dist.destroy_process_group()
