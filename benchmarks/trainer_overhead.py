@@ -48,8 +48,7 @@ import torch.distributed as dist  # noqa: E402
 from auditor.testing import count_host_syncs  # noqa: E402
 from auditor.trainer import report as report_mod  # noqa: E402
 from auditor.trainer.client import AuditorClient  # noqa: E402
-from auditor.trainer.hooks import (  # noqa: E402
-    audited_norm_sq, audited_sum, distributed_masked_whiten, moments_payload, report_statistic)
+from auditor.trainer.hooks import audited_norm_sq, audited_sum, distributed_masked_whiten, report_statistic  # noqa: E402
 from auditor.trainer.settings import read_settings  # noqa: E402
 from auditor.trainer.wrap import set_step, wrap_distributed_whiten  # noqa: E402
 
@@ -172,6 +171,8 @@ def part_cpu(client, device, sizes, repeats) -> None:
 
 
 def part_per_call(client, device, repeats) -> None:
+    from auditor.trainer.hooks import moments_payload  # here: parts 1 and 2 also measure the code before issue 24
+
     print("\n3. the report path on the training thread, per call (median µs of 2,000)")
     values, mask = inputs(4096, torch.float32, device)
     payload = torch.zeros(12, dtype=torch.float64, device=device)
@@ -280,10 +281,15 @@ def main() -> None:
     ap.add_argument("--sizes", default="4096,65536,1048576,16777216")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--cuda-calls", type=int, default=1000)
+    ap.add_argument("--parts", default="1,2,3,4", help="which parts to run (1,2 also run on the code before issue 24)")
     args = ap.parse_args()
+    parts = {int(p) for p in args.parts.split(",")}
     sizes = [int(s) for s in args.sizes.split(",")]
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
+    import auditor
+
+    print(f"auditor from {Path(auditor.__file__).parent.parent}")
     print(f"python {sys.version.split()[0]}, torch {torch.__version__}, {os.cpu_count()} CPUs, "
           f"load {os.getloadavg()[0]:.2f}, torch threads {torch.get_num_threads()}, device {device}")
     os.environ.setdefault("AUDITOR_RUN_ID", "bench")
@@ -292,10 +298,12 @@ def main() -> None:
     client = AuditorClient(f"file://{tempfile.mkdtemp(prefix='auditor-trainer-bench-')}", rank=0, max_queue=100_000)
     set_step(0)
     try:
-        part_syncs(client, device)
-        part_cpu(client, device, sizes, args.repeats)
-        part_per_call(client, device, args.repeats)
-        part_cuda(client, args.cuda_calls)
+        for part, run in ((1, lambda: part_syncs(client, device)),
+                          (2, lambda: part_cpu(client, device, sizes, args.repeats)),
+                          (3, lambda: part_per_call(client, device, args.repeats)),
+                          (4, lambda: part_cuda(client, args.cuda_calls))):
+            if part in parts:
+                run()
     finally:
         client.close()
         dist.destroy_process_group()
