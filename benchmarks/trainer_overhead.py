@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import logging
 import os
 import resource
 import statistics
@@ -190,6 +191,17 @@ def part_per_call(client, device, repeats) -> None:
         client.flush(timeout=60)
 
 
+class _Errors(logging.Handler):
+    """Error records of the auditor's loggers (a hook logs what it catches)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.seen.append(record.getMessage() + (f" {record.exc_info[1]}" if record.exc_info else ""))
+
+
 def part_cuda(client, calls_n: int) -> None:
     if not torch.cuda.is_available():
         print("\n4. CUDA: skipped (no CUDA device here): run this script on a GPU machine for the "
@@ -201,15 +213,19 @@ def part_cuda(client, calls_n: int) -> None:
     tokens = [mask[:1000].sum(), mask[1000:].sum()]
     gsq = (values**2).sum()
     wrapped = wrap_distributed_whiten(syncfree_whiten, client=client, run_id="bench")
-    strict = [("wrap_distributed_whiten (sync-free function)", lambda: wrapped(values, mask)),
-              ("audited_sum", lambda: audited_sum(tokens, client=client, run_id="bench")),
-              ("audited_norm_sq", lambda: audited_norm_sq(gsq, 0.5, client=client, run_id="bench")),
-              ("report_statistic", lambda: report_statistic(client, run_id="bench", statistic="s", step=0,
-                                                            kind="sum", local={"sum": tokens[0]},
-                                                            applied={"sum": tokens[1]}, process_group=None))]
-    for name, f in strict:
+    strict = [("wrap_distributed_whiten (sync-free function)", 1, lambda: wrapped(values, mask)),
+              ("audited_sum (2 microbatches)", 2, lambda: audited_sum(tokens, client=client, run_id="bench")),
+              ("audited_norm_sq", 1, lambda: audited_norm_sq(gsq, 0.5, client=client, run_id="bench")),
+              ("report_statistic", 1, lambda: report_statistic(client, run_id="bench", statistic="s", step=0,
+                                                               kind="sum", local={"sum": tokens[0]},
+                                                               applied={"sum": tokens[1]}, process_group=None))]
+    errors = _Errors()
+    logging.getLogger("auditor").addHandler(errors)
+    for name, per_call, f in strict:
         f()  # first call: lazy allocations (the ring's pinned buffer, events) outside the check
         torch.cuda.synchronize()
+        client.flush(timeout=60)
+        before, errors.seen = client.stats["enqueued"] + client.stats["reports_dropped"], []
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(calls_n):
@@ -220,7 +236,13 @@ def part_cuda(client, calls_n: int) -> None:
         finally:
             torch.cuda.set_sync_debug_mode("default")
         torch.cuda.synchronize()
+        handed = client.stats["enqueued"] + client.stats["reports_dropped"] - before
+        if errors.seen:  # a hook catches everything (never into training): a sync error is logged there
+            verdict = f"SYNC (logged by the hook): {errors.seen[0][:80]}"
+        elif handed != per_call * calls_n:
+            verdict += f", but {per_call * calls_n - handed} reports not handed to the client"
         print(f"  error mode  {name:<46} {verdict}")
+    logging.getLogger("auditor").removeHandler(errors)
     for name, f in (("distributed_masked_whiten, bare", lambda: distributed_masked_whiten(values, mask)),
                     ("distributed_masked_whiten, audited", lambda: distributed_masked_whiten(
                         values, mask, client=client, run_id="bench"))):
@@ -294,6 +316,8 @@ def main() -> None:
           f"load {os.getloadavg()[0]:.2f}, torch threads {torch.get_num_threads()}, device {device}")
     os.environ.setdefault("AUDITOR_RUN_ID", "bench")
     os.environ.pop("AUDITOR_URL", None)  # the wrapper's unhooked path: no environment client
+    if cuda:
+        torch.cuda.set_device(0)
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0, world_size=1)
     client = AuditorClient(f"file://{tempfile.mkdtemp(prefix='auditor-trainer-bench-')}", rank=0, max_queue=100_000)
     set_step(0)

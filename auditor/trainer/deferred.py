@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -83,7 +84,10 @@ class Ring:
         slot, n, cuda = handle
         try:
             if cuda:
-                self._events[slot].synchronize()
+                event, pause = self._events[slot], 5e-5
+                while not event.query():  # polled, not cudaEventSynchronize: nothing a sync check flags
+                    time.sleep(pause)
+                    pause = min(pause * 2, 1e-3)
             return self._host[cuda][slot, :n].tolist()
         finally:
             self._free.append(slot)
