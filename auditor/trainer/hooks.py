@@ -23,9 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from auditor.trainer import topology
 from auditor.trainer.deferred import scalars
-from auditor.trainer.report import DEFAULT_SPECS, build_report
+from auditor.trainer.report import DEFAULT_SPECS, build_report, report_topology
 
 if TYPE_CHECKING:
     from auditor.trainer.client import AuditorClient
@@ -414,7 +413,7 @@ def audited_norm_sq(
     device = _device_of(sum_sq, replicated_sum_sq)
     mine, once = _f64(sum_sq, device), _f64(replicated_sum_sq, device)
     if replicated_along:
-        coords = topology.wire_topology().get("coords") or {}
+        coords = report_topology().get("coords") or {}
         total = (mine + (once if all(coords.get(d, 0) == 0 for d in replicated_along) else 0.0)).to(dtype)
         dist.all_reduce(total, group=process_group)
         spec = {**(spec or DEFAULT_SPECS["norm"]), "replicated_along": list(replicated_along)}
