@@ -88,7 +88,7 @@ def _caller() -> str:
 def _is_sync(func, args, kwargs) -> bool:
     if func in _VALUE_READS or func in _DATA_SHAPES:
         return True
-    if func is aten.index.Tensor:
+    if func in (aten.index.Tensor, aten.index_put.default, aten.index_put_.default):
         return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] or ())
     if func is aten.repeat_interleave.Tensor:
         return kwargs.get("output_size") is None

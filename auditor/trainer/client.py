@@ -249,8 +249,11 @@ class AuditorClient:
                 self._ring.release(handle)  # closed or filled meanwhile: the slot is free again
             elif self._ring.in_use >= self._ring_half and not self._wake.is_set():
                 self._wake.set()  # the sender reads the slots before the ring fills
-        except Exception:  # noqa: BLE001 - the training step must never see a client error
-            log.debug("auditor client: report_deferred failed", exc_info=True)
+        except Exception as exc:  # noqa: BLE001 - the training step must never see a client error
+            with self._lock:
+                self.stats["dropped"] += 1
+            warn_once(f"report-deferred-{id(self)}-{type(exc).__name__}", "auditor client: a deferred report could "
+                      "not be handed over (%s: %s); dropped (counted in stats['dropped'])", type(exc).__name__, exc)
 
     def _enqueue(self, item) -> bool:
         """Queue ``item`` (a dict or a :class:`~auditor.trainer.deferred.Deferred`), or drop

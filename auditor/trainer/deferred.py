@@ -54,14 +54,16 @@ class Ring:
     def put(self, payload: torch.Tensor) -> tuple[int, int, bool] | None:
         """Start copying ``payload`` (1-D float64, at most :data:`WIDTH` values, any device)
         into a free slot; returns the handle for :meth:`take`, or None when every slot is
-        taken (the caller drops the report). Never waits for the device: a CUDA payload is
+        taken (the caller drops the report). More than :data:`WIDTH` values: ValueError. Never waits for the device: a CUDA payload is
         copied with ``non_blocking=True`` into pinned memory and an event is recorded on the
         current stream after it."""
+        n = payload.numel()
+        if n > WIDTH:
+            raise ValueError(f"a deferred report carries at most {WIDTH} values, got {n}")
         try:
             slot = self._free.popleft()
         except IndexError:
             return None
-        n = payload.numel()
         cuda = payload.device.type == "cuda"
         try:
             row = self._buffer(cuda)[slot, :n]

@@ -59,7 +59,7 @@ def test_no_host_sync_catches_every_kind_of_host_read():
     reads = [lambda: t.sum().item(), lambda: float(t[0]), lambda: int(t.argmax()), lambda: bool(t.any()),
              lambda: t.tolist(), lambda: t.numpy(), lambda: t[t > 2], lambda: t.nonzero(),
              lambda: torch.masked_select(t, t > 1), lambda: t.unique(), lambda: torch.equal(t, t),
-             lambda: t.repeat_interleave(torch.tensor([1, 2, 0, 1, 1, 1]))]
+             lambda: t.repeat_interleave(torch.tensor([1, 2, 0, 1, 1, 1])), lambda: t.clone().__setitem__(t > 3, 0.0)]
     for read in reads:
         with count_host_syncs() as seen:
             read()

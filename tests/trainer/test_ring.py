@@ -61,7 +61,8 @@ def test_a_full_ring_drops_counts_and_says_it_once(tmp_path, caplog):
 
 
 def test_a_report_that_cannot_be_built_is_dropped_and_the_others_go_on(tmp_path):
-    """A finish that raises is logged and counted ``dropped``; flush still settles."""
+    """A finish that raises, or a payload wider than a slot, is logged and counted
+    ``dropped``; flush still settles."""
     spool = tmp_path / "spool"
     client = AuditorClient(f"file://{spool}", rank=0)
 
@@ -70,11 +71,13 @@ def test_a_report_that_cannot_be_built_is_dropped_and_the_others_go_on(tmp_path)
 
     client.report_deferred(torch.zeros(1, dtype=torch.float64), bad)
     client.report_deferred(torch.ones(1, dtype=torch.float64), lambda v: {"run_id": "r", "v": v})
+    client.report_deferred(torch.zeros(WIDTH + 1, dtype=torch.float64), dict)  # too wide: counted, never raised
     assert client.flush(timeout=10)
     client.close()
     (f,) = spool.glob("*.jsonl")
     assert [json.loads(x) for x in f.read_text().splitlines()] == [{"run_id": "r", "v": [1.0]}]
-    assert (client.stats["dropped"], client.stats["reports_dropped"], client.stats["spooled"]) == (1, 0, 1)
+    assert (client.stats["dropped"], client.stats["reports_dropped"], client.stats["spooled"]) == (2, 0, 1)
+    assert client._ring.in_use == 0
 
 
 OUTAGE = textwrap.dedent("""
