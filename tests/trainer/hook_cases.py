@@ -4,6 +4,10 @@ were resolved on the sender thread; ``test_hook_syncs.py`` checks that they stil
 exactly that, bit for bit, and add no host sync.
 
     PYTHONPATH=. python tests/trainer/hook_cases.py   # rewrite hook_reports.json (2 gloo ranks)
+
+The file is the reference of the code before issue 24 (commit cf97c12, where the hooks read
+every value on the training thread): rewrite it only for an intended change of the wire
+dicts, and say so.
 """
 
 from __future__ import annotations
