@@ -5,6 +5,8 @@
 :mod:`~auditor.trainer.delivery` (the one POST/retry loop), :mod:`~auditor.trainer.spool`
 (the JSONL spool file format), :mod:`~auditor.trainer.report` (the one wire-dict builder),
 :mod:`~auditor.trainer.hooks` (masked moments, slime's mean/variance, audited collectives),
+:mod:`~auditor.trainer.deferred` (a report's numbers handed over on the device, read on the
+sender thread),
 :mod:`~auditor.trainer.wrap` (audit an existing whitening function),
 :mod:`~auditor.trainer.megatron` (this rank's coordinates), :mod:`~auditor.trainer.slime`
 (one-import activation for slime). Nothing here imports the service side

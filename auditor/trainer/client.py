@@ -26,6 +26,13 @@ The contract with the training loop
   request in flight — so a process exits within ``flush_timeout`` (plus a local disk
   write) even when the service is down or hangs. Undelivered spools are uploaded later
   with ``auditor import SPOOL...`` or audited offline with ``auditor audit SPOOL...``.
+* Reports from the hooks (:mod:`auditor.trainer.hooks`) arrive through
+  :meth:`AuditorClient.report_deferred`: their numbers still on the device, copied
+  (non-blocking, on CUDA into pinned memory with an event) into a slot of a fixed ring of
+  ``ring_size`` slots (:mod:`auditor.trainer.deferred`); the sender or spill thread reads the
+  slot and builds the wire dict. The training thread reads no tensor value. A full ring
+  (or queue) drops the report: counted in ``stats["reports_dropped"]`` and said once per
+  condition, never a block.
 * File-only mode: ``url="file:///some/dir"`` (or ``AUDITOR_URL=file:///some/dir``) makes the
   client write the spool only; ``flush`` then means "written to the spool".
 
@@ -33,7 +40,9 @@ Counters (``stats``): ``enqueued`` (accepted by ``report``), ``sent`` (stored by
 or an identical re-send), ``rejected`` (the service refused them: 409 conflicts, 422, other
 4xx; or not JSON-serialisable), ``spooled`` (written to the spool file; a spooled report is
 later also counted ``sent`` when replayed), ``replayed`` (of ``sent``: delivered from the
-spool), ``dropped`` (lost: counted, logged), ``retries`` (failed requests that were retried).
+spool), ``dropped`` (lost: counted, logged), ``retries`` (failed requests that were retried),
+``reports_dropped`` (of ``dropped``: refused at hand-over because the ring or the queue was
+full, or the client closed — reports that never left the training thread).
 """
 
 from __future__ import annotations
@@ -49,6 +58,7 @@ from typing import Any
 
 import httpx
 
+from auditor.trainer.deferred import RING_SIZE, Deferred, Ring
 from auditor.trainer.delivery import CONFIGURATION_ERRORS, MAX_BACKOFF, Outcome, deliver, encode
 from auditor.trainer.settings import read_settings, valid_number, warn_once
 from auditor.trainer.spool import Spool, append_lines, dead_letter_path, default_spool_dir, default_spool_name
@@ -75,6 +85,10 @@ class AuditorClient:
         Seconds the sender waits for a batch to fill before sending what it has.
     max_queue:
         Most reports held in memory (≈3 KB each); beyond it ``report`` drops and counts.
+    ring_size:
+        Slots for reports whose numbers are still on the device
+        (:meth:`report_deferred`; 128 bytes each, pinned on CUDA); beyond it those are
+        dropped and counted (``reports_dropped``).
     timeout:
         Per-request HTTP timeout, seconds.
     token:
@@ -127,6 +141,7 @@ class AuditorClient:
         flush_timeout: float = 5.0,
         max_backoff: float = MAX_BACKOFF,
         rank: int | str | None = None,
+        ring_size: int = RING_SIZE,
     ) -> None:
         batch_size = valid_number("batch_size", batch_size, 1000, 1, integer=True)
         flush_interval = valid_number("flush_interval", flush_interval, 0.2, 0.001)
@@ -136,6 +151,7 @@ class AuditorClient:
         fsync_interval = valid_number("fsync_interval", fsync_interval, 1.0, 0.001)
         flush_timeout = valid_number("flush_timeout", flush_timeout, 5.0, 0.0)
         max_backoff = valid_number("max_backoff", max_backoff, MAX_BACKOFF, 0.0)
+        ring_size = valid_number("ring_size", ring_size, RING_SIZE, 1, integer=True)
         url = str(url or "").strip()
         self.file_only = url.startswith("file:")
         if self.file_only:
@@ -159,7 +175,11 @@ class AuditorClient:
         self._high_water = max(1, max_queue // 2)
         self._wake_at = min(batch_size, self._high_water)
         self.stats: dict[str, int] = dict.fromkeys(
-            ("enqueued", "sent", "rejected", "spooled", "replayed", "dropped", "retries"), 0)
+            ("enqueued", "sent", "rejected", "spooled", "replayed", "dropped", "retries", "reports_dropped"), 0)
+        self._ring = Ring(ring_size)
+        self._ring_half = max(1, ring_size // 2)  # the sender is woken from here
+        self._ring_spill = max(1, ring_size * 3 // 4)  # the spill thread reads slots from here
+        self._said: set[str] = set()  # conditions of reports_dropped already logged
         self.spool: Spool | None = (
             Spool(Path(spool_dir or default_spool_dir()) / default_spool_name(rank),
                   None if self.file_only else self.url) if spool else None)
@@ -176,8 +196,6 @@ class AuditorClient:
         self._settled = 0  # of those, reports whose outcome is final
         self._inflight: list | None = None  # memory batch the sender is delivering (dicts or lines)
         self._down_since: float | None = None  # monotonic time of the first failure of a streak
-        self._drops_logged = 0
-        self._full_drops = 0  # of dropped: because the queue was full
         self._dead_logged = False
         self._wake = threading.Event()
         self._spill_wake = threading.Event()
@@ -204,22 +222,77 @@ class AuditorClient:
                 warn_once(f"report-type-{id(self)}", "auditor client: report() takes a dict (a wire report), got "
                           "%s; dropped (counted in stats['dropped'])", type(report).__name__)
                 return
+            self._enqueue(report)
+        except Exception:  # noqa: BLE001 - the training step must never see a client error
+            pass
+
+    def report_deferred(self, payload, finish) -> None:
+        """Enqueue one report whose numbers are still on the device; never reads them, never
+        blocks, never raises.
+
+        ``payload``: 1-D float64 tensor of at most :data:`auditor.trainer.deferred.WIDTH`
+        values, on any device; it is copied now (non-blocking on CUDA, into a pinned ring
+        slot with an event recorded after the copy). ``finish(values)``: called later on
+        the sender or spill thread with the payload's values as a list of floats; returns
+        the wire dict (or None: nothing is sent, counted ``dropped``). With every ring slot
+        taken the report is dropped and counted in ``reports_dropped`` (logged once).
+        """
+        try:
+            if self._closed or len(self._queue) >= self.max_queue:  # before copying anything
+                self._drop_at_handover("closed" if self._closed else "queue")
+                return
+            handle = self._ring.put(payload)
+            if handle is None:
+                self._drop_at_handover("ring")
+                return
+            if not self._enqueue(Deferred(self._ring, handle, finish)):
+                self._ring.release(handle)  # closed or filled meanwhile: the slot is free again
+            elif self._ring.in_use >= self._ring_half and not self._wake.is_set():
+                self._wake.set()  # the sender reads the slots before the ring fills
+        except Exception as exc:  # noqa: BLE001 - the training step must never see a client error
             with self._lock:
-                if self._closed or len(self._queue) >= self.max_queue:
-                    self.stats["dropped"] += 1
-                    self._full_drops += not self._closed
-                    return
-                self._queue.append(report)
+                self.stats["dropped"] += 1
+            warn_once(f"report-deferred-{id(self)}-{type(exc).__name__}", "auditor client: a deferred report could "
+                      "not be handed over (%s: %s); dropped (counted in stats['dropped'])", type(exc).__name__, exc)
+
+    def _enqueue(self, item) -> bool:
+        """Queue ``item`` (a dict or a :class:`~auditor.trainer.deferred.Deferred`), or drop
+        and count it when the client is closed or the queue full. Returns whether queued."""
+        with self._lock:
+            if self._closed or len(self._queue) >= self.max_queue:
+                reason = "closed" if self._closed else "queue"
+            else:
+                reason = None
+                self._queue.append(item)
                 self._accepted += 1
                 self.stats["enqueued"] += 1
                 n = len(self._queue)
-            if n >= self._wake_at:
-                if not self._wake.is_set():
-                    self._wake.set()
-                if n >= self._high_water and not self._spill_wake.is_set():
-                    self._spill_wake.set()
-        except Exception:  # noqa: BLE001 - the training step must never see a client error
-            pass
+        if reason is not None:
+            self._drop_at_handover(reason)
+            return False
+        if n >= self._wake_at:
+            if not self._wake.is_set():
+                self._wake.set()
+            if n >= self._high_water and not self._spill_wake.is_set():
+                self._spill_wake.set()
+        if self._ring.in_use >= self._ring_spill and not self._spill_wake.is_set():
+            self._spill_wake.set()  # the sender is not keeping up (or is stuck): read slots to the spool
+        return True
+
+    def _drop_at_handover(self, reason: str) -> None:
+        """Count one report refused by ``report``/``report_deferred`` (``reason``: ``ring``,
+        ``queue`` or ``closed``); the first drop of each reason is logged, not the next."""
+        with self._lock:
+            self.stats["dropped"] += 1
+            self.stats["reports_dropped"] += 1
+        if reason not in self._said:
+            self._said.add(reason)
+            why = {"ring": f"all {self._ring.size} ring slots hold reports the sender has not read yet (ring_size)",
+                   "queue": f"the queue is full (max_queue={self.max_queue}: the service is down or slow and the "
+                            "spool cannot keep up, or spooling is off)",
+                   "closed": "the client is closed"}[reason]
+            log.warning("auditor client: dropping reports: %s; counted in stats['reports_dropped'] (the steps "
+                        "they belong to stay incomplete on the service); said once", why)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every report enqueued before this call has a final outcome.
@@ -281,7 +354,7 @@ class AuditorClient:
     # ------------------------------------------------------------------ spill thread
 
     def _should_spill(self) -> bool:
-        if self.file_only or len(self._queue) >= self._high_water:
+        if self.file_only or len(self._queue) >= self._high_water or self._ring.in_use >= self._ring_spill:
             return True
         down = self._down_since
         return down is not None and time.monotonic() - down >= self.spool_after
@@ -299,19 +372,22 @@ class AuditorClient:
                 if time.monotonic() - last_sync >= self.fsync_interval:
                     self.spool.sync()
                     last_sync = time.monotonic()
-                self._log_drops()
             except Exception:  # noqa: BLE001 - the spill must survive anything
                 log.exception("auditor client: spill failed")
 
     def _give_up(self, items: list, reason: str) -> None:
         """The single place where reports the sender cannot deliver now go: the spool (or, if
-        there is none or the disk fails, ``dropped``). ``items`` are dicts or encoded lines."""
+        there is none or the disk fails, ``dropped``). ``items`` are dicts, deferred reports
+        or encoded lines."""
         if not items:
             return
         lines, bad = [], 0
         for item in items:
             if isinstance(item, bytes):
                 lines.append(item)
+                continue
+            item = self._resolved(item)
+            if item is None:
                 continue
             try:
                 lines.append(encode(item))
@@ -336,12 +412,20 @@ class AuditorClient:
         log.warning("auditor client: dropping %d reports (%s)", len(lines), reason)
         self._settle(len(lines), "dropped")
 
-    def _log_drops(self) -> None:
-        dropped = self._full_drops
-        if dropped > self._drops_logged:
-            log.warning("auditor client: %d reports dropped so far (queue full: max_queue=%d)",
-                        dropped, self.max_queue)
-            self._drops_logged = dropped
+    def _resolved(self, item) -> dict | None:
+        """``item`` as a wire dict: a deferred report is read from its ring slot and built
+        here, on a background thread. One that cannot be built (or builds None) is logged,
+        counted ``dropped`` and settled: None."""
+        if not isinstance(item, Deferred):
+            return item
+        try:
+            report, first = item.resolve()
+        except Exception:  # noqa: BLE001 - a bad report must not stop the others
+            log.exception("auditor client: could not build a deferred report; dropped")
+            report, first = None, True
+        if report is None and first:
+            self._settle(1, "dropped")
+        return report
 
     # ------------------------------------------------------------------ sender thread
 
@@ -383,6 +467,9 @@ class AuditorClient:
             self._inflight = batch
         lines = []
         for r in batch:
+            r = self._resolved(r)
+            if r is None:
+                continue
             try:
                 lines.append(encode(r))
             except (TypeError, ValueError):

@@ -5,8 +5,13 @@ name (``slime/utils/distributed_utils.py``; DESIGN.md §4) that, given an
 :class:`~auditor.trainer.client.AuditorClient`, also reports what this rank held and what its
 all-reduce returned (wire contract v1, DESIGN.md §3). :func:`audited_sum` and
 :func:`audited_norm_sq` do the same for token-count denominators and gradient norms. The
-masked moments (:func:`masked_summary`) and slime's mean/variance (:func:`slime_mean_var`)
+masked moments (:func:`moments_payload`) and slime's mean/variance (:func:`slime_mean_var`)
 are shared with the whiten wrapper (:mod:`auditor.trainer.wrap`).
+
+No hook reads a tensor value on the training thread for its report (issue 24): the numbers
+a report needs stay on the device as one small float64 tensor, handed to the client
+(:meth:`~auditor.trainer.client.AuditorClient.report_deferred`), whose sender thread reads
+it and builds the wire dict (:func:`submit`). ``auditor.testing.no_host_sync`` checks it.
 """
 
 from __future__ import annotations
@@ -18,8 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from auditor.trainer import topology
-from auditor.trainer.report import DEFAULT_SPECS, build_report
+from auditor.trainer.deferred import scalars
+from auditor.trainer.report import DEFAULT_SPECS, build_report, report_topology
 
 if TYPE_CHECKING:
     from auditor.trainer.client import AuditorClient
@@ -27,49 +32,69 @@ if TYPE_CHECKING:
 log = logging.getLogger("auditor.torch_hooks")
 
 
-def masked_summary(values: torch.Tensor, mask: torch.Tensor, indices: bool = True
-                   ) -> tuple[dict[str, float | None], int | None, int | None]:
-    """:func:`masked_moments` of ``values`` and, if ``indices``, the flat indices of the
-    (first) smallest and largest masked value (``None`` when no element is masked in, or
-    when not asked for: the hooks need only the values, which a boolean selection gives
-    faster). ``local`` gets ``"weighted": True`` when ``mask`` is floating with an entry
-    other than 0 or 1 (the wire's ``local.weighted``: the service then does not hold
-    min/max to ``√sum_sq``, a bound only 0/1 masks obey); a bool or integer mask is not
-    looked at."""
+#: Values of a moments payload (:func:`moments_payload`): count, sum, sum_sq, any masked in,
+#: min, max, weighted.
+MOMENTS = 7
+
+
+def moments_payload(values: torch.Tensor, mask: torch.Tensor, extremes_at: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's masked moments as a float64 tensor of :data:`MOMENTS` values on
+    ``values``' device, read by nobody here (the host reads it later, see
+    :func:`moments_block`): ``[Σm, Σv·m, Σv²·m, any m≠0, min, max, weighted]``, accumulated
+    in float64; min/max of the values where ``mask != 0`` by masked reductions (``±inf``
+    fill), no boolean indexing. ``weighted`` is 1 when ``mask`` is floating with an entry
+    other than 0 or 1 (a bool or integer mask is not looked at).
+
+    With ``extremes_at`` also the flat indices ``[i_min, i_max]`` (int64, on the device) of
+    the first smallest and largest masked value, and min/max are the values there; None
+    when ``values`` is empty."""
     v = values.detach().reshape(-1).to(torch.float64)
     m = mask.detach().to(torch.float64).expand_as(values).reshape(-1)
     vm = v * m
-    local = {"count": float(m.sum()), "sum": float(vm.sum()), "sum_sq": float((vm * v).sum()), "min": None, "max": None}
     nz = m != 0
-    if mask.is_floating_point() and bool((nz & (m != 1)).any()):
+    weighted = (nz & (m != 1)).any() if mask.is_floating_point() else torch.zeros((), dtype=torch.bool,
+                                                                                 device=v.device)
+    at = None
+    if v.numel() == 0:
+        lo = hi = torch.full((), math.nan, dtype=torch.float64, device=v.device)
+    elif extremes_at:
+        at = torch.stack([torch.where(nz, v, math.inf).argmin(), torch.where(nz, v, -math.inf).argmax()])
+        lo, hi = v.take(at).unbind()
+    else:
+        lo, hi = torch.where(nz, v, math.inf).amin(), torch.where(nz, v, -math.inf).amax()
+    return torch.stack([m.sum(), vm.sum(), (vm * v).sum(), nz.any().to(torch.float64), lo, hi,
+                        weighted.to(torch.float64)]), at
+
+
+def moments_block(payload: list[float]) -> dict[str, float | None]:
+    """The wire ``local`` block of the first :data:`MOMENTS` values of a
+    :func:`moments_payload` read on the host: ``count``, ``sum``, ``sum_sq``, ``min``/``max``
+    (``None`` when no element is masked in) and ``weighted: True`` when the mask weighted."""
+    count, total, total_sq, any_in, lo, hi, weighted = payload[:MOMENTS]
+    local = {"count": count, "sum": total, "sum_sq": total_sq, "min": None, "max": None}
+    if weighted:
         local["weighted"] = True
-    if not indices:
-        selected = v[nz]
-        if selected.numel():
-            local["min"], local["max"] = float(selected.min()), float(selected.max())
-        return local, None, None
-    if v.numel() == 0 or not bool(nz.any()):
-        return local, None, None
-    inf = torch.tensor(math.inf, dtype=torch.float64)
-    i_min = int(torch.where(nz, v, inf).argmin())
-    i_max = int(torch.where(nz, v, -inf).argmax())
-    local["min"], local["max"] = float(v[i_min]), float(v[i_max])
-    return local, i_min, i_max
+    if any_in:
+        local["min"], local["max"] = lo, hi
+    return local
 
 
 def slime_mean_var(total: torch.Tensor, total_sq: torch.Tensor, count: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Mean and variance exactly as slime computes them from the reduced sums (DESIGN.md §4):
     mean = S/N; var = SS/N − mean², times N/(N−1) if N ≥ 2. 0-d tensors in, 0-d tensors of
-    their dtype out (float32 in slime); N = 0 gives NaN/Inf (slime raises before using them)."""
+    their dtype out (float32 in slime); N = 0 gives NaN/Inf (slime raises before using them).
+    The N ≥ 2 choice is made on the device (``torch.where``): no host read."""
     mean = total / count
     var = total_sq / count - mean**2
-    if count.item() >= 2:
-        var = var * count / (count - 1)
-    return mean, var
+    return mean, torch.where(count >= 2, var * count / (count - 1), var)
 
 
 def masked_moments(values: torch.Tensor, mask: torch.Tensor) -> dict[str, float | None]:
     """Masked moments of ``values`` in float64: the ``local`` block of a report.
+
+    Reads the result on the host (one device-to-host copy): the hooks do not call it, they
+    hand :func:`moments_payload` to the client unread.
 
     Parameters
     ----------
@@ -86,7 +111,7 @@ def masked_moments(values: torch.Tensor, mask: torch.Tensor) -> dict[str, float 
     element is masked in); plus ``weighted: True`` when ``mask`` is floating and has an
     entry other than 0 or 1 (wire field ``local.weighted``, DESIGN.md §3).
     """
-    return masked_summary(values, mask, indices=False)[0]
+    return moments_block(moments_payload(values, mask)[0].tolist())
 
 
 def distributed_masked_whiten(
@@ -120,6 +145,10 @@ def distributed_masked_whiten(
     Every rank takes part in the collective, also with an empty ``values`` (it then
     contributes zeros): guarding the call on ``numel() > 0`` makes participation
     data-dependent and hangs the group (slime PR #2235).
+
+    One host read: the check that the group's mask is not empty (slime's own; slime's
+    Bessel choice is made on the device here). The report adds none: its numbers go to the
+    client as one device tensor (:meth:`~auditor.trainer.client.AuditorClient.report_deferred`).
 
     Parameters
     ----------
@@ -164,22 +193,14 @@ def distributed_masked_whiten(
     local_sum = (v * m).sum()
     local_sum_sq = ((v**2) * m).sum()
     local_mask_sum = m.sum()
-    stats = torch.tensor([local_sum, local_sum_sq, local_mask_sum], device=values.device, dtype=torch.float32)
+    stats = torch.stack([local_sum, local_sum_sq, local_mask_sum]).to(torch.float32)
     dist.all_reduce(stats, group=process_group)
     total, total_sq, count = stats
-    empty = count.item() == 0
     mean, var = slime_mean_var(total, total_sq, count)
     if client is not None:
-        applied = {
-            "count": float(count),
-            "sum": float(total),
-            "sum_sq": float(total_sq),
-            "mean": None if empty else float(mean),
-            "var": None if empty else float(var),
-        }
-        _report(client, run_id, statistic, step, microbatch, num_microbatches, values, mask, applied,
-                process_group)
-    if empty:
+        _report(client, run_id, statistic, step, microbatch, num_microbatches, values, mask,
+                torch.cat([stats, mean.reshape(1), var.reshape(1)]), process_group)
+    if bool(count == 0):  # the function's own host read (slime's), not the report's
         raise ValueError("The global mask sum across all participating GPUs is zero.")
     whitened = (values - mean) * torch.rsqrt(var + epsilon)
     if not shift_mean:
@@ -205,17 +226,46 @@ def wire_dtype(*dtypes: torch.dtype) -> str:
     return names[max(known, key=lambda d: torch.finfo(d).eps)]
 
 
-def _report(client: AuditorClient, run_id, statistic, step, microbatch, num_microbatches, values, mask, applied,
+def _report(client: AuditorClient, run_id, statistic, step, microbatch, num_microbatches, values, mask, reduced,
             group) -> None:
-    """Build and enqueue this rank's report (wire contract §3); never raises into training."""
+    """Enqueue this rank's report (wire contract §3) of :func:`distributed_masked_whiten`:
+    its moments and ``reduced`` (``[S, SS, N, mean, var]``, float32, on the device) are
+    read on the client's sender thread. Never raises into training."""
     try:
         body = build_report(
             run_id=run_id, statistic=statistic, step=step, microbatch=microbatch, num_microbatches=num_microbatches,
-            local=masked_moments(values, mask), applied=applied, group=group, dtype="float32")
-        if body is not None:
-            client.report(body)
+            local=None, applied=None, group=group, dtype="float32")
+        if body is None:
+            return
+        local, _ = moments_payload(values, mask)
+        submit(client, body, torch.cat([local, reduced.to(torch.float64)]), _whiten_blocks)
     except Exception:  # noqa: BLE001
         log.exception("auditor: could not build the report for %s step %s", statistic, step)
+
+
+def _whiten_blocks(values: list[float]) -> dict:
+    total, total_sq, count, mean, var = values[MOMENTS:]
+    empty = count == 0  # slime raises: nothing was applied
+    return {"local": moments_block(values), "applied": {
+        "count": count, "sum": total, "sum_sq": total_sq, "mean": None if empty else mean,
+        "var": None if empty else var}}
+
+
+def submit(client, body: dict, payload: torch.Tensor, blocks) -> None:
+    """Hand ``body`` (a wire dict from :func:`~auditor.trainer.report.build_report`) to
+    ``client`` with the numbers it still lacks in ``payload`` (1-D float64, on the device,
+    not read here): on the sender thread, ``blocks(values)`` (the payload as floats) gives
+    the fields to set (``local``, ``applied``, ...). A client without ``report_deferred``
+    (an object of the user's with ``report(dict)`` only) gets the finished dict now — a
+    host read."""
+    def finish(values: list[float]) -> dict:
+        return {**body, **blocks(values)}
+
+    deferred = getattr(client, "report_deferred", None)
+    if deferred is not None:
+        deferred(payload, finish)
+    else:
+        client.report(finish(payload.tolist()))
 
 
 # ------------------------------------------------------------- sum and norm statistics
@@ -240,16 +290,30 @@ def report_statistic(
     """Enqueue one report of any kind (wire contract §3) for this rank; never raises.
 
     ``local``/``applied``: the report's blocks (``applied=None``: the rank skipped the
-    collective). ``process_group``: the group the rank reduced over (its ranks become
-    ``group_ranks``; ``None`` = WORLD). ``run_id=None``: the job's run id; coordinates and
-    placement: :func:`auditor.trainer.report.build_report`.
+    collective); a value may be a one-element tensor on any device (read as a float64 on
+    the client's sender thread, never here: no host sync). ``process_group``: the group the
+    rank reduced over (its ranks become ``group_ranks``; ``None`` = WORLD). ``run_id=None``:
+    the job's run id; coordinates and placement: :func:`auditor.trainer.report.build_report`.
     """
     try:
         body = build_report(
             run_id=run_id, statistic=statistic, step=step, microbatch=microbatch, num_microbatches=num_microbatches,
             local=local, applied=applied, group=process_group, dtype=dtype, kind=kind, spec=spec)
-        if body is not None:
+        if body is None:
+            return
+        leaves = [(name, key, v) for name, block in (("local", local), ("applied", applied)) if block
+                  for key, v in block.items() if isinstance(v, torch.Tensor)]
+        if not leaves:
             client.report(body)
+            return
+
+        def blocks(values: list[float]) -> dict:
+            out = {"local": dict(local), "applied": dict(applied) if applied is not None else None}
+            for (name, key, _), value in zip(leaves, values):
+                out[name][key] = value
+            return out
+
+        submit(client, body, scalars(*(v for _, _, v in leaves)), blocks)
     except Exception:  # noqa: BLE001
         log.exception("auditor: could not build the report for %s step %s", statistic, step)
 
@@ -282,7 +346,9 @@ def audited_sum(
 
     Returns
     -------
-    0-d tensor of ``dtype``: the reduced total every rank should divide by.
+    0-d tensor of ``dtype``, on the device of the tensors in ``local_sums`` (the CPU for
+    Python numbers): the reduced total every rank should divide by. Nothing is read on the
+    host (no sync): the report's numbers are read on the client's sender thread.
 
     Examples
     --------
@@ -294,15 +360,21 @@ def audited_sum(
     >>> dist.destroy_process_group()
     """
     parts = list(local_sums) if isinstance(local_sums, (list, tuple)) else [local_sums]
-    values = [float(p) for p in parts]
-    total = torch.tensor(sum(values) if len(values) > 1 else values[0], dtype=dtype)
+    device = _device_of(*parts)
+    values = [_f64(p, device) for p in parts]
+    total = values[0]
+    if len(values) > 1:  # in order, in float64: Python's sum() of the floats, as before
+        total = total + 0
+        for v in values[1:]:
+            total = total + v
+    total = total.to(dtype, copy=True)  # reduced in place: never the caller's tensor
     dist.all_reduce(total, group=process_group)
     if client is not None:
         if len(values) > 1:
             spec = {**(spec or {"reduce_over": ["dp", "cp"], "replicas": ["tp"]}), "over_microbatches": True}
         for mb, v in enumerate(values):
             report_statistic(client, run_id=run_id, statistic=statistic, step=step, kind="sum",
-                             local={"sum": v}, applied={"sum": float(total)}, process_group=process_group,
+                             local={"sum": v}, applied={"sum": total}, process_group=process_group,
                              microbatch=mb, num_microbatches=len(values), spec=spec, dtype=_dtype_name(dtype))
     return total
 
@@ -334,24 +406,40 @@ def audited_norm_sq(
     stages — so, as Megatron does (``param_is_not_tensor_parallel_duplicate``), the rank at
     coordinate 0 of every dim in ``replicated_along`` adds them *before* the all-reduce and
     the others do not; the report's spec says so.
+
+    ``sum_sq``/``replicated_sum_sq``: floats or one-element tensors; the result is on their
+    device (the CPU for floats), nothing is read on the host (no sync).
     """
-    once = float(replicated_sum_sq)
+    device = _device_of(sum_sq, replicated_sum_sq)
+    mine, once = _f64(sum_sq, device), _f64(replicated_sum_sq, device)
     if replicated_along:
-        coords = topology.wire_topology().get("coords") or {}
-        mine = once if all(coords.get(d, 0) == 0 for d in replicated_along) else 0.0
-        total = torch.tensor(float(sum_sq) + mine, dtype=dtype)
+        coords = report_topology().get("coords") or {}
+        total = (mine + (once if all(coords.get(d, 0) == 0 for d in replicated_along) else 0.0)).to(dtype)
         dist.all_reduce(total, group=process_group)
         spec = {**(spec or DEFAULT_SPECS["norm"]), "replicated_along": list(replicated_along)}
     else:
-        local = torch.tensor(float(sum_sq), dtype=dtype)
+        local = mine.to(dtype, copy=True)  # reduced in place: never the caller's tensor
         dist.all_reduce(local, group=process_group)
-        total = local + torch.tensor(once, dtype=dtype)
+        total = local + once.to(dtype)
     if client is not None:
         report_statistic(client, run_id=run_id, statistic=statistic, step=step, kind="norm",
-                         local={"sum_sq": float(sum_sq), "replicated_sum_sq": once},
-                         applied={"sum_sq": float(total)}, process_group=process_group, spec=spec,
+                         local={"sum_sq": mine, "replicated_sum_sq": once},
+                         applied={"sum_sq": total}, process_group=process_group, spec=spec,
                          dtype=_dtype_name(dtype))
     return total
+
+
+def _device_of(*values) -> torch.device:
+    """The device of the first tensor among ``values`` (the CPU if none is a tensor)."""
+    return next((v.device for v in values if isinstance(v, torch.Tensor)), torch.device("cpu"))
+
+
+def _f64(value, device: torch.device) -> torch.Tensor:
+    """``value`` (a number or a one-element tensor) as a 0-d float64 tensor on ``device``,
+    without a host read (a tensor already there is not copied)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().reshape(()).to(device=device, dtype=torch.float64)
+    return torch.full((), float(value), dtype=torch.float64, device=device)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -25,6 +25,9 @@ MESH_DIMS: dict[str, str] = {
 
 _lock = threading.Lock()
 _mesh: tuple[Any, dict[str, str]] | None = None
+#: (rank, world) -> the topology fields of the registered mesh: a DeviceMesh does not change,
+#: so it is read once, not per report (its rank tensor is read on the host: ``tolist``)
+_read: dict[tuple[int, int], dict] = {}
 
 
 def set_device_mesh(mesh, dims: Mapping[str, str] | None = None) -> None:
@@ -43,6 +46,7 @@ def set_device_mesh(mesh, dims: Mapping[str, str] | None = None) -> None:
     global _mesh
     with _lock:
         _mesh = (mesh, {n: mapping[n] for n in names})
+        _read.clear()
 
 
 
@@ -51,16 +55,31 @@ def clear_device_mesh() -> None:
     global _mesh
     with _lock:
         _mesh = None
+        _read.clear()
 
 
 def mesh_topology(rank: int, world: int) -> dict | None:
-    if _mesh is None:
+    """``{"coords", "sizes"[, "order"]}`` of this rank in the registered mesh, or None (no
+    mesh, or this rank is not in it); read once per mesh and (rank, world), then a dict
+    lookup. Raises ValueError when the mesh does not cover the world."""
+    registered = _mesh
+    if registered is None:
         return None
-    mesh, mapping = _mesh
+    found = _read.get((rank, world))
+    if found is None:
+        found = _read_mesh(registered, rank, world)
+        with _lock:
+            if _mesh is registered:
+                _read[(rank, world)] = found
+    return found or None
+
+
+def _read_mesh(registered, rank: int, world: int) -> dict:
+    mesh, mapping = registered
     names = list(mesh.mesh_dim_names)
     coord = mesh.get_coordinate()
     if coord is None:
-        return None  # this rank is not in the mesh
+        return {}  # this rank is not in the mesh
     shape = [mesh.size(i) for i in range(len(names))]
     coords: dict[str, int] = {}
     sizes: dict[str, int] = {}

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import sys
+import threading
 
 import torch.distributed as dist
 
-from auditor.trainer import runid, topology
+from auditor.trainer import mesh, runid, topology
 from auditor.trainer.megatron import default_placement
+from auditor.trainer.settings import read_settings
 
 log = logging.getLogger("auditor.client")
 
@@ -18,6 +21,38 @@ DEFAULT_SPECS: dict[str, dict] = {
     "norm": {"reduce_over": ["tp", "pp"], "replicas": ["dp", "cp"]},
 }
 _warned_no_run_id = False
+
+#: Megatron-core's process groups whose identity says "the same parallel_state as before"
+#: (``initialize_model_parallel`` makes new ones, ``destroy_model_parallel`` sets them None).
+_MEGATRON_GROUPS = ("_TENSOR_MODEL_PARALLEL_GROUP", "_PIPELINE_MODEL_PARALLEL_GROUP", "_DATA_PARALLEL_GROUP",
+                    "_CONTEXT_PARALLEL_GROUP", "_EXPERT_MODEL_PARALLEL_GROUP", "_EXPERT_DATA_PARALLEL_GROUP",
+                    "_EXPERT_TENSOR_PARALLEL_GROUP")
+_topology_lock = threading.Lock()
+_topology_last: tuple[tuple, dict] | None = None
+
+
+def _sources() -> tuple:
+    """What :func:`auditor.trainer.topology.wire_topology` answers from, by identity: the
+    default group, the explicit topology, the settings (a new object when a variable
+    changed), the registered DeviceMesh and Megatron's groups. ~1 µs."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    groups = [getattr(ps, name, None) for name in _MEGATRON_GROUPS] if ps is not None else [ps]
+    return (dist.group.WORLD, topology._explicit, read_settings(), mesh._mesh, *groups)  # noqa: SLF001
+
+
+def report_topology() -> dict:
+    """:func:`auditor.trainer.topology.wire_topology` of this rank, asked again only when one
+    of its sources changed (:func:`_sources`): reading Megatron's ``parallel_state`` and
+    checking its rank order costs ~45 µs, on every report before."""
+    global _topology_last
+    key = _sources()
+    last = _topology_last
+    if last is not None and len(last[0]) == len(key) and all(a is b for a, b in zip(last[0], key)):
+        return last[1]
+    found = topology.wire_topology()
+    with _topology_lock:
+        _topology_last = (key, found)
+    return found
 
 
 def build_report(
@@ -61,7 +96,7 @@ def build_report(
     body = {
         "run_id": rid, "statistic": statistic, "step": step, "microbatch": microbatch,
         "num_microbatches": num_microbatches, "rank": dist.get_rank(), "world_size": dist.get_world_size(),
-        **topology.wire_topology(), "local": local, "applied": applied,
+        **report_topology(), "local": local, "applied": applied,
         "group_ranks": dist.get_process_group_ranks(group or dist.group.WORLD), "dtype": dtype,
     }
     if body.get("topology") != "unknown" and (spec is None or "placement" not in spec):

@@ -173,14 +173,29 @@ _VARIABLES = ("AUDITOR_URL", "AUDITOR_TOKEN", "AUDITOR_SPOOL_DIR", "AUDITOR_RUN_
 _last: tuple[tuple, "TrainerSettings"] | None = None
 
 
+def _environment_key() -> tuple:
+    """The raw values of :data:`_VARIABLES` now (compared, never parsed): read from
+    ``os.environ``'s own mapping with the keys encoded once (a dozen dict lookups, ~1 µs,
+    instead of ``os.environ.get``'s encode and decode per variable, ~9 µs per call)."""
+    data, keys = _RAW
+    if data is None:
+        return tuple([os.environ.get(v) for v in _VARIABLES])
+    return tuple([data.get(k) for k in keys])
+
+
+#: ``os.environ``'s underlying mapping (every change to ``os.environ`` lands in it) and the
+#: encoded keys; (None, None) on an interpreter without them.
+_RAW = ((os.environ._data, [os.environ.encodekey(v) for v in _VARIABLES])  # noqa: SLF001
+        if hasattr(os.environ, "_data") and hasattr(os.environ, "encodekey") else (None, None))
+
+
 def read_settings(env: Mapping[str, str] | None = None) -> TrainerSettings:
     """The settings in ``env`` (default ``os.environ``) now. Called on every step by the
     hooks: with ``os.environ`` the parsed settings are reused while the variables' values
     are unchanged (a dozen lookups, not a parse)."""
     global _last
     if env is None:
-        get = os.environ.get
-        key = tuple([get(v) for v in _VARIABLES])
+        key = _environment_key()
         last = _last
         if last is not None and last[0] == key:
             return last[1]

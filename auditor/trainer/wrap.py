@@ -5,7 +5,7 @@
 masked moments and returns whitened values. Each call enqueues one report (wire contract v1,
 DESIGN.md §3) with:
 
-* ``local``: this rank's masked moments of ``values`` (float64, :func:`auditor.trainer.hooks.masked_moments`);
+* ``local``: this rank's masked moments of ``values`` (float64, :func:`auditor.trainer.hooks.moments_payload`);
 * ``applied.count/sum/sum_sq``: what the function's all-reduce *returned*. While ``fn``
   runs, ``torch.distributed.all_reduce`` (the module attribute) is observed on this thread;
   a 3-element all-reduce is read in slime's order ``[Σv·m, Σv²·m, Σm]``, and its ``group``
@@ -63,7 +63,7 @@ import torch
 import torch.distributed as dist
 
 from auditor.trainer.client import AuditorClient, client_from_env
-from auditor.trainer.hooks import masked_summary, slime_mean_var, wire_dtype
+from auditor.trainer.hooks import MOMENTS, moments_block, moments_payload, slime_mean_var, submit, wire_dtype
 from auditor.trainer.report import build_report
 from auditor.trainer.runid import resolve_run_id
 from auditor.trainer.settings import read_settings
@@ -246,60 +246,95 @@ def wrap_distributed_whiten(
 
 
 def _report(cl, run_id, statistic, dtype, values, mask, group, shift_mean, epsilon, out, seen, fallback) -> None:
+    """Enqueue the report of one wrapped call. On this (the training) thread only device
+    work: the moments, the observed (or re-reduced) sums and the output at the extreme
+    masked values go into one float64 tensor; :func:`_blocks` reads it on the sender thread."""
     step, microbatch, num_microbatches = _next_step(statistic)
-    local, i_min, i_max = masked_summary(values, mask)
-    applied: dict[str, float | None] | None = None
-    reduced_group = group
-    sums = None
     triples = [(t, g, w) for t, g, w in seen if t.numel() == 3]
-    if triples:
-        t, reduced_group, work = triples[-1]
+    observed, reduced_group, work = triples[-1] if triples else (None, group, None)
+    body = build_report(run_id=run_id, statistic=statistic, step=step, microbatch=microbatch,
+                        num_microbatches=num_microbatches, local=None, applied=None, group=reduced_group,
+                        dtype="float32")
+    if body is None:
+        return
+    local, at = moments_payload(values, mask, extremes_at=True)
+    parts = [local]
+    sums_dtype = None  # the observed all-reduce's dtype; None: not observed
+    if observed is not None:
         if work is not None:
             work.wait()
-        sums = t.detach().reshape(-1).to("cpu")  # slime's order: [Σv·m, Σv²·m, Σm]
-        applied = {"count": float(sums[2]), "sum": float(sums[0]), "sum_sq": float(sums[1]), "mean": None, "var": None}
+        sums_dtype = observed.dtype
+        parts.append(observed.detach().reshape(-1).to(torch.float64))  # slime's order: [Σv·m, Σv²·m, Σm]
     elif fallback:
-        buf = torch.tensor([local["count"], local["sum"], local["sum_sq"]], dtype=torch.float64, device=values.device)
+        buf = torch.stack([local[1], local[2], local[0]])  # float64, slime's order
         (_original_all_reduce or dist.all_reduce)(buf, group=group)
-        applied = {"count": float(buf[0]), "sum": float(buf[1]), "sum_sq": float(buf[2]), "mean": None, "var": None}
-    from_output = False
-    if out is not None:
-        applied = applied or {"count": None, "sum": None, "sum_sq": None}
-        (applied["mean"], applied["var"]), from_output = _applied_mean_var(values, out, i_min, i_max, shift_mean,
-                                                                          epsilon, sums)
-    elif applied is not None and sums is not None and float(sums[2]) > 0:
-        applied["mean"], applied["var"] = _slime_floats(sums)
-    if dtype is None:  # the precision the statistics really had (module docstring)
-        dtype = wire_dtype(*(t.dtype for t in (values, sums, out if from_output else None)
-                             if isinstance(t, torch.Tensor)))
-    body = build_report(run_id=run_id, statistic=statistic, step=step, microbatch=microbatch,
-                        num_microbatches=num_microbatches, local=local, applied=applied, group=reduced_group,
-                        dtype=dtype)
-    if body is not None:
-        cl.report(body)
+        parts.append(buf)
+    reduced = len(parts) > 1
+    with_output = at is not None and out is not None and out.numel() == values.numel()
+    if with_output:
+        parts.append(out.detach().reshape(-1).take(at).to(torch.float64))
+    meta = _Meta(reduced, sums_dtype, out is not None, with_output, shift_mean, epsilon, dtype, values.dtype,
+                 out.dtype if isinstance(out, torch.Tensor) else None)
+    submit(cl, body, torch.cat(parts), meta.blocks)
+
+
+class _Meta:
+    """What the sender thread needs besides the payload's numbers to finish a wrapped call's
+    report: which parts the payload holds, and the dtypes and arguments of the call."""
+
+    __slots__ = ("reduced", "sums_dtype", "has_out", "with_output", "shift_mean", "epsilon", "dtype",
+                 "values_dtype", "out_dtype")
+
+    def __init__(self, *args) -> None:
+        for name, value in zip(self.__slots__, args, strict=True):
+            setattr(self, name, value)
+
+    def blocks(self, values: list[float]) -> dict:
+        """``local``, ``applied`` and ``dtype`` of the report from the payload's ``values``."""
+        local = moments_block(values)
+        applied: dict[str, float | None] | None = None
+        sums = None
+        if self.reduced:
+            total, total_sq, count = values[MOMENTS:MOMENTS + 3]
+            applied = {"count": count, "sum": total, "sum_sq": total_sq, "mean": None, "var": None}
+            if self.sums_dtype is not None:  # observed: slime's formula in the all-reduce's dtype
+                sums = torch.tensor([total, total_sq, count], dtype=self.sums_dtype)
+        from_output = False
+        if self.has_out:
+            applied = applied or {"count": None, "sum": None, "sum_sq": None}
+            extremes = None
+            if self.with_output and values[3]:  # some value masked in: min/max and the output there
+                extremes = (values[4], values[5], *values[-2:])
+            (applied["mean"], applied["var"]), from_output = _applied_mean_var(
+                extremes, self.out_dtype, self.shift_mean, self.epsilon, sums)
+        elif applied is not None and sums is not None and float(sums[2]) > 0:
+            applied["mean"], applied["var"] = _slime_floats(sums)
+        dtype = self.dtype
+        if dtype is None:  # the precision the statistics really had (module docstring)
+            dtype = wire_dtype(*(d for d in (self.values_dtype, self.sums_dtype,
+                                             self.out_dtype if from_output else None) if d is not None))
+        return {"local": local, "applied": applied, "dtype": dtype}
 
 
 def _slime_floats(sums: torch.Tensor) -> tuple[float, float]:
-    """slime's (mean, var) of observed ``[Σv·m, Σv²·m, Σm]`` sums, as floats."""
+    """slime's (mean, var) of observed ``[Σv·m, Σv²·m, Σm]`` sums (a CPU tensor), as floats."""
     mean, var = slime_mean_var(sums[0], sums[1], sums[2])
     return float(mean), float(var)
 
 
-def _applied_mean_var(values, out, i_min, i_max, shift_mean, epsilon, sums
+def _applied_mean_var(extremes, out_dtype, shift_mean, epsilon, sums
                       ) -> tuple[tuple[float | None, float | None], bool]:
     """((mean, var), read off the output) the function whitened with: slime's formula of the
     observed sums where the output agrees with it within the output's rounding, else what
-    the output at the extreme masked values gives (``True``)."""
+    the output at the extreme masked values gives (``True``). ``extremes``: the smallest and
+    largest masked value and the output there, ``(v0, v1, w0, w1)`` floats, or None."""
     formula = None
     if sums is not None and float(sums[2]) > 0:
         formula = _slime_floats(sums)
     fallback = (formula if formula else (None, None)), False
-    if i_min is None or out.numel() != values.numel():
+    if extremes is None:
         return fallback
-    v = values.detach().reshape(-1)
-    w = out.detach().reshape(-1)
-    v0, v1 = float(v[i_min]), float(v[i_max])
-    w0, w1 = float(w[i_min]), float(w[i_max])
+    v0, v1, w0, w1 = extremes
     if v1 == v0 or w1 == w0 or not all(map(math.isfinite, (w0, w1))):
         return fallback
     r = (w1 - w0) / (v1 - v0)
@@ -317,7 +352,7 @@ def _applied_mean_var(values, out, i_min, i_max, shift_mean, epsilon, sums
             f_r = 1.0 / math.sqrt(f_var + epsilon)
             sigma = math.sqrt(f_var) if f_var > 0 else 1.0 / r
             # each output is rounded once (relative eps/2): r is off by ≤ eps·(|w0| + |w1|)/|w1 − w0|
-            eps = torch.finfo(out.dtype).eps if out.dtype.is_floating_point else 0.0
+            eps = torch.finfo(out_dtype).eps if out_dtype.is_floating_point else 0.0
             rel = max(1e-6, 2.0 * eps * (abs(w0) + abs(w1)) / abs(w1 - w0))
             if abs(f_r - r) <= rel * abs(r) and abs(f_mean - mean) <= rel * (1.0 + abs(w0)) * sigma:
                 return formula, False

@@ -108,7 +108,7 @@ def test_batches_flush_and_token(server):
     assert all(len(body["reports"]) <= 1000 for _, _, body in server.requests)
     assert all(h["Authorization"] == "Bearer s3cret" for h, _, _ in server.requests)
     assert client.stats == {"enqueued": 2500, "sent": 2500, "rejected": 0, "spooled": 0, "replayed": 0,
-                            "dropped": 0, "retries": 0}
+                            "dropped": 0, "retries": 0, "reports_dropped": 0}
     client.close()
 
 
@@ -175,7 +175,7 @@ def test_other_4xx_rejects_the_batch_and_continues(server, spool_dir):
     client.report(_reports(1, start=9)[0])
     assert client.flush(timeout=10)
     assert client.stats == {"enqueued": 5, "sent": 1, "rejected": 4, "spooled": 0, "replayed": 0,
-                            "dropped": 0, "retries": 0}
+                            "dropped": 0, "retries": 0, "reports_dropped": 0}
     (dead,) = spool_dir.glob("*.deadletter")
     assert len(dead.read_bytes().splitlines()) == 4
     client.close()
