@@ -34,10 +34,13 @@ _topology_last: tuple[tuple, dict] | None = None
 def _sources() -> tuple:
     """What :func:`auditor.trainer.topology.wire_topology` answers from, by identity: the
     default group, the explicit topology, the settings (a new object when a variable
-    changed), the registered DeviceMesh and Megatron's groups. ~1 µs."""
+    changed), the registered DeviceMesh, Megatron's groups, a stubbed ``megatron.core.mpu``
+    and Megatron's parsed args. ~1 µs."""
     ps = sys.modules.get("megatron.core.parallel_state")
     groups = [getattr(ps, name, None) for name in _MEGATRON_GROUPS] if ps is not None else [ps]
-    return (dist.group.WORLD, topology._explicit, read_settings(), mesh._mesh, *groups)  # noqa: SLF001
+    core, gv = sys.modules.get("megatron.core"), sys.modules.get("megatron.training.global_vars")
+    stubs = (sys.modules.get("megatron.core.mpu"), getattr(core, "mpu", None), getattr(gv, "_GLOBAL_ARGS", None))
+    return (dist.group.WORLD, topology._explicit, read_settings(), mesh._mesh, *groups, *stubs)  # noqa: SLF001
 
 
 def report_topology() -> dict:
@@ -80,7 +83,7 @@ def build_report(
     the rank really reduced over. ``local``/``applied`` are the report's blocks
     (``applied=None``: the rank skipped the collective). ``kind`` and ``spec`` are sent when
     given; with Megatron and pp > 1 a ``moments``/``sum`` statistic whose spec names no
-    placement is placed on the last pipeline stage (:func:`auditor.trainer.megatron.default_placement`).
+    placement and does not reduce over ``pp`` is placed on the last pipeline stage (:func:`auditor.trainer.megatron.default_placement`).
 
     Raises whatever ``torch.distributed`` raises when it is not initialised; callers inside
     training catch everything (a report must never break a step).
@@ -99,7 +102,8 @@ def build_report(
         **report_topology(), "local": local, "applied": applied,
         "group_ranks": dist.get_process_group_ranks(group or dist.group.WORLD), "dtype": dtype,
     }
-    if body.get("topology") != "unknown" and (spec is None or "placement" not in spec):
+    if (body.get("topology") != "unknown" and (spec is None or "placement" not in spec)
+            and "pp" not in (spec or {}).get("reduce_over", ())):  # reduced over pp: on every stage
         placement = default_placement(kind or "moments")
         if placement is not None:
             spec = {**(spec or DEFAULT_SPECS[kind or "moments"]), "placement": placement}
