@@ -133,7 +133,7 @@ def _errors_as_exit_2(fn):
     import sqlalchemy as sa
     from alembic.util.exc import CommandError
 
-    from auditor.offline_reader import SpoolReaderError
+    from auditor.offline_reader import SpoolError, SpoolReaderError
     from auditor.reader import ReaderError
 
     @functools.wraps(fn)
@@ -142,7 +142,7 @@ def _errors_as_exit_2(fn):
             return fn(*args, **kwargs)
         except BrokenPipeError:  # `auditor ... | head`: the reader left; end quietly, as CLI tools do
             _quiet_broken_pipe()
-        except (UsageError, SpoolReaderError) as e:
+        except (UsageError, SpoolReaderError, SpoolError) as e:
             msg = str(e)
         except (ReaderError, httpx.HTTPError, httpx.InvalidURL) as e:
             msg = http_error_message(e)
@@ -856,14 +856,22 @@ SpoolPaths = typer.Argument(..., help="Spool files (*.jsonl) or directories hold
 Quiet = typer.Option(False, "--quiet", "-q", help="No progress bar (there is none when stderr is not a terminal).")
 
 
-def _spool_files(spools: list[str]):
-    from auditor.trainer.spool import spool_files
+FollowSymlinks = typer.Option(
+    False, "--follow-symlinks",
+    help="Read spool files that are symbolic links (refused by default: a link may point anywhere, e.g. /etc/passwd).")
 
-    files = spool_files(spools)
-    missing = [str(p) for p in files if not p.is_file()]
-    if missing or not files:
-        raise UsageError(f"no such spool file: {', '.join(missing)}" if missing
-                         else f"no spool files (*.jsonl) in {' '.join(spools)}")
+
+def _spool_files(spools: list[str], follow_symlinks: bool = False, dead: list | None = None):
+    """The spool files of SPOOL... vetted (:func:`auditor.offline.vet_spools`): exit 2 naming
+    a missing file, a link, a file that is not a spool or not UTF-8 — and, for none at all,
+    the dead-letter files found there (``dead``) with --include-deadletter."""
+    from auditor.offline import vet_spools
+
+    files = vet_spools(spools, follow_symlinks=follow_symlinks)
+    if not files:
+        held = (f"; it holds only dead-letter files ({', '.join(f'{p} ({n})' for p, n in dead)}): retry them with "
+                "--include-deadletter" if dead else "")
+        raise UsageError(f"no spool files (*.jsonl) in {' '.join(spools)}{held}")
     return files
 
 
@@ -907,6 +915,7 @@ def import_spools(
         False, "--include-deadletter",
         help="Also retry the reports of the `.deadletter` files next to the spools; those delivered leave them."),
     timeout: float = Timeout,
+    follow_symlinks: bool = FollowSymlinks,
     quiet: bool = Quiet,
 ) -> None:
     """Upload trainer spools to a service: the files (one per rank) are merged so that each
@@ -917,19 +926,17 @@ def import_spools(
     refused (dead-lettered); 2: service unreachable (no answer within 3 × --timeout), or a
     wrong URL or token (401/403/404/405)."""
     url = _service_url(url)
-    from auditor.offline import upload
-    from auditor.trainer.spool import dead_letter_files, spool_files
+    from auditor.offline import upload, vet_spools
+    from auditor.trainer.spool import dead_letter_files
 
     dead = dead_letter_files(spools)
-    files = spool_files(spools) if include_deadletter and dead else _spool_files(spools)
-    missing = [str(p) for p in files if not p.is_file()]
-    if missing:
-        raise UsageError(f"no such spool file: {', '.join(missing)}")
+    files = (vet_spools(spools, follow_symlinks=follow_symlinks) if include_deadletter and dead
+             else _spool_files(spools, follow_symlinks, dead))
     with _spool_progress("import", quiet) as on_progress:
         try:
             counts = upload(files, url, token=token, batch_size=batch_size, restart=restart, timeout=timeout,
                             dead_letters=[p for p, _ in dead] if include_deadletter else (),
-                            on_progress=on_progress)
+                            on_progress=on_progress, follow_symlinks=follow_symlinks)
         except ConnectionError as e:  # unreachable, or a wrong URL/token: 2 (1 means refused reports)
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
@@ -970,6 +977,7 @@ def audit_spools(
     batch_size: int = typer.Option(10_000, min=1, max=100_000,
                                    help="Reports stored and audited per transaction (cut between steps); "
                                         "memory grows with it, not with the spools."),
+    follow_symlinks: bool = FollowSymlinks,
     quiet: bool = Quiet,
 ) -> None:
     """Audit trainer spools offline, with no service: the same engine and report as the service
@@ -977,10 +985,11 @@ def audit_spools(
     per rank) are merged and streamed in batches of whole steps: memory stays flat."""
     from auditor.offline import audit_offline
 
-    files = _spool_files(spools)
+    files = _spool_files(spools, follow_symlinks)
     with _spool_progress("audit", quiet) as on_progress:
         reports, counts = audit_offline(files, keep_database, run_id=run_id, bad_steps=bad_steps,
-                                        batch_size=batch_size, on_progress=on_progress)
+                                        batch_size=batch_size, on_progress=on_progress,
+                                        follow_symlinks=follow_symlinks)
     typer.echo(f"read {counts['reports']} report(s) from {counts['files']} file(s): {counts['stored']} stored, "
                f"{counts['duplicates']} duplicate(s), {counts['invalid']} invalid, "
                f"{counts['conflicting']} conflicting", err=True)
