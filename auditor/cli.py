@@ -206,7 +206,10 @@ def database_url_hint(url: str | None) -> str:
                 "path, four slashes in all); PostgreSQL is postgresql+psycopg://user@host/db")
     scheme, _, rest = url.partition("://")
     if scheme in ("postgres", "postgresql", "pgsql"):
-        return f" — SQLAlchemy spells PostgreSQL with its driver: postgresql+psycopg://{rest.split('@')[-1]}"
+        creds, at, host = rest.rpartition("@")
+        user, colon, _password = creds.partition(":")
+        shown = f"{user}{':***' if colon else ''}{at}{host}"  # the password is not repeated
+        return f" — SQLAlchemy spells PostgreSQL with its driver: postgresql+psycopg://{shown}"
     if scheme.startswith("sqlite") and not rest.startswith("/"):
         return f" — a SQLite URL is sqlite:/// then a path: sqlite:///{os.path.abspath(rest)}"
     if scheme.startswith("sqlite") and rest.startswith("/") and not rest.startswith("//") and rest[1:] != ":memory:":
@@ -534,7 +537,9 @@ def _find(util, module: str):
 def _console() -> Console:
     """A console for tables; when output is piped (CI logs), wide enough not to cut numbers."""
     console = Console()
-    return console if console.is_terminal else Console(width=160)
+    console = console if console.is_terminal else Console(width=160)
+    console.on_broken_pipe = _quiet_broken_pipe  # rich's own exits 1, which `check` reserves
+    return console
 
 
 @app.command()
