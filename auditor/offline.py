@@ -79,7 +79,12 @@ def vet_spools(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = Fa
             raise SpoolError(f"no such spool file: {p}")
         if not p.is_file():
             raise SpoolError(f"{p} is not a regular file: a spool is a file of JSON lines")
-        _sniff(p)
+        try:
+            _sniff(p)
+        except OSError as e:  # a read error names no file: name it
+            if e.filename is None:
+                raise type(e)(e.errno, e.strerror or str(e), str(p)) from e
+            raise
     return files
 
 
