@@ -12,6 +12,13 @@ breaks the service never blocks the others — but a report is dead-lettered onl
 service is demonstrably healthy for other input; a service that fails everything is an
 outage, waited out with the batch kept whole. Replays are safe because the service treats
 an identical re-send as a no-op.
+
+Nothing an answer holds is trusted: each POST is one exchange of
+:func:`auditor.bounded_http.exchange` — the whole answer within the client's timeout
+(:func:`exchange_seconds`) and :func:`answer_limit` bytes — and a batch counts as sent only
+on an ingest answer whose ``accepted`` and ``duplicates`` add up to it. Anything else — a
+2xx of HTML or of the wrong types, a redirect, an answer past its bound — is retried like an
+outage and marked ``foreign`` (the URL points at something that is not an auditor).
 """
 
 from __future__ import annotations
