@@ -19,6 +19,8 @@ name                            what it is
 ``masked_moments``              a rank's masked moments (the wire ``local`` block)
 ``Reader``                      read client for notebooks and CI (not for ranks): typed runs,
                                 reports, step history (:mod:`auditor.reader`)
+``ReaderError``, ``NotFoundError``  what a ``Reader`` call raises instead of a document (404:
+                                ``NotFoundError``), naming the URL and what was wrong
 ``set_topology``                declare the job's sizes and rank order (no Megatron, no mesh)
 ``set_device_mesh``             read coordinates from a torch ``DeviceMesh`` (torchtitan, FSDP2)
 ==============================  ==============================================================
@@ -45,6 +47,8 @@ _TRAINER_API = {
     "set_device_mesh": "auditor.trainer.mesh",
     # not run inside training ranks: the typed read client for notebooks and CI scripts
     "Reader": "auditor.reader",
+    "ReaderError": "auditor.reader",
+    "NotFoundError": "auditor.reader",
 }
 
 __all__ = sorted(_TRAINER_API)

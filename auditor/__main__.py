@@ -1,5 +1,5 @@
 """``python -m auditor`` is the ``auditor`` command."""
 
-from auditor.cli import app
+from auditor.cli import main
 
-app(prog_name="auditor")
+main()

@@ -13,6 +13,7 @@ from typing import Optional
 import typer
 from rich.console import Console
 
+from auditor import status as _status
 from auditor.config import DEFAULT_DATABASE_URL, Settings
 
 app = typer.Typer(help="Audit the statistics distributed trainers all-reduce across ranks.",
@@ -44,8 +45,14 @@ ServiceUrl = typer.Option(
 )
 Timeout = typer.Option(
     10.0, "--timeout", min=0.01,
-    help="Seconds to connect and for the service's first answer (a host that accepts connections and never "
-         "answers fails after this); once it answered, slow answers are waited for longer.")
+    help="Seconds for the service's first whole answer (connecting included: a host that accepts connections "
+         "and never answers, or trickles its answer, fails after this); once it answered, each request may take "
+         "max(--timeout, 60) s in all, and the command 600 s waiting on the service.")
+
+#: Seconds one command may spend waiting on the service in all (every request of it).
+COMMAND_SECONDS = 600.0
+#: Seconds each request after the first (the service's ``/healthz``) may take in all, at least.
+READ_SECONDS = 60.0
 
 
 def _header_token(value: str | None) -> str | None:
@@ -86,6 +93,10 @@ class Format(str, Enum):
     json = "json"
 
 
+#: A run's status (:data:`auditor.status.STATUSES`, worst first), as ``--status`` takes it.
+RunStatus = Enum("RunStatus", {s: s for s in _status.STATUSES}, type=str)
+
+
 class ReportFormat(str, Enum):
     table = "table"
     json = "json"
@@ -122,23 +133,26 @@ def _errors_as_exit_2(fn):
     import sqlalchemy as sa
     from alembic.util.exc import CommandError
 
-    from auditor.offline_reader import SpoolReaderError
+    from auditor.offline_reader import SpoolError, SpoolReaderError
     from auditor.reader import ReaderError
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except (UsageError, SpoolReaderError) as e:
+        except BrokenPipeError:  # `auditor ... | head`: the reader left; end quietly, as CLI tools do
+            _quiet_broken_pipe()
+        except (UsageError, SpoolReaderError, SpoolError) as e:
             msg = str(e)
         except (ReaderError, httpx.HTTPError, httpx.InvalidURL) as e:
             msg = http_error_message(e)
         except OSError as e:  # a file that cannot be read or written: permissions, I/O error, disk full
             msg = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else f"{type(e).__name__}: {e}"
         except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ModuleNotFoundError) as e:
-            msg = f"bad database URL: {e}"
+            msg = f"bad database URL: {e}{database_url_hint(kwargs.get('database_url') or kwargs.get('keep_database'))}"
         except sa.exc.OperationalError as e:
-            msg = f"cannot reach the database: {str(e.orig or e).strip().splitlines()[0]}"
+            msg = (f"cannot reach the database: {str(e.orig or e).strip().splitlines()[0]}"
+                   f"{database_url_hint(kwargs.get('database_url'))}")
         except CommandError as e:
             msg = f"migration: {e}"
         except (typer.Exit, typer.Abort, KeyboardInterrupt, SystemExit):
@@ -152,6 +166,68 @@ def _errors_as_exit_2(fn):
         raise typer.Exit(2)
 
     return wrapper
+
+
+#: Exit status after stdout was closed by its reader (``| head``): 128 + SIGPIPE, what a
+#: tool killed by SIGPIPE gives.
+BROKEN_PIPE_EXIT = 141
+
+
+def _quiet_broken_pipe() -> None:
+    """Stdout's reader left: point stdout at /dev/null (so the interpreter's last flush
+    says nothing) and exit :data:`BROKEN_PIPE_EXIT`, with no message."""
+    import sys
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+    raise SystemExit(BROKEN_PIPE_EXIT)
+
+
+def main() -> None:
+    """The ``auditor`` console script: the typer app, and a closed stdout (``auditor runs |
+    head``, ``--help | head``) ends it quietly (:data:`BROKEN_PIPE_EXIT`)."""
+    try:
+        app(prog_name="auditor")
+    except BrokenPipeError:
+        _quiet_broken_pipe()
+
+
+def database_url_hint(url: str | None) -> str:
+    """What the right form of a database URL is, for the mistakes people make (a bare path,
+    ``postgres://``, ``sqlite:///`` with a relative path — three slashes then a path relative
+    to the current directory, four for an absolute one); empty when ``url`` is none of them."""
+    url = (url if url is not None else os.environ.get("AUDITOR_DATABASE_URL") or DEFAULT_DATABASE_URL).strip()
+    if "://" not in url:
+        path = os.path.abspath(os.path.expanduser(url))
+        return (f" — {url!r} is a path, not a URL: a SQLite file is sqlite:///{path} (sqlite:/// then the absolute "
+                "path, four slashes in all); PostgreSQL is postgresql+psycopg://user@host/db")
+    scheme, _, rest = url.partition("://")
+    if scheme in ("postgres", "postgresql", "pgsql"):
+        creds, at, host = rest.rpartition("@")
+        user, colon, _password = creds.partition(":")
+        shown = f"{user}{':***' if colon else ''}{at}{host}"  # the password is not repeated
+        return f" — SQLAlchemy spells PostgreSQL with its driver: postgresql+psycopg://{shown}"
+    if scheme.startswith("sqlite") and not rest.startswith("/"):
+        return f" — a SQLite URL is sqlite:/// then a path: sqlite:///{os.path.abspath(rest)}"
+    if scheme.startswith("sqlite") and rest.startswith("/") and not rest.startswith("//") and rest[1:] != ":memory:":
+        return (f" — sqlite:///{rest[1:]} is relative to the current directory ({os.path.abspath(rest[1:])}); an "
+                f"absolute path takes four slashes: sqlite:////{rest[1:].lstrip('/')}")
+    return ""
+
+
+def database_shown(url: str) -> str:
+    """``url`` as ``auditor serve`` names it at start-up: password hidden, a relative SQLite
+    path made absolute (the default ``./auditor.db`` is the current directory's)."""
+    import sqlalchemy as sa
+
+    u = sa.make_url(url)
+    if u.get_backend_name() == "sqlite" and u.database and u.database != ":memory:" \
+            and not u.database.startswith("file:"):
+        u = u.set(database=os.path.abspath(os.path.expanduser(u.database)))
+    return u.render_as_string(hide_password=True)
 
 
 #: What to check after an HTTP error status, by status.
@@ -169,6 +245,9 @@ def http_error_message(exc: BaseException, timeout: float | None = None) -> str:
 
     from auditor.reader import ReaderError
 
+    if isinstance(exc, ReaderError) and (exc.what is not None or exc.status is None):
+        return str(exc) + (" — --timeout sets the first wait" if exc.status is None and "no whole answer" in str(exc)
+                           else "")
     if isinstance(exc, (ReaderError, httpx.HTTPStatusError)):
         if isinstance(exc, ReaderError):
             where, status, problem = exc.url, exc.status, exc.problem
@@ -195,11 +274,16 @@ def _reach(url: str, timeout: float) -> None:
     /healthz`` (open even with tokens) must answer within ``timeout`` seconds, and not 404."""
     import httpx
 
+    from auditor import bounded_http
+
     try:
-        r = httpx.get(f"{url}/healthz", timeout=timeout)
+        with bounded_http.client(timeout=timeout) as http:
+            r = bounded_http.exchange(http, "GET", f"{url}/healthz", max_bytes=64 << 10, seconds=timeout)
+    except bounded_http.BadAnswer as e:
+        raise UsageError(f"{url} is not an auditor service: GET {url}/healthz answered {e}") from None
     except httpx.HTTPError as e:
         raise UsageError(http_error_message(e, timeout)) from None
-    if r.status_code == 404:
+    if r.status == 404:
         raise UsageError(f"{url} is not an auditor service's base URL (GET {url}/healthz answered 404); pass "
                          "e.g. --url http://host:8000")
 
@@ -236,7 +320,8 @@ def _require_existing_sqlite(url: str) -> None:
 
         path = Path(u.database).expanduser()
         if not path.is_file():
-            raise UsageError(f"no auditor database at {u.database} (pass --database-url or --url)")
+            raise UsageError(f"no auditor database at {u.database} (pass --database-url or --url)"
+                             f"{database_url_hint(url)}")
         if path.stat().st_size == 0:  # SQLite would write its header into it on connecting
             raise UsageError(f"no auditor database at {u.database} (an empty file; pass --database-url or --url)")
 
@@ -257,18 +342,24 @@ def _ensure_schema(database_url: str) -> None:
 
 class ReportSource:
     """Where ``report``, ``check`` and ``runs`` read from: a running service over HTTP
-    (``--url``) or the service's flows on a local database (:class:`auditor.service.Service`).
-    Both give the same JSON; an unknown run raises :class:`UsageError`."""
+    (``--url``, through :class:`auditor.reader.Reader`: every answer bounded in size, each
+    request in time, the command to :data:`COMMAND_SECONDS` waiting on the service) or the
+    service's flows on a local database (:class:`auditor.service.Service`). Both give the
+    same JSON; an unknown run raises :class:`UsageError`."""
 
     def __init__(self, url: str | None, database_url: str | None, token: str | None = None, timeout: float = 10.0):
         self.url = _service_url(url)
         self.token = token
-        self.headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._service = None
-        #: once the service answered /healthz: long reads (a large run's report takes a while)
-        self.read_timeout = max(timeout, 60.0)
+        self._reader = None
+        #: once the service answered /healthz: longer requests (a large run's report takes a while)
+        self.read_timeout = max(timeout, READ_SECONDS)
+        self._ends = time.monotonic() + COMMAND_SECONDS
         if self.url is not None:
             _reach(self.url, timeout)
+            from auditor.reader import Reader
+
+            self._reader = Reader(self.url, token, timeout=self.read_timeout, deadline=COMMAND_SECONDS)
         else:
             from auditor.db.engine import current_revision, make_engine
             from auditor.service import Service
@@ -287,40 +378,46 @@ class ReportSource:
     def __exit__(self, *exc) -> None:
         if self._service is not None:
             self._service.close()
+        if self._reader is not None:
+            self._reader.close()
+
+    def reader(self):
+        """The Reader, its per-call deadline what is left of the command's."""
+        left = self._ends - time.monotonic()
+        if left <= 0:
+            raise UsageError(f"the command took longer than {COMMAND_SECONDS:g} s waiting on {self.url}; stopped")
+        self._reader.deadline = left
+        return self._reader
 
     def report(self, run_id: str, bad_steps: int, rank_rows: int | None = None) -> dict:
         """``GET /v1/runs/{run_id}/report`` (``rank_rows``: rows of each bad step's per-rank
         table; the service's default when None)."""
         extra = {} if rank_rows is None else {"rank_rows": rank_rows}
-        return self._run_call(run_id, "GET", "/report",
-                              lambda s: s.report(run_id, bad_steps_limit=bad_steps, **extra),
-                              params={"bad_steps": bad_steps, **extra}, timeout=self.read_timeout)
+        return self._run_call(run_id, lambda r: r.report_json(run_id, bad_steps=bad_steps, rank_rows=rank_rows),
+                              lambda s: s.report(run_id, bad_steps_limit=bad_steps, **extra))
 
-    def _run_call(self, run_id: str, method: str, path: str, local, **http) -> dict:
-        """``method /v1/runs/{run_id}{path}`` over HTTP, or ``local(service)``; an unknown run
-        (404, :class:`auditor.service.NotFound`) raises :class:`UsageError` naming it, and so
-        does a RUN_ID no run can have (``big1?x=1``, ``big1/report?``: in the URL they
-        addressed run ``big1``, whose status ``check`` then reported as theirs)."""
-        from urllib.parse import quote
-
+    def _run_call(self, run_id: str, remote, local) -> dict:
+        """``remote(reader)`` over HTTP, or ``local(service)``; an unknown run (404,
+        :class:`auditor.service.NotFound`) raises :class:`UsageError` naming it, and so does a
+        RUN_ID no run can have (``big1?x=1``, ``big1/report?``: in the URL they addressed run
+        ``big1``, whose status ``check`` then reported as theirs)."""
         from auditor.trainer.settings import is_wire_run_id
 
         if not is_wire_run_id(run_id):
             raise UsageError(f"{run_id!r} is not a run id: a run id is 1 to 128 of A-Z a-z 0-9 . _ : - "
                              "(not only dots)")
         if self._service is None:
-            import httpx
+            from auditor.reader import NotFoundError
 
-            r = httpx.request(method, f"{self.url}/v1/runs/{quote(run_id, safe='')}{path}", headers=self.headers,
-                              **http)
-            if r.status_code == 404:
-                listing = httpx.get(f"{self.url}/v1/runs", params={"limit": 1}, headers=self.headers,
-                                    timeout=self.read_timeout)
-                if listing.status_code == 404:  # no API under this URL: not a missing run
-                    raise UsageError(f"{self.url} is not an auditor service's base URL ({r.request.url} and "
-                                     f"{listing.request.url} answered 404); pass e.g. --url http://host:8000")
-                raise UsageError(f"run {run_id!r} not found at {self.url}")
-            return r.raise_for_status().json()
+            try:
+                return remote(self.reader())
+            except NotFoundError as e:
+                try:
+                    self.reader()._get("/v1/runs", {"limit": 1})
+                except NotFoundError:  # no API under this URL: not a missing run
+                    raise UsageError(f"{self.url} is not an auditor service's base URL ({e.url} and {self.url}/v1/runs "
+                                     "answered 404); pass e.g. --url http://host:8000") from None
+                raise UsageError(f"run {run_id!r} not found at {self.url}") from None
         from auditor.service import NotFound
 
         try:
@@ -332,13 +429,14 @@ class ReportSource:
     def report_json(self, run_id: str, *, bad_steps: int = 20) -> dict:
         return self.report(run_id, bad_steps)
 
-    def steps_json(self, run_id: str, statistic: str):
-        if self._service is None:
-            from auditor.reader import Reader
-            from auditor.web import PAGE_STEPS
+    def steps_json(self, run_id: str, statistic: str, *, verdict: str | None = None, page_size: int | None = None):
+        from auditor.web import PAGE_STEPS
 
-            with Reader(self.url, self.token, timeout=self.read_timeout) as reader:
-                yield from reader.steps_json(run_id, statistic, page_size=PAGE_STEPS)
+        if self._service is None:
+            yield from self.reader().steps_json(run_id, statistic, verdict=verdict, page_size=page_size or PAGE_STEPS)
+            return
+        if verdict is not None:
+            yield from self._service.steps(run_id, statistic, verdict=verdict, limit=page_size or 1000)["steps"]
             return
         from auditor.service import PageReads
 
@@ -347,27 +445,73 @@ class ReportSource:
     def step_json(self, run_id: str, statistic: str, step: int, *, limit: int | None = None,
                   after: tuple[int, int] | None = None) -> dict:
         if self._service is None:
-            from auditor.reader import Reader
-
-            with Reader(self.url, self.token, timeout=self.read_timeout) as reader:
-                return reader.step_json(run_id, statistic, step, limit=limit, after=after)
+            return self.reader().step_json(run_id, statistic, step, limit=limit, after=after)
         from auditor.service import PageReads
 
         return PageReads(self._service).step_json(run_id, statistic, step, limit=limit, after=after)
 
-    def runs(self) -> list[dict]:
-        """Every run of ``GET /v1/runs`` (all pages), newest first."""
+    def runs(self, status: str | None = None) -> list[dict]:
+        """Every run of ``GET /v1/runs`` (all pages; ``status``: of that status only), newest first."""
         if self._service is None:
-            from auditor.reader import Reader
-
-            with Reader(self.url, self.token, timeout=self.read_timeout) as reader:
-                return list(reader.runs_json(page_size=1000))
-        return self._service.list_runs()
+            return list(self.reader().runs_json(status=status, page_size=1000))
+        return self._service.list_runs(status=status)
 
     def delete(self, run_id: str, chunk_rows: int) -> dict:
-        """``DELETE /v1/runs/{run_id}``."""
-        return self._run_call(run_id, "DELETE", "", lambda s: s.delete_run(run_id, chunk_rows=chunk_rows),
-                              timeout=600)
+        """``DELETE /v1/runs/{run_id}``: the counts of what was deleted."""
+        return self._run_call(run_id, lambda r: self._delete_remote(run_id),
+                              lambda s: s.delete_run(run_id, chunk_rows=chunk_rows))
+
+    def _delete_remote(self, run_id: str) -> dict:
+        from urllib.parse import quote
+
+        from auditor import bounded_http
+        from auditor.reader import NotFoundError, ReaderError
+
+        where = f"{self.url}/v1/runs/{quote(run_id, safe='')}"
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        with bounded_http.client(timeout=DELETE_SECONDS, headers=headers) as http:
+            answer = bounded_http.exchange(http, "DELETE", where, max_bytes=64 << 10,
+                                           seconds=min(DELETE_SECONDS, max(self._ends - time.monotonic(), 0.0)))
+        try:
+            doc = json.loads(answer.body)
+        except (ValueError, RecursionError):
+            doc = None
+        if answer.status >= 300:
+            raise (NotFoundError if answer.status == 404 else ReaderError)(answer.status, doc or answer.text[:300],
+                                                                           where)
+        if not (isinstance(doc, dict) and all(type(doc.get(k)) is int for k in ("reports", "steps", "statistics"))):
+            raise ReaderError(answer.status, None, where, f"HTTP {answer.status} but not what a deletion answers "
+                                                          f"(counts of reports, steps, statistics): "
+                                                          f"{answer.text[:120]!r}")
+        return doc
+
+    def pending_lines(self, report: dict) -> list[str]:
+        """For each statistic with steps still pending, the first such step: how many of
+        its reports arrived and which ranks have not reported (from that step's rank rows;
+        the ranks of a world with no placement, 0 to world_size − 1)."""
+        from auditor.core import ranks_text
+
+        lines = []
+        world = report.get("world_size")
+        for stat in report.get("statistics") or []:
+            if not stat.get("steps_pending"):
+                continue
+            name = stat["statistic"]
+            first = next(iter(self.steps_json(report["run_id"], name, verdict="pending", page_size=1)), None)
+            if first is None:
+                continue
+            detail = self.step_json(report["run_id"], name, first["step"])
+            reported = {row["rank"] for row in detail.get("ranks") or []}
+            missing = sorted(set(range(world)) - reported) if isinstance(world, int) and world <= 1 << 20 else []
+            got = f"{first.get('reports')} of {first.get('expected')} report(s)"
+            lines.append(f"{report['run_id']}: {name} step {first['step']} has {got}: "
+                         + (f"{ranks_text(missing)} not reported yet" if missing else
+                            f"{ranks_text(reported)} reported, some microbatches still missing"))
+        return lines
+
+
+#: Seconds ``auditor runs delete`` waits for the service's answer (a large run takes a while).
+DELETE_SECONDS = 600.0
 
 
 def _require_torch() -> None:
@@ -393,7 +537,9 @@ def _find(util, module: str):
 def _console() -> Console:
     """A console for tables; when output is piped (CI logs), wide enough not to cut numbers."""
     console = Console()
-    return console if console.is_terminal else Console(width=160)
+    console = console if console.is_terminal else Console(width=160)
+    console.on_broken_pipe = _quiet_broken_pipe  # rich's own exits 1, which `check` reserves
+    return console
 
 
 @app.command()
@@ -433,6 +579,8 @@ def serve(
     except BaseException:
         sock.close()
         raise
+    # which database: the default ./auditor.db is the current directory's (started elsewhere, another one)
+    typer.echo(f"auditor serve: database {database_shown(settings.database_url)}", err=True)
     run_server(host, port, workers=workers, log_level=log_level, sock=sock)
 
 
@@ -469,13 +617,6 @@ def db_current(database_url: Optional[str] = DatabaseUrl) -> None:
     engine.dispose()
 
 
-def _fetch_report(run_id: str, url: str | None, database_url: str | None, bad_steps: int,
-                  token: str | None = None, timeout: float = 10.0, rank_rows: int | None = None) -> dict:
-    """The report of RUN_ID from a service (``--url``) or the local database."""
-    with ReportSource(url, database_url, token, timeout) as source:
-        return source.report(run_id, bad_steps, rank_rows)
-
-
 @app.command()
 @_errors_as_exit_2
 def report(
@@ -498,13 +639,18 @@ def report(
     if format is ReportFormat.html:
         typer.echo(_report_html(run_id, url, database_url, bad_steps, token, timeout), nl=False)
         return
-    data = _fetch_report(run_id, url, database_url, bad_steps, token, timeout, rank_rows)
+    with ReportSource(url, database_url, token, timeout) as source:
+        data = source.report(run_id, bad_steps, rank_rows)
+        pending = source.pending_lines(data) if format is ReportFormat.table else []
     if format is ReportFormat.json:
         typer.echo(json.dumps(data, indent=2))
         return
     from auditor.render import render_report
 
-    render_report(data, _console())
+    console = _console()
+    render_report(data, console)
+    for line in pending:  # which ranks a pending step waits for
+        console.print(f"[yellow]pending:[/] {line}", highlight=False)
 
 
 def _report_html(run_id: str, url: str | None, database_url: str | None, bad_steps: int,
@@ -547,9 +693,12 @@ def check(
 
     run_id = _which_run(run_id, url, database_url, token, timeout)
     # the verdict needs no per-rank table (rank_rows=0: no step re-audited, whatever the world)
-    data = _fetch_report(run_id, url, database_url, bad_steps=20, token=token, timeout=timeout, rank_rows=0)
-    passed, lines = status.check(data, allow_incomplete=allow_incomplete, allow_refused=allow_refused,
-                                 min_steps=min_steps, allow_pending=allow_pending, allow_unverified=allow_unverified)
+    with ReportSource(url, database_url, token, timeout) as source:
+        data = source.report(run_id, bad_steps=20, rank_rows=0)
+        passed, lines = status.check(data, allow_incomplete=allow_incomplete, allow_refused=allow_refused,
+                                     min_steps=min_steps, allow_pending=allow_pending,
+                                     allow_unverified=allow_unverified)
+        lines += source.pending_lines(data)  # which ranks a pending step waits for
     for line in lines:
         typer.echo(line)
     if not passed:
@@ -597,11 +746,26 @@ def runs_delete(
     token: Optional[str] = typer.Option(None, "--token", envvar="AUDITOR_TOKEN", callback=_header_token,
                                       help="Bearer token (writes)."),
     chunk_rows: int = typer.Option(5000, min=1, help="Reports deleted per transaction (database mode)."),
+    yes: bool = typer.Option(False, "--yes", "-y", help="Delete without asking (scripts; needed when stdin is not a "
+                                                        "terminal)."),
     timeout: float = Timeout,
 ) -> None:
     """Delete RUN_ID with its reports, verdicts and faults, in bounded transactions (other
-    runs keep being ingested). Exit 2 if the run does not exist."""
+    runs keep being ingested). Asks first, naming what goes (--yes: no question). Exit 2 if
+    the run does not exist, or when asked with no terminal to answer and no --yes."""
+    import sys
+
     with ReportSource(url, database_url, token, timeout) as source:
+        if not yes:
+            data = source.report(run_id, bad_steps=0, rank_rows=0)  # exit 2 for an unknown run, before asking
+            what = (f"run {run_id} ({len(data.get('statistics') or [])} statistic(s), "
+                    f"{sum(int(st.get('steps_audited') or 0) for st in data.get('statistics') or [])} audited "
+                    f"step(s), status {data.get('status')}) from {source.url or _db_url(database_url)}")
+            if not sys.stdin.isatty():
+                raise UsageError(f"not deleting {what}: no terminal to confirm on; pass --yes")
+            if not typer.confirm(f"Delete {what}, with its reports and verdicts?", default=False):
+                typer.echo("nothing deleted")
+                raise typer.Exit(1)
         counts = source.delete(run_id, chunk_rows)
     typer.echo(f"deleted run {run_id}: {counts['reports']} report(s), {counts['steps']} step(s), "
                f"{counts['statistics']} statistic(s)")
@@ -610,12 +774,18 @@ def runs_delete(
 @runs_app.callback()
 @_errors_as_exit_2
 def runs(ctx: typer.Context, url: Optional[str] = ServiceUrl, database_url: Optional[str] = DatabaseUrl,
+         status: Optional[RunStatus] = typer.Option(None, "--status", help="Only runs of this status."),
+         format: Format = typer.Option(Format.table, "--format", "-f",
+                                       help="table, or json (the runs of GET /v1/runs, every page, as one list)."),
          token: Optional[str] = ReadToken, timeout: float = Timeout) -> None:
-    """List runs with their topology and audit counts."""
+    """List runs with their status, topology and audit counts, newest first."""
     if ctx.invoked_subcommand is not None:
         return
     with ReportSource(url, database_url, token, timeout) as source:
-        data = source.runs()
+        data = source.runs(status=status.value if status is not None else None)
+    if format is Format.json:
+        typer.echo(json.dumps(data, indent=2))
+        return
     from rich.table import Table
 
     from rich.table import Column
@@ -695,14 +865,22 @@ SpoolPaths = typer.Argument(..., help="Spool files (*.jsonl) or directories hold
 Quiet = typer.Option(False, "--quiet", "-q", help="No progress bar (there is none when stderr is not a terminal).")
 
 
-def _spool_files(spools: list[str]):
-    from auditor.trainer.spool import spool_files
+FollowSymlinks = typer.Option(
+    False, "--follow-symlinks",
+    help="Read spool files that are symbolic links (refused by default: a link may point anywhere, e.g. /etc/passwd).")
 
-    files = spool_files(spools)
-    missing = [str(p) for p in files if not p.is_file()]
-    if missing or not files:
-        raise UsageError(f"no such spool file: {', '.join(missing)}" if missing
-                         else f"no spool files (*.jsonl) in {' '.join(spools)}")
+
+def _spool_files(spools: list[str], follow_symlinks: bool = False, dead: list | None = None):
+    """The spool files of SPOOL... vetted (:func:`auditor.offline.vet_spools`): exit 2 naming
+    a missing file, a link, a file that is not a spool or not UTF-8 — and, for none at all,
+    the dead-letter files found there (``dead``) with --include-deadletter."""
+    from auditor.offline import vet_spools
+
+    files = vet_spools(spools, follow_symlinks=follow_symlinks)
+    if not files:
+        held = (f"; it holds only dead-letter files ({', '.join(f'{p} ({n})' for p, n in dead)}): retry them with "
+                "--include-deadletter" if dead else "")
+        raise UsageError(f"no spool files (*.jsonl) in {' '.join(spools)}{held}")
     return files
 
 
@@ -746,6 +924,7 @@ def import_spools(
         False, "--include-deadletter",
         help="Also retry the reports of the `.deadletter` files next to the spools; those delivered leave them."),
     timeout: float = Timeout,
+    follow_symlinks: bool = FollowSymlinks,
     quiet: bool = Quiet,
 ) -> None:
     """Upload trainer spools to a service: the files (one per rank) are merged so that each
@@ -756,19 +935,17 @@ def import_spools(
     refused (dead-lettered); 2: service unreachable (no answer within 3 × --timeout), or a
     wrong URL or token (401/403/404/405)."""
     url = _service_url(url)
-    from auditor.offline import upload
-    from auditor.trainer.spool import dead_letter_files, spool_files
+    from auditor.offline import upload, vet_spools
+    from auditor.trainer.spool import dead_letter_files
 
     dead = dead_letter_files(spools)
-    files = spool_files(spools) if include_deadletter and dead else _spool_files(spools)
-    missing = [str(p) for p in files if not p.is_file()]
-    if missing:
-        raise UsageError(f"no such spool file: {', '.join(missing)}")
+    files = (vet_spools(spools, follow_symlinks=follow_symlinks) if include_deadletter and dead
+             else _spool_files(spools, follow_symlinks, dead))
     with _spool_progress("import", quiet) as on_progress:
         try:
             counts = upload(files, url, token=token, batch_size=batch_size, restart=restart, timeout=timeout,
                             dead_letters=[p for p, _ in dead] if include_deadletter else (),
-                            on_progress=on_progress)
+                            on_progress=on_progress, follow_symlinks=follow_symlinks)
         except ConnectionError as e:  # unreachable, or a wrong URL/token: 2 (1 means refused reports)
             typer.echo(f"error: {e}", err=True)
             raise typer.Exit(2) from None
@@ -811,6 +988,7 @@ def audit_spools(
     batch_size: int = typer.Option(10_000, min=1, max=100_000,
                                    help="Reports stored and audited per transaction (cut between steps); "
                                         "memory grows with it, not with the spools."),
+    follow_symlinks: bool = FollowSymlinks,
     quiet: bool = Quiet,
 ) -> None:
     """Audit trainer spools offline, with no service: the same engine and report as the service
@@ -818,10 +996,11 @@ def audit_spools(
     per rank) are merged and streamed in batches of whole steps: memory stays flat."""
     from auditor.offline import audit_offline
 
-    files = _spool_files(spools)
+    files = _spool_files(spools, follow_symlinks)
     with _spool_progress("audit", quiet) as on_progress:
         reports, counts = audit_offline(files, keep_database, run_id=run_id, bad_steps=bad_steps,
-                                        batch_size=batch_size, on_progress=on_progress)
+                                        batch_size=batch_size, on_progress=on_progress,
+                                        follow_symlinks=follow_symlinks)
     typer.echo(f"read {counts['reports']} report(s) from {counts['files']} file(s): {counts['stored']} stored, "
                f"{counts['duplicates']} duplicate(s), {counts['invalid']} invalid, "
                f"{counts['conflicting']} conflicting", err=True)

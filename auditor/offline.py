@@ -30,11 +30,12 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import httpx
 
+from auditor import bounded_http
 from auditor.db.engine import ensure_schema, make_engine
 from auditor.schemas import parse_report_batch
 from auditor.service import ConflictError, LimitError, NotFound, Service
 from auditor.trainer.delivery import CONFIGURATION_ERRORS, DeliveryError, Outcome, deliver
-from auditor.offline_reader import BODY_HEAD, BODY_TAIL, Batch, local_batches, piped_batches
+from auditor.offline_reader import BODY_HEAD, BODY_TAIL, Batch, SpoolError, local_batches, piped_batches
 from auditor.trainer.spool import MAX_LINE_BYTES, SpoolReader, append_lines, dead_letter_path, read_offset, spool_files, write_offset
 
 log = logging.getLogger("auditor.spool")
@@ -45,13 +46,96 @@ Progress = Callable[[int, int, int], None]
 
 
 class ServiceConfigError(ConnectionError):
-    """The service answered as a wrong URL or token would (401/403/404/405)."""
+    """The service answered as a wrong URL or token would (401/403/404/405), or not as an
+    auditor at all (a 2xx that is no ingest answer, a redirect, an answer over the bound)."""
+
+
+#: Longest spool line :func:`upload` and :func:`audit_offline` decode or send, bytes: the
+#: largest valid report (``group_ranks`` of 65,536 ranks, ≈ 460 KB) fits. A longer line is
+#: refused before it is parsed (counted, named, left in the spool).
+MAX_REPORT_LINE_BYTES = 1 << 20
+#: A file none of whose first lines (this many, or :data:`SNIFF_BYTES`) is a valid report
+#: is not a spool: refused before anything of it is sent or stored.
+SNIFF_LINES = 1000
+SNIFF_BYTES = 4 << 20
+
+
+def vet_spools(paths: Iterable[str | os.PathLike], *, follow_symlinks: bool = False) -> list[Path]:
+    """The spool files of ``paths`` (files as given, directories' ``*.jsonl``), each checked
+    before anything is read for real. Raises :class:`SpoolError`, in one line naming the
+    file, for: a symbolic link (not followed unless ``follow_symlinks``: a ``rank0.jsonl``
+    link to ``/etc/passwd`` was posted and copied into a dead-letter file), anything but a
+    regular file, a file that is not UTF-8 (a UTF-16/32 byte-order mark, NUL bytes, bytes
+    that no UTF-8 text holds — named with the offset), and a file none of whose first
+    :data:`SNIFF_LINES` lines (at most :data:`SNIFF_BYTES`) is a valid report (random
+    bytes, a log, two million ``{}``). An empty file passes (nothing to do). Reads at most
+    :data:`SNIFF_BYTES` plus one line of each file."""
+    files = spool_files(paths)
+    for p in files:
+        if p.is_symlink() and not follow_symlinks:
+            raise SpoolError(f"{p} is a symbolic link (to {os.readlink(p)}): not followed; pass --follow-symlinks to "
+                             "read what it points to")
+        if not p.exists():
+            raise SpoolError(f"no such spool file: {p}")
+        if not p.is_file():
+            raise SpoolError(f"{p} is not a regular file: a spool is a file of JSON lines")
+        try:
+            _sniff(p)
+        except OSError as e:  # a read error names no file: name it
+            if e.filename is None:
+                raise type(e)(e.errno, e.strerror or str(e), str(p)) from e
+            raise
+    return files
+
+
+_BOMS = {b"\xff\xfe\x00\x00": "UTF-32", b"\x00\x00\xfe\xff": "UTF-32", b"\xff\xfe": "UTF-16",
+         b"\xfe\xff": "UTF-16", b"\xef\xbb\xbf": "UTF-8 with a byte-order mark"}
+
+
+def _sniff(path: Path) -> None:
+    """:func:`vet_spools` of one file."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+        for bom, name in _BOMS.items():
+            if head.startswith(bom):
+                raise SpoolError(f"{path} is {name} text (its byte-order mark), not a spool: a spool is UTF-8 JSON "
+                                 "lines, as the trainer writes it")
+        f.seek(0)
+        seen = read = 0
+        while seen < SNIFF_LINES and read < SNIFF_BYTES:
+            line = f.readline(MAX_REPORT_LINE_BYTES + 1)
+            if not line:
+                if not seen:
+                    return  # empty, or only blank lines, or one torn line: nothing to refuse
+                break
+            at, read = read, read + len(line)
+            if (nul := line.find(b"\x00")) >= 0:
+                raise SpoolError(f"{path} holds NUL bytes (byte {at + nul:,}), not a spool: a spool "
+                                 "is UTF-8 JSON lines (UTF-16 or binary data?)")
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise SpoolError(f"{path} is not UTF-8 (byte {at + e.start:,} is {line[e.start:e.start + 1]!r}), not a "
+                                 "spool: a spool is UTF-8 JSON lines") from None
+            if not line.endswith(b"\n") or not line.strip():
+                if len(line) > MAX_REPORT_LINE_BYTES:  # skip the rest of a line too long to be a report
+                    while (more := f.readline(1 << 20)) and not more.endswith(b"\n"):
+                        read += len(more)
+                    read += len(more)
+                    seen += 1
+                continue
+            seen += 1
+            reports, _errors, n = parse_report_batch(BODY_HEAD + line.strip() + BODY_TAIL, 1)
+            if reports is not None and n == 1:
+                return
+    raise SpoolError(f"{path} is not a spool: none of its first {seen:,} line(s) ({read:,} bytes) is a valid report; "
+                     "nothing of it was read further")
 
 
 def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = None, batch_size: int = 10_000,
            timeout: float = 10.0, read_timeout: float = 120.0, unreachable_after: float | None = None,
            max_attempts: int = 8, restart: bool = False, dead_letters: Sequence[str | os.PathLike] = (),
-           on_progress: Progress | None = None) -> dict[str, Any]:
+           on_progress: Progress | None = None, follow_symlinks: bool = False) -> dict[str, Any]:
     """Upload spool files to the service at ``url`` (``auditor import``). Resumable and idempotent.
 
     The files are read from their offset sidecars for this destination (``restart`` ignores
@@ -75,6 +159,14 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
     ``unreachable_after`` (default ``3 * timeout``): when no request got any HTTP answer for
     that long, give up (a host that accepts connections and never answers).
 
+    Only an ingest answer adding up to the batch (:func:`auditor.trainer.delivery.post_lines`)
+    delivers it and advances the sidecars; an answer that is not an auditor's (a junk 200, a
+    redirect, one over the bound) is a :class:`ServiceConfigError` at once, nothing
+    advanced. The files are vetted first (:func:`vet_spools`, ``follow_symlinks``); a
+    sidecar offset past the end of its file (the file was truncated or replaced) is a
+    :class:`SpoolError` (``restart`` sends it whole). Lines over
+    :data:`MAX_REPORT_LINE_BYTES` are not sent: counted rejected, named, left in the spool.
+
     ``on_progress(done_bytes, total_bytes, reports_sent)`` is called after every batch.
     Returns counters ``files``, ``sent`` (delivered), ``duplicates`` (of those, already
     stored: an identical re-send), ``rejected``, ``retries``, ``skipped`` (spool files
@@ -90,11 +182,11 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
     counts: dict[str, Any] = dict.fromkeys(("files", "sent", "duplicates", "rejected", "retries", "skipped"), 0)
     counts["dead_lettered"] = defaultdict(int)
     url = url.rstrip("/")
-    spools = spool_files(paths)
+    spools = vet_spools(paths, follow_symlinks=follow_symlinks)
     counts["files"] = len(spools)
     retried = [Path(p) for p in dead_letters]
     files = spools + retried
-    starts = [0 if restart else min(read_offset(p, url), p.stat().st_size) for p in spools] + [0] * len(retried)
+    starts = [0 if restart else _resume_at(p, url) for p in spools] + [0] * len(retried)
     counts["skipped"] = sum(1 for p, st in zip(spools, starts) if st and st >= p.stat().st_size)
     reader = SpoolReader(files, starts)
     written = list(starts)  # offset recorded in each spool's sidecar
@@ -113,8 +205,10 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
 
     def on_retry(out: Outcome, _failures: int) -> None:
         if out.status in CONFIGURATION_ERRORS:
-            raise ServiceConfigError(f"{url}/v1/reports answered {out.message[:300]}: check --url and "
-                                     "--token; nothing was imported from this batch")
+            raise ServiceConfigError(f"{out.message}: check --url and --token; nothing was imported from this batch")
+        if out.foreign:
+            raise ServiceConfigError(f"{out.message} — is --url an auditor service's base URL? Nothing of this batch "
+                                     "counts as imported; the .offset sidecars are unchanged")
         counts["retries"] += 1
         if out.status is not None:
             on_answer()
@@ -153,14 +247,21 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
     if on_progress:
         on_progress(reader.done_bytes(), total, 0)
     try:
-        with httpx.Client(timeout=timeout, headers=headers) as http:
+        with bounded_http.client(timeout=timeout, headers=headers) as http:
             for batch in read_ahead(reader.batches(batch_size)):
                 name_unread()
+                long = [item for item in batch if len(item[3]) > MAX_REPORT_LINE_BYTES]
+                for item in long:  # never parsed nor sent: named, left in the spool
+                    unread.add(item[1], item[2], _unread_message(len(item[3]) + 1, "over_report_limit")
+                               .replace("skipped", "not sent, left in the spool"))
+                    counts["rejected"] += 1
+                batch = [item for item in batch if len(item[3]) <= MAX_REPORT_LINE_BYTES] if long else batch
                 lines = [item[3] for item in batch]
                 source = {id(item[3]): item[1] for item in batch}
                 try:
-                    deliver(http, url, lines, on_final=on_final, on_retry=on_retry, on_answer=on_answer,
-                            max_attempts=max_attempts, unreachable_after=None if answered else give_up)
+                    if lines:
+                        deliver(http, url, lines, on_final=on_final, on_retry=on_retry, on_answer=on_answer,
+                                max_attempts=max_attempts, unreachable_after=None if answered else give_up)
                 except DeliveryError as e:
                     if e.unreachable:
                         raise Unreachable(f"{url} is unreachable: {e.outcome.message} — no HTTP answer within "
@@ -197,6 +298,18 @@ def upload(paths: Iterable[str | os.PathLike], url: str, *, token: str | None = 
             dead.unlink(missing_ok=True)
     counts["dead_lettered"] = dict(counts["dead_lettered"])
     return counts
+
+
+def _resume_at(path: Path, url: str) -> int:
+    """Where the import of ``path`` into ``url`` resumes: its sidecar's offset. An offset past
+    the end of the file is a :class:`SpoolError`: the file was truncated or replaced since,
+    and "delivered up to there" says nothing of what it holds now."""
+    offset, size = read_offset(path, url), path.stat().st_size
+    if offset > size:
+        raise SpoolError(f"{path}: its .offset sidecar says {offset:,} bytes were delivered to {url}, but the file "
+                         f"has {size:,}: it was truncated or replaced since; --restart sends it whole (the service "
+                         "ignores what it already has)")
+    return offset
 
 
 class Unreachable(ConnectionError):
@@ -245,8 +358,8 @@ def read_ahead(batches: Iterator[list], depth: int = 1) -> Iterator[list]:
 
 def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None = None, *,
                   run_id: str | None = None, bad_steps: int = 20, batch_size: int = 10_000,
-                  on_progress: Progress | None = None,
-                  reader_process: bool | None = None) -> tuple[list[dict], dict]:
+                  on_progress: Progress | None = None, reader_process: bool | None = None,
+                  follow_symlinks: bool = False) -> tuple[list[dict], dict]:
     """Audit spool files with no service (``auditor audit``): the service's own flows.
 
     The files are merged so that the reports of a step come together
@@ -273,7 +386,7 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
     report), ``conflicting`` (409 on the service: differs from a stored report, topology or spec).
     """
     counts = dict.fromkeys(("files", "reports", "stored", "duplicates", "invalid", "conflicting"), 0)
-    files = spool_files(paths)
+    files = vet_spools(paths, follow_symlinks=follow_symlinks)  # SpoolError: not a spool, a link, not UTF-8
     counts["files"] = len(files)
     total = sum(p.stat().st_size for p in files)
     tmp = None
@@ -373,12 +486,17 @@ def _decode(batch: Batch, invalid: "_SkippedLines") -> tuple[list, Sequence[int]
     in ``batch.where``) are handed to ``invalid``."""
     if not len(batch):
         return [], []
-    reports, _errors, n = parse_report_batch(batch.body, 1)
-    if reports is not None and n == len(batch):
-        return reports, range(n)
+    too_long = max(batch.lengths) > MAX_REPORT_LINE_BYTES
+    if not too_long:
+        reports, _errors, n = parse_report_batch(batch.body, 1)
+        if reports is not None and n == len(batch):
+            return reports, range(n)
     good, lines = [], []
     where = batch.where
     for k, line in enumerate(batch.lines()):
+        if len(line) > MAX_REPORT_LINE_BYTES:  # refused before it is parsed
+            invalid.add(where[2 * k], where[2 * k + 1], _unread_message(len(line) + 1, "over_report_limit"))
+            continue
         one, errors, n = parse_report_batch(BODY_HEAD + line + BODY_TAIL, 1000)
         if one is not None and n == 1:
             good.extend(one)
@@ -400,6 +518,9 @@ def _unread_message(n: int, why: str) -> str:
     if why == "too_long":
         return (f"invalid report skipped: a line of {n:,} bytes, longer than {MAX_LINE_BYTES >> 20} MiB (the largest "
                 "request body the service takes)")
+    if why == "over_report_limit":
+        return (f"invalid report skipped: a line of {n:,} bytes, longer than the {MAX_REPORT_LINE_BYTES >> 20} MiB a "
+                "report may have (not parsed)")
     return f"last line not read: it has no newline ({n:,} bytes): torn by a crash, or still being written"
 
 

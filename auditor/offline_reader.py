@@ -42,6 +42,11 @@ from auditor.trainer.spool import SpoolReader
 BODY_HEAD, BODY_TAIL = b'{"reports":[', b"]}"
 
 
+class SpoolError(ValueError):
+    """A file given as a spool that is not one (:func:`auditor.offline.vet_spools`), or whose
+    offset sidecar cannot be right; nothing was sent or stored."""
+
+
 class SpoolReaderError(OSError):
     """The reader process failed (its error, e.g. a spool that cannot be read) or died (its
     exit code or signal) before the end of the spools."""

@@ -18,20 +18,37 @@ What a notebook or a CI script needs, as dataclasses instead of JSON::
 Paginated listings (:meth:`Reader.runs`, :meth:`Reader.steps`) are iterators that follow the
 service's opaque cursors page by page. Fields the service adds later (e.g. placement
 fields of a topology) land in each object's ``extra`` dict, so an older reader keeps
-working. Errors: :class:`NotFoundError` for 404, :class:`ReaderError` for any other HTTP
-error (its ``problem`` holds the service's error body), ``httpx.HTTPError`` when the
-service cannot be reached. Depends on the standard library and httpx only.
+working.
+
+Nothing an answer holds is trusted: each request is one bounded exchange
+(:func:`auditor.bounded_http.exchange`: the whole answer within ``timeout`` seconds and
+``max_answer_bytes`` bytes, a body trickled byte by byte included), the time one call spends
+waiting on the service in all (the pages of a listing or of a step) is bounded by
+``deadline``, every document is checked against the fields' types before it becomes a
+dataclass, and a listing whose ``next_cursor`` repeats one it gave is an error, not a loop.
+
+Errors: one type, :class:`ReaderError`, naming the URL and what was wrong — an HTTP error
+(``status``, ``problem``: the service's problem details), no whole answer in time, an
+answer too large, not JSON, or not the document asked for; :class:`NotFoundError` (a
+subclass) for 404. Depends on the standard library and httpx only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
+import time
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 from urllib.parse import quote
 
 import httpx
+
+from auditor import bounded_http
 
 from auditor.status import check as check_report
 from auditor.status import status_of
@@ -47,13 +64,18 @@ def header_safe(value: str) -> bool:
 
 
 class ReaderError(Exception):
-    """The service answered an error. ``status``: HTTP status; ``problem``: its JSON body
-    (RFC 9457 problem details, or ``{"detail": ...}``)."""
+    """What a read of the service came to instead of a document, naming the URL: an HTTP
+    error (``status``; ``problem``: its JSON body, RFC 9457 problem details), or ``what``
+    was wrong with the exchange (``status`` None when no answer came: unreachable, no
+    whole answer within the time bound) or with the answer (too large, not JSON, not the
+    document asked for, a repeated cursor)."""
 
-    def __init__(self, status: int, problem: Any, url: str):
-        self.status, self.problem, self.url = status, problem, url
-        detail = problem.get("detail", problem) if isinstance(problem, dict) else problem
-        super().__init__(f"{url}: HTTP {status}: {detail}")
+    def __init__(self, status: int | None, problem: Any, url: str, what: str | None = None):
+        self.status, self.problem, self.url, self.what = status, problem, url, what
+        if what is None:
+            detail = problem.get("detail", problem) if isinstance(problem, dict) else problem
+            what = f"HTTP {status}: {' '.join(str(detail).split())[:2000]}"
+        super().__init__(f"{url}: {what}")
 
 
 class NotFoundError(ReaderError):
@@ -71,12 +93,57 @@ def _raw(obj: Any) -> Any:
     return obj
 
 
+class _Shape(TypeError):
+    """A JSON document that is not the one a dataclass reads (a field of the wrong type,
+    one missing, not an object)."""
+
+
+@functools.cache
+def _json_types(cls) -> dict[str, tuple[type, ...]]:
+    """The JSON types each field of ``cls`` accepts, from its annotation: ``int`` (not a
+    bool), ``float`` (an int too), ``str``, ``bool``, ``list``, ``dict``, None for
+    ``X | None``; ``Any`` anything."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+            else (hint,)
+        accepted: list[type] = []
+        for a in args:
+            a = typing.get_origin(a) or a
+            if a is Any:
+                accepted = [object]
+                break
+            accepted += {float: [int, float], type(None): [type(None)]}.get(a, [a])
+        out[name] = tuple(accepted)
+    return out
+
+
 def _build(cls, data: Mapping[str, Any], **convert):
     """``cls`` from a JSON object: known fields (converted by ``convert[name]``), the rest in
-    ``extra``. Missing optional fields take their defaults."""
-    names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+    ``extra``. Missing optional fields take their defaults. Raises :class:`_Shape` when
+    ``data`` is not an object, a field is missing or of another JSON type than its
+    annotation says (a bool is no number)."""
+    if not isinstance(data, dict):
+        raise _Shape(f"{cls.__name__}: a JSON object was expected, got {type(data).__name__}")
+    accepted = _json_types(cls)
+    for name, value in data.items():
+        ok = accepted.get(name)
+        if ok is not None and not (isinstance(value, ok) and not (type(value) is bool and bool not in ok)):
+            raise _Shape(f"{cls.__name__}.{name}: {type(value).__name__} {str(value)[:80]!r} is not "
+                         f"{' or '.join(t.__name__ for t in ok)}")
+    names = set(accepted) - {"extra"}
     kwargs = {k: (convert[k](v) if k in convert and v is not None else v) for k, v in data.items() if k in names}
-    return cls(**kwargs, extra={k: v for k, v in data.items() if k not in names})
+    try:
+        return cls(**kwargs, extra={k: v for k, v in data.items() if k not in names})
+    except TypeError as exc:  # a required field missing
+        raise _Shape(f"{cls.__name__}: {exc}") from None
+
+
+def _objects(cls, values: Any) -> list:
+    """``[cls.from_json(v) for v in values]``; :class:`_Shape` when ``values`` is no list."""
+    if not isinstance(values, list):
+        raise _Shape(f"{cls.__name__}: a JSON list was expected, got {type(values).__name__}")
+    return [cls.from_json(v) for v in values]
 
 
 @dataclass(frozen=True)
@@ -197,8 +264,7 @@ class StepDetail:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "StepDetail":
-        return _build(cls, data, faults=lambda v: [Fault.from_json(f) for f in v],
-                      ranks=lambda v: [RankRow.from_json(r) for r in v])
+        return _build(cls, data, faults=functools.partial(_objects, Fault), ranks=functools.partial(_objects, RankRow))
 
 
 @dataclass(frozen=True)
@@ -241,7 +307,7 @@ class StatisticReport:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "StatisticReport":
         return _build(cls, {**data, "status": status_of(data)},
-                      bad_steps=lambda v: [StepDetail.from_json(s) for s in v])
+                      bad_steps=functools.partial(_objects, StepDetail))
 
 
 @dataclass(frozen=True)
@@ -269,7 +335,7 @@ class Report:
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> "Report":
         return _build(cls, {**data, "status": status_of(data)},
-                      statistics=lambda v: [StatisticReport.from_json(s) for s in v])
+                      statistics=functools.partial(_objects, StatisticReport))
 
     def check(self, *, allow_incomplete: bool = False, allow_refused: bool = False,
               min_steps: int = 0, allow_pending: bool = False, allow_unverified: bool = False) -> tuple[bool, list[str]]:
@@ -306,7 +372,15 @@ class Reader:
         Read token, sent as ``Authorization: Bearer <token>`` (default
         ``$AUDITOR_READ_TOKEN``, else ``$AUDITOR_TOKEN``; none if both are unset).
     timeout:
-        Per-request timeout, seconds.
+        Seconds one request may take in all: connecting, sending, the whole answer (not
+        the wait between two bytes of it).
+    deadline:
+        Seconds one call may spend waiting on the service in all, over every request it
+        makes (a listing's pages, a step's pages; an iterator counts only the time inside
+        its requests, not the consumer's).
+    max_answer_bytes:
+        Largest answer read, bytes (default :data:`MAX_ANSWER_BYTES`); a longer one is a
+        :class:`ReaderError`.
 
     Examples
     --------
@@ -341,6 +415,7 @@ class Reader:
     """
 
     def __init__(self, url: str | None = None, token: str | None = None, *, timeout: float = 30.0,
+                 deadline: float = 600.0, max_answer_bytes: int | None = None,
                  transport: httpx.BaseTransport | None = None):
         url = (url or os.environ.get("AUDITOR_URL") or "").strip().rstrip("/")
         if not url.startswith(("http://", "https://")):
@@ -348,9 +423,13 @@ class Reader:
         token = token or os.environ.get("AUDITOR_READ_TOKEN") or os.environ.get("AUDITOR_TOKEN") or None
         if token is not None and not header_safe(token):
             raise ValueError("token must be printable ASCII (it is sent in the Authorization header)")
-        self.url = url
-        self._http = httpx.Client(base_url=url, timeout=timeout, transport=transport,
-                                  headers={"Authorization": f"Bearer {token}"} if token else {})
+        for name, value in (("timeout", timeout), ("deadline", deadline)):
+            if not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        self.url, self.timeout, self.deadline = url, float(timeout), float(deadline)
+        self.max_answer_bytes = MAX_ANSWER_BYTES if max_answer_bytes is None else int(max_answer_bytes)
+        self._http = bounded_http.client(timeout=timeout, transport=transport,
+                                         headers={"Authorization": f"Bearer {token}"} if token else {})
 
     def __enter__(self) -> "Reader":
         return self
@@ -362,28 +441,70 @@ class Reader:
         """Close the connection pool."""
         self._http.close()
 
-    def _get(self, path: str, params: Mapping[str, Any] | None = None) -> Any:
+    def _get(self, path: str, params: Mapping[str, Any] | None = None, budget: "_Budget | None" = None) -> Any:
+        """``GET {url}{path}`` as one bounded exchange; the JSON of a 2xx answer. Every other
+        outcome is a :class:`ReaderError` naming the URL (:class:`NotFoundError` for 404)."""
+        budget = budget or _Budget(self.deadline)
         clean = {k: v for k, v in (params or {}).items() if v is not None}
-        r = self._http.get(path, params=clean)
-        if r.status_code >= 400:
-            try:
-                problem = r.json()
-            except ValueError:
-                problem = r.text[:500]
-            cls = NotFoundError if r.status_code == 404 else ReaderError
-            raise cls(r.status_code, problem, str(r.request.url))
-        return r.json()
+        where = str(httpx.URL(self.url + path, params=clean))
+        seconds = min(self.timeout, budget.left())
+        if seconds <= 0:
+            raise ReaderError(None, None, where, f"the call's deadline ({self.deadline:g} s waiting on the service) "
+                                                 "passed before this request")
+        t0 = time.monotonic()
+        try:
+            answer = bounded_http.exchange(self._http, "GET", where, max_bytes=self.max_answer_bytes, seconds=seconds)
+        except httpx.TimeoutException as exc:
+            raise ReaderError(None, None, where, f"no whole answer within {seconds:g} s ({type(exc).__name__})") from None
+        except bounded_http.BadAnswer as exc:
+            raise ReaderError(exc.status, None, where, str(exc)) from None
+        except httpx.HTTPError as exc:
+            raise ReaderError(None, None, where, f"cannot reach the service: {type(exc).__name__}: {exc}") from None
+        finally:
+            budget.spent += time.monotonic() - t0
+        if answer.status >= 400:
+            problem = _json_or_none(answer.body)
+            if not isinstance(problem, dict):
+                problem = " ".join(answer.text[:500].split()) or "(empty body)"
+            raise (NotFoundError if answer.status == 404 else ReaderError)(answer.status, problem, where)
+        if answer.status >= 300 or answer.status < 200:
+            to = answer.headers.get("Location")
+            raise ReaderError(answer.status, None, where, f"HTTP {answer.status}"
+                              + (f", a redirect to {to} (the service answers none: pass its base URL)" if to else ""))
+        doc = _json_or_none(answer.body)
+        if doc is None:
+            raise ReaderError(answer.status, None, where, f"HTTP {answer.status} but not JSON: "
+                                                          f"{answer.text[:120]!r}")
+        return doc
+
+    def _document(self, cls, path: str, params: Mapping[str, Any] | None = None, budget: "_Budget | None" = None):
+        """``(cls.from_json(doc), doc)`` of ``GET path``; a document ``cls`` cannot read is a
+        :class:`ReaderError`."""
+        doc = self._get(path, params, budget)
+        return _typed(cls, doc, self.url + path), doc
 
     # ------------------------------------------------------------------------ reads
-    def _pages(self, path: str, key: str, params: Mapping[str, Any]) -> Iterator[dict]:
-        """The items under ``key`` of every page of a cursor-paginated listing."""
-        cursor = None
+    def _pages(self, path: str, key: str, params: Mapping[str, Any], cls) -> Iterator[dict]:
+        """The items under ``key`` of every page of a cursor-paginated listing, each checked
+        to be a ``cls`` document; a ``next_cursor`` seen before (a loop) is a
+        :class:`ReaderError`, and so is a page that is no listing."""
+        cursor, seen, budget = None, set(), _Budget(self.deadline)
         while True:
-            page = self._get(path, {**params, "cursor": cursor})
-            yield from page[key]
-            cursor = page.get("next_cursor")
+            page = self._get(path, {**params, "cursor": cursor}, budget)
+            items = page.get(key) if isinstance(page, dict) else None
+            cursor = page.get("next_cursor") if isinstance(page, dict) else None
+            if not isinstance(items, list) or not (cursor is None or isinstance(cursor, str)):
+                raise ReaderError(200, None, self.url + path, f"not a listing of {key} (a JSON object with a list "
+                                                               f"{key!r} and a string or null 'next_cursor')")
+            for item in items:
+                _typed(cls, item, self.url + path)
+                yield item
             if not cursor:
                 return
+            if cursor in seen:
+                raise ReaderError(200, None, self.url + path, f"next_cursor {cursor[:60]!r} was given before: the "
+                                                               "listing loops; stopped")
+            seen.add(cursor)
 
     def runs(self, *, status: str | None = None, page_size: int = 100) -> Iterator[Run]:
         """Every run, newest first (``GET /v1/runs``, following its cursor).
@@ -394,11 +515,11 @@ class Reader:
 
     def runs_json(self, *, status: str | None = None, page_size: int = 100) -> Iterator[dict]:
         """:meth:`runs` as the service's JSON objects."""
-        return self._pages("/v1/runs", "runs", {"status": status, "limit": page_size})
+        return self._pages("/v1/runs", "runs", {"status": status, "limit": page_size}, Run)
 
     def run(self, run_id: str) -> Run:
         """One run's summary; :class:`NotFoundError` if unknown."""
-        return Run.from_json(self._get(f"/v1/runs/{_seg(run_id)}"))
+        return self._document(Run, f"/v1/runs/{_seg(run_id)}")[0]
 
     def report(self, run_id: str, *, statistic: str | None = None, bad_steps: int = 20,
                rank_rows: int | None = None) -> Report:
@@ -406,8 +527,8 @@ class Reader:
         details of up to ``bad_steps`` bad steps per statistic, each with up to ``rank_rows``
         rows of its per-rank table (the faulted ranks first; the service's default, 64, when
         None). The full table of a step: :meth:`step`."""
-        return Report.from_json(self._get(f"/v1/runs/{_seg(run_id)}/report",
-                                          {"statistic": statistic, "bad_steps": bad_steps, "rank_rows": rank_rows}))
+        return self._document(Report, f"/v1/runs/{_seg(run_id)}/report",
+                              {"statistic": statistic, "bad_steps": bad_steps, "rank_rows": rank_rows})[0]
 
     def steps(self, run_id: str, statistic: str, *, start: int | None = None, stop: int | None = None,
               verdict: str | None = None, page_size: int = 1000) -> Iterator[StepSummary]:
@@ -436,10 +557,15 @@ class Reader:
             return rows if after is None else [r for r in rows if (r["rank"], r.get("microbatch", 0)) > tuple(after)]
 
         size = page_size if limit is None else max(1, min(page_size, limit))
-        out = self._get(path, {"limit": size})
+        budget, seen = _Budget(self.deadline), set()
+        out = self._document(StepDetail, path, {"limit": size}, budget)[1]
         out["ranks"] = keep(out["ranks"])
         while out.get("next_cursor") and (limit is None or len(out["ranks"]) <= limit):
-            page = self._get(path, {"limit": size, "cursor": out["next_cursor"]})
+            if out["next_cursor"] in seen:
+                raise ReaderError(200, None, self.url + path, f"next_cursor {str(out['next_cursor'])[:60]!r} was "
+                                                               "given before: the pages loop; stopped")
+            seen.add(out["next_cursor"])
+            page = self._document(StepDetail, path, {"limit": size, "cursor": out["next_cursor"]}, budget)[1]
             out["ranks"] += keep(page["ranks"])
             out["next_cursor"] = page.get("next_cursor")
         more = limit is not None and (len(out["ranks"]) > limit or bool(out.get("next_cursor")))
@@ -449,12 +575,46 @@ class Reader:
         return out
 
     def report_json(self, run_id: str, *, bad_steps: int = 20, rank_rows: int | None = None) -> dict:
-        """The report as the service's JSON (what :func:`auditor.web.render_run_page` takes)."""
-        return self._get(f"/v1/runs/{_seg(run_id)}/report", {"bad_steps": bad_steps, "rank_rows": rank_rows})
+        """The report as the service's JSON (what :func:`auditor.web.render_run_page` takes),
+        checked to be a report (:class:`Report`)."""
+        return self._document(Report, f"/v1/runs/{_seg(run_id)}/report",
+                              {"bad_steps": bad_steps, "rank_rows": rank_rows})[1]
 
     def steps_json(self, run_id: str, statistic: str, *, start: int | None = None, stop: int | None = None,
                    verdict: str | None = None, page_size: int = 1000) -> Iterator[dict]:
         """:meth:`steps` as the service's JSON objects (what :func:`auditor.web.render_run_page`
         takes)."""
         return self._pages(f"/v1/runs/{_seg(run_id)}/statistics/{_seg(statistic)}/steps", "steps",
-                           {"from": start, "to": stop, "verdict": verdict, "limit": page_size})
+                           {"from": start, "to": stop, "verdict": verdict, "limit": page_size}, StepSummary)
+
+
+#: Largest answer :class:`Reader` reads by default, bytes: the service's largest documents
+#: (a report: at most 16,384 rank rows, ≈ 5.4 MB; a step page of 65,536 rows) fit.
+MAX_ANSWER_BYTES = 32 << 20
+
+
+class _Budget:
+    """Seconds one call may still wait on the service (see ``Reader(deadline=...)``)."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.spent = seconds, 0.0
+
+    def left(self) -> float:
+        return self.seconds - self.spent
+
+
+def _json_or_none(body: bytes) -> Any:
+    """``body`` as JSON; None when it is not (nested past the parser's limit included)."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _typed(cls, doc: Any, where: str):
+    """``cls.from_json(doc)``; a document it cannot read (wrong types, fields missing, not an
+    object) is a :class:`ReaderError` naming ``where`` and the field."""
+    try:
+        return cls.from_json(doc)
+    except (_Shape, TypeError, KeyError, ValueError, AttributeError, IndexError) as exc:
+        raise ReaderError(200, None, where, f"not a {cls.__name__} document: {exc}") from None

@@ -58,6 +58,7 @@ from typing import Any
 
 import httpx
 
+from auditor import bounded_http
 from auditor.trainer.deferred import RING_SIZE, Deferred, Ring
 from auditor.trainer.delivery import CONFIGURATION_ERRORS, MAX_BACKOFF, Outcome, deliver, encode
 from auditor.trainer.settings import read_settings, valid_number, warn_once
@@ -90,7 +91,8 @@ class AuditorClient:
         (:meth:`report_deferred`; 128 bytes each, pinned on CUDA); beyond it those are
         dropped and counted (``reports_dropped``).
     timeout:
-        Per-request HTTP timeout, seconds.
+        Per-request HTTP timeout, seconds: one POST — connecting, sending, the whole answer
+        (at most a few KiB read, :func:`auditor.trainer.delivery.answer_limit`) — ends within it.
     token:
         Bearer token sent as ``Authorization: Bearer <token>`` if given.
     spool_dir:
@@ -188,7 +190,7 @@ class AuditorClient:
             headers = {"Content-Type": "application/json"}
             if token:
                 headers["Authorization"] = f"Bearer {token}"
-            self._http = httpx.Client(timeout=timeout, headers=headers)
+            self._http = bounded_http.client(timeout=timeout, headers=headers)  # answers bounded in time and size
         self._queue: collections.deque[dict] = collections.deque()
         self._lock = threading.Lock()  # guards counters, _inflight, _closed; never held across I/O
         self._settled_cond = threading.Condition(self._lock)
@@ -197,6 +199,7 @@ class AuditorClient:
         self._inflight: list | None = None  # memory batch the sender is delivering (dicts or lines)
         self._down_since: float | None = None  # monotonic time of the first failure of a streak
         self._dead_logged = False
+        self._rejected_logged = 0  # rejected reports said in the log so far
         self._wake = threading.Event()
         self._spill_wake = threading.Event()
         self._stop = threading.Event()
@@ -342,12 +345,16 @@ class AuditorClient:
                     self.spool.close(remove_if_delivered=False)
                     log.info("auditor client: %d reports in %s", self.spool.lines_written, self.spool.path)
                 elif not self.spool.close():
+                    where = self.spool.path.parent  # the directory: `audit` of one rank's file calls the others crashed
                     log.warning(
-                        "auditor client: undelivered reports remain in %s; upload them with "
-                        "`auditor import %s` or audit offline with `auditor audit %s`",
-                        self.spool.path, self.spool.path, self.spool.path)
+                        "auditor client: undelivered reports remain in %s (%s); upload them with "
+                        "`auditor import %s --url %s` or audit offline with `auditor audit %s`",
+                        where, self.spool.path.name, where, self.url, where)
             except OSError as exc:
                 log.error("auditor client: closing spool %s: %s", self.spool.path, exc)
+        if self.stats["rejected"] > self._rejected_logged:
+            log.warning("auditor client: %d reports rejected in total%s", self.stats["rejected"],
+                        f" (in {dead_letter_path(self.spool.path)})" if self.spool is not None else "")
         if not delivered and self.stats["dropped"]:
             log.warning("auditor client: %d reports dropped in total", self.stats["dropped"])
 
@@ -487,9 +494,12 @@ class AuditorClient:
             if self._down_since is None:
                 self._down_since = time.monotonic()
                 what = ("the service refuses this client's configuration, check AUDITOR_URL and AUDITOR_TOKEN"
-                        if out.status in CONFIGURATION_ERRORS else "service unavailable")
-                log.warning("auditor client: %s (%s); retrying, spilling to %s after %.1fs", what,
-                            out.message, self.spool.path if self.spool else "nowhere", self.spool_after)
+                        if out.status in CONFIGURATION_ERRORS else
+                        f"{self.url} does not answer as an auditor service, check AUDITOR_URL" if out.foreign
+                        else f"service at {self.url} unavailable")
+                log.warning("auditor client: %s (%s); nothing of it counts as sent: retrying, spilling to %s after "
+                            "%.1fs", what, out.message, self.spool.path.parent if self.spool else "nowhere",
+                            self.spool_after)
             with self._lock:
                 self.stats["retries"] += 1
 
@@ -511,7 +521,8 @@ class AuditorClient:
         """Reports the service refused for good: appended to the dead-letter file next to
         the spool (its path logged the first time), so nothing is lost silently."""
         if self.spool is None:
-            log.warning("auditor client: %d reports rejected: %s", len(lines), reason[:300])
+            log.warning("auditor client: %d reports rejected: %s", len(lines), reason)
+            self._rejected_logged += len(lines)
             return
         path = dead_letter_path(self.spool.path)
         try:
@@ -521,8 +532,9 @@ class AuditorClient:
             return
         if not self._dead_logged:
             self._dead_logged = True
-            log.warning("auditor client: %d reports rejected (%s); rejected reports go to %s",
-                        len(lines), reason[:300], path)
+            self._rejected_logged = len(lines)
+            log.warning("auditor client: %d reports rejected (%s); rejected reports go to %s (the total is said "
+                        "at close)", len(lines), reason, path)
 
     def _settle(self, n: int, outcome: str, from_memory: bool = False, pending: list | None = None) -> None:
         with self._settled_cond:

@@ -12,6 +12,13 @@ breaks the service never blocks the others — but a report is dead-lettered onl
 service is demonstrably healthy for other input; a service that fails everything is an
 outage, waited out with the batch kept whole. Replays are safe because the service treats
 an identical re-send as a no-op.
+
+Nothing an answer holds is trusted: each POST is one exchange of
+:func:`auditor.bounded_http.exchange` — the whole answer within the client's timeout
+(:func:`exchange_seconds`) and :func:`answer_limit` bytes — and a batch counts as sent only
+on an ingest answer whose ``accepted`` and ``duplicates`` add up to it. Anything else — a
+2xx of HTML or of the wrong types, a redirect, an answer past its bound — is retried like an
+outage and marked ``foreign`` (the URL points at something that is not an auditor).
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import httpx
+
+from auditor.bounded_http import BadAnswer, exchange
 
 #: Upper bound of one backoff sleep, seconds (the client notices a recovered service within it).
 MAX_BACKOFF = 10.0
@@ -63,50 +72,120 @@ class Outcome:
     #: (502/503/504): repeated on one batch, it marks a poison report (see :func:`deliver`)
     server_error: bool = False
     status: int | None = None  # the HTTP status; None for a network error
+    #: the answer is not an auditor's (a 2xx that is no ingest answer, a redirect, a body
+    #: over the bound): the URL points elsewhere (a proxy, another service)
+    foreign: bool = False
+
+
+#: Bytes of a 2xx ingest answer read at most (``{"accepted": N, "duplicates": M,
+#: "steps_audited": K}`` is a few dozen): past it the answer is not an auditor's.
+MAX_SENT_ANSWER_BYTES = 4 << 10
+#: Bytes of an error answer (problem details) read at most: a base plus, per report of the
+#: batch, room for its entry in ``conflicts``/``errors`` (the service lists one per report).
+MAX_PROBLEM_BYTES, PROBLEM_BYTES_PER_REPORT = 64 << 10, 2 << 10
+#: Seconds one exchange (connect, send, the whole answer) may take when the client's own
+#: timeout says nothing (``timeout=None``).
+DEFAULT_EXCHANGE_SECONDS = 30.0
+
+
+def answer_limit(n: int) -> Callable[[int], int]:
+    """The most bytes of an answer to a batch of ``n`` reports read, by status (see
+    :data:`MAX_SENT_ANSWER_BYTES`, :data:`MAX_PROBLEM_BYTES`)."""
+    return lambda status: MAX_SENT_ANSWER_BYTES if status < 300 else MAX_PROBLEM_BYTES + PROBLEM_BYTES_PER_REPORT * n
+
+
+def exchange_seconds(http: httpx.Client) -> float:
+    """The total deadline of one exchange of ``http``: its read timeout (what it waits for an
+    answer), else its connect timeout, else :data:`DEFAULT_EXCHANGE_SECONDS`."""
+    t = http.timeout
+    return t.read or t.connect or DEFAULT_EXCHANGE_SECONDS
 
 
 def post_lines(http: httpx.Client, url: str, lines: list[bytes]) -> Outcome:
     """POST ``lines`` (encoded reports) as one ``{"reports": [...]}`` body and classify the answer.
 
-    ``sent``: all stored (or identical re-sends). ``retry``: transient, resend the same
-    batch after at least ``delay`` s. ``partial``: the reports at indices ``rejected`` were
-    refused (409 conflicts, 422 validation), resend the others. ``rejected``: the whole
-    batch was refused. ``split``: 413, or a 400/422 of several reports that names none of
-    them (one line is not JSON): resend in halves, which isolates the bad one.
+    ``sent``: an ingest answer whose ``accepted`` and ``duplicates`` add up to the batch.
+    ``retry``: transient, resend the same batch after at least ``delay`` s — a network
+    error, no whole answer within :func:`exchange_seconds` or :func:`answer_limit` bytes,
+    408/429/5xx, 401/403/404/405, a redirect, or a 2xx that is not an ingest answer of this
+    batch (HTML, wrong types, counts that do not add up: ``foreign``). ``partial``: the
+    reports at indices ``rejected`` were refused (409 conflicts, 422 validation), resend the
+    others. ``rejected``: the whole batch was refused. ``split``: 413, or a 400/422 of several
+    reports that names none of them (one line is not JSON): resend in halves, which
+    isolates the bad one. Messages quote the problem's ``detail``.
     """
     body = b'{"reports":[' + b",".join(lines) + b"]}"
     try:
-        response = http.post(f"{url}/v1/reports", content=body)
+        answer = exchange(http, "POST", f"{url}/v1/reports", content=body, max_bytes=answer_limit(len(lines)),
+                          seconds=exchange_seconds(http))
+    except BadAnswer as exc:
+        return Outcome("retry", message=f"{exc.url} answered {exc}", status=exc.status, foreign=True)
     except httpx.TransportError as exc:
-        return Outcome("retry", 0.0, message=f"{type(exc).__name__}: {exc}")
-    status = response.status_code
+        return Outcome("retry", 0.0, message=f"{url}/v1/reports: {type(exc).__name__}: {exc}")
+    status = answer.status
     if status < 300:
-        body = _answer_json(response)
-        duplicates = body.get("duplicates", 0) if isinstance(body, dict) else 0
-        counted = type(duplicates) is int and 0 <= duplicates <= len(lines)
-        return Outcome("sent", duplicates=duplicates if counted else 0)
+        duplicates = _ingest_answer(answer.body, len(lines))
+        if duplicates is None:
+            return Outcome("retry", message=f"{answer.url} answered HTTP {status} with what is not an auditor's "
+                           f"answer to a batch of {len(lines)} report(s): {_snippet(answer.body)}",
+                           status=status, foreign=True)
+        return Outcome("sent", duplicates=duplicates, status=status)
+    if status < 400:
+        where = answer.headers.get("Location", "nowhere")
+        return Outcome("retry", message=f"{answer.url} answered HTTP {status} (a redirect to {where}; an auditor "
+                       "answers none: give the service's base URL)", status=status, foreign=True)
+    problem = _answer_json(answer.body)
+    said = f"{answer.url} answered HTTP {status}: {problem_detail(problem, answer.body)}"
     if status in TRANSIENT or status >= 500:
-        delay = retry_after(response)
-        return Outcome("retry", delay, message=f"HTTP {status}: {response.text[:200]}",
-                       server_error=status >= 500 and status not in PASSING and not response.headers.get("Retry-After"),
+        delay = retry_after(answer.headers)
+        return Outcome("retry", delay, message=said,
+                       server_error=status >= 500 and status not in PASSING and not answer.headers.get("Retry-After"),
                        status=status)
     if status == 413 and len(lines) > 1:
-        return Outcome("split", message="HTTP 413")
+        return Outcome("split", message=said, status=status)
     if status in (409, 422):
-        bad = _named_indices(response, len(lines))
+        bad = _named_indices(problem, len(lines))
         if bad:
-            return Outcome("partial", rejected=bad, message=f"HTTP {status}: {response.text[:500]}")
+            return Outcome("partial", rejected=bad, message=said, status=status)
     if status in (400, 422) and len(lines) > 1:
-        return Outcome("split", message=f"HTTP {status}")
-    return Outcome("rejected", message=f"HTTP {status}: {response.text[:500]}", status=status)
+        return Outcome("split", message=said, status=status)
+    return Outcome("rejected", message=said, status=status)
 
 
-def _named_indices(response: httpx.Response, n: int) -> frozenset[int]:
+def _ingest_answer(body: bytes, n: int) -> int | None:
+    """``duplicates`` of an ingest answer to a batch of ``n`` reports — a JSON object whose
+    ``accepted`` and ``duplicates`` are integers ≥ 0 adding up to ``n`` — else None."""
+    doc = _answer_json(body)
+    if not isinstance(doc, dict):
+        return None
+    accepted, duplicates = doc.get("accepted"), doc.get("duplicates")
+    if type(accepted) is not int or type(duplicates) is not int or min(accepted, duplicates) < 0:
+        return None
+    return duplicates if accepted + duplicates == n else None
+
+
+def problem_detail(problem: object, body: bytes = b"", limit: int = 2000) -> str:
+    """What an error answer says, in one line: a problem's ``detail`` (its ``title`` if it
+    has none), else the start of the body; at most ``limit`` characters."""
+    if isinstance(problem, dict):
+        said = problem.get("detail") or problem.get("title")
+        if isinstance(said, str) and said.strip():
+            text = " ".join(said.split())
+            return text if len(text) <= limit else text[:limit] + " …"
+    return _snippet(body)
+
+
+def _snippet(body: bytes, limit: int = 200) -> str:
+    """The start of a body as one line (``(empty)`` for none)."""
+    text = " ".join(body[:limit * 4].decode("utf-8", "replace").split())
+    return repr(text[:limit] + (" …" if len(text) > limit or len(body) > limit * 4 else "")) if text else "(empty)"
+
+
+def _named_indices(body: object, n: int) -> frozenset[int]:
     """Report indices a 409 or 422 problem-details body names (``conflicts[].index``, or
     ``errors[].loc`` = ``["reports", i, ...]``); empty when it names none, when any error
     does not name a report, or when an index is out of range."""
     try:
-        body = _answer_json(response)
         if body.get("conflicts"):
             bad = {_report_index(c["index"]) for c in body["conflicts"]}
         else:
@@ -120,11 +199,11 @@ def _named_indices(response: httpx.Response, n: int) -> frozenset[int]:
     return frozenset(bad) if bad and bad <= set(range(n)) else frozenset()
 
 
-def _answer_json(response: httpx.Response) -> object:
-    """The answer's body as JSON, or None when it is not JSON (the JSON parser's
-    ``RecursionError`` on deeply nested garbage included: an answer never raises here)."""
+def _answer_json(body: bytes) -> object:
+    """``body`` as JSON, or None when it is not JSON (the JSON parser's ``RecursionError`` on
+    deeply nested garbage included: an answer never raises here)."""
     try:
-        return response.json()
+        return json.loads(body)
     except (ValueError, RecursionError):
         return None
 
@@ -143,9 +222,9 @@ def backoff(failures: int, cap: float = MAX_BACKOFF) -> float:
     return random.uniform(0.0, min(cap, BASE_BACKOFF * 2.0 ** (failures - 1)))
 
 
-def retry_after(response: httpx.Response) -> float:
+def retry_after(headers: httpx.Headers) -> float:
     """Seconds from a ``Retry-After`` header (delta-seconds or HTTP date), capped; 0 if absent."""
-    value = response.headers.get("Retry-After")
+    value = headers.get("Retry-After")
     if not value:
         return 0.0
     try:
@@ -177,7 +256,8 @@ def probe(http: httpx.Client, url: str) -> bool:
     """Whether the service answers ``GET {url}/readyz`` with a status below 500 (it is up and
     its database answers): the check that a report failing alone is poison, not an outage."""
     try:
-        return http.get(f"{url}/readyz").status_code < 500
+        return exchange(http, "GET", f"{url}/readyz", max_bytes=MAX_SENT_ANSWER_BYTES,
+                        seconds=exchange_seconds(http)).status < 500
     except httpx.HTTPError:
         return False
 

@@ -15,6 +15,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from factory import reference_reports
 
 from auditor.testing.server import ServerProcess
 
@@ -111,7 +112,7 @@ def test_a_host_that_never_answers_fails_within_the_timeout(silent_host, cmd, tm
     no answer ('unreachable'), exit 2, one line."""
     if cmd[0] == "import":
         spool = tmp_path / "rank0.jsonl"
-        spool.write_text(json.dumps({"run_id": "r", "statistic": "a", "step": 0}) + "\n")
+        spool.write_text("".join(json.dumps(r) + "\n" for r in reference_reports("r", buggy=False)))
         cmd = ("import", str(spool))
     t = time.monotonic()
     err = one_line_error(auditor(*cmd, "--url", silent_host, "--timeout", "1"))
@@ -130,7 +131,6 @@ def test_a_run_id_no_run_can_have_is_exit_2_never_another_run_s_status(live_serv
     (AttributeError on the run summary /v1/runs/RUN answered). Every RUN_ID outside the wire
     pattern is now one line naming it, exit 2, before any request, over HTTP and on the
     database alike; the run itself still passes."""
-    from factory import reference_reports
 
     assert live_server.post("/v1/reports", json={"reports": reference_reports(run_id, buggy=False)}).status_code == 200
     out = auditor("check", run_id, "--url", live_server.url)

@@ -89,7 +89,7 @@ class FlakyIngest:
                 if time.monotonic() < outer.sick_until or any(map(outer.poison, reports)):
                     return self._answer(500, {"type": "about:blank", "status": 500, "detail": "boom"})
                 outer.stored += reports
-                self._answer(200, {"accepted": len(reports)})
+                self._answer(200, {"accepted": len(reports), "duplicates": 0, "steps_audited": 0})
 
             def log_message(self, *a):
                 pass
@@ -115,13 +115,13 @@ def test_import_waits_out_a_sick_service_and_dead_letters_nothing(flaky, tmp_pat
     off, delivers all 200 reports and dead-letters none (exit 0)."""
     d = tmp_path / "spool"
     d.mkdir()
-    lines = [json.dumps({"run_id": "r", "statistic": "a", "step": i, "rank": 0}) for i in range(200)]
+    lines = [json.dumps(r) for i in range(100) for r in reference_reports("r", buggy=False, step=i)]
     (d / "rank0.jsonl").write_text("\n".join(lines) + "\n")
     flaky.sick_until = time.monotonic() + 3.0
     out = auditor("import", str(d), "--url", flaky.url, "--batch-size", "50")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "imported 200 new report(s) from 1 file(s); 0 rejected" in out.stdout
-    assert sorted(r["step"] for r in flaky.stored) == list(range(200))
+    assert sorted(r["step"] for r in flaky.stored) == sorted(list(range(100)) * 2)
     assert not list(d.glob("*.deadletter"))
 
 
@@ -132,26 +132,26 @@ def test_a_poison_report_is_dead_lettered_named_and_retried_on_request(flaky, tm
     retried, and once delivered it leaves the file (removed)."""
     d = tmp_path / "spool"
     d.mkdir()
-    lines = [json.dumps({"run_id": "r", "statistic": "a", "step": i, "rank": 0}) for i in range(40)]
+    lines = [json.dumps(r) for i in range(20) for r in reference_reports("r", buggy=False, step=i)]
     (d / "rank0.jsonl").write_text("\n".join(lines) + "\n")
-    flaky.poison = lambda report: report["step"] == 17
+    flaky.poison = lambda report: (report["step"], report["rank"]) == (8, 1)
     out = auditor("import", str(d), "--url", flaky.url, "--batch-size", "16")
     dead = d / "rank0.jsonl.deadletter"
     assert out.returncode == 1, out.stdout + out.stderr
     assert f"imported 39 new report(s) from 1 file(s); 1 rejected (appended to {dead} (+1))" in out.stdout
-    assert [json.loads(ln)["step"] for ln in dead.read_text().splitlines()] == [17]
+    assert [json.loads(ln)["step"] for ln in dead.read_text().splitlines()] == [8]
     out = auditor("import", str(d), "--url", flaky.url)
     assert out.returncode == 0
     assert f"not retried: 1 dead-lettered report(s) in {dead} (1) — retry them with --include-deadletter" \
         in out.stdout, out.stdout
     out = auditor("import", str(d), "--url", flaky.url, "--include-deadletter")  # still poison: kept
     assert out.returncode == 1 and f"1 still refused, kept in {dead}" in out.stdout, out.stdout
-    assert [json.loads(ln)["step"] for ln in dead.read_text().splitlines()] == [17]
+    assert [json.loads(ln)["step"] for ln in dead.read_text().splitlines()] == [8]
     flaky.poison = lambda report: False  # the service was fixed
     out = auditor("import", str(d), "--url", flaky.url, "--include-deadletter")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "retried 1 dead-lettered report(s) from 1 file(s): all delivered" in out.stdout
-    assert not dead.exists() and sorted(r["step"] for r in flaky.stored) == list(range(40))
+    assert not dead.exists() and sorted(r["step"] for r in flaky.stored) == sorted(list(range(20)) * 2)
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)

@@ -149,7 +149,8 @@ def test_check_fails_while_a_step_holds_reports_but_no_verdict(fresh_database_ur
     with only ranks 0 and 1, whose values are wrong (each whitened with a DP-only group's
     statistic), not yet audited (no sweep ran). `check` said "consistent (1 step(s)
     audited)", exit 0; it now fails naming the step not audited yet, and --allow-pending
-    (a check of a live run) passes with the line."""
+    (a check of a live run) passes with the line. Both name the ranks the step waits for
+    (the service knows them; `check` hid them)."""
     from auditor.db.engine import ensure_schema, make_engine
     from auditor.schemas import Report
     from auditor.service import Service
@@ -171,7 +172,8 @@ def test_check_fails_while_a_step_holds_reports_but_no_verdict(fresh_database_ur
         f"{run_id}: consistent (1 step(s) audited)",
         f"{run_id}: NOT AUDITED YET — advantages: 1 step(s) hold reports but no verdict (a rank has not reported, "
         "or its reports are still arriving; the service audits a step once every rank reported, or after "
-        "AUDITOR_GRACE_SECONDS); check again later, or pass --allow-pending to check a live run"]
+        "AUDITOR_GRACE_SECONDS); check again later, or pass --allow-pending to check a live run",
+        f"{run_id}: advantages step 1 has 2 of 4 report(s): ranks 2-3 not reported yet"]  # who it waits for
     out = auditor("check", run_id, "--database-url", fresh_database_url, "--allow-pending")
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.splitlines()[1] == (f"{run_id}: not audited yet, allowed by --allow-pending — "

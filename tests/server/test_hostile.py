@@ -672,13 +672,18 @@ def _auditor(*args: str, env: dict | None = None):
 
 def test_runs_delete_command(server, run_id):
     """`auditor runs delete RUN_ID` through the service and straight on the database;
-    an unknown run exits 2."""
+    an unknown run exits 2. Without --yes and no terminal to ask on, nothing is deleted:
+    exit 2 naming the run and --yes."""
     assert post(server, reference_reports(run_id, buggy=True)).status_code == 200
     out = _auditor("runs", "delete", run_id, "--url", server.url)
+    assert out.returncode == 2 and f"not deleting run {run_id} (1 statistic(s), 1 audited step(s)" in out.stderr \
+        and out.stderr.rstrip().endswith("pass --yes"), out.stderr
+    assert server.get(f"/v1/runs/{run_id}").status_code == 200
+    out = _auditor("runs", "delete", run_id, "--url", server.url, "--yes")
     assert out.returncode == 0 and "2 report(s), 1 step(s), 1 statistic(s)" in out.stdout, out.stderr
-    assert _auditor("runs", "delete", run_id, "--url", server.url).returncode == 2
+    assert _auditor("runs", "delete", run_id, "--url", server.url, "--yes").returncode == 2
     assert post(server, reference_reports(run_id, buggy=True)).status_code == 200
-    out = _auditor("runs", "delete", run_id, "--database-url", server.database_url)
+    out = _auditor("runs", "delete", run_id, "--database-url", server.database_url, "-y")
     assert out.returncode == 0, out.stderr
     assert server.get(f"/v1/runs/{run_id}").status_code == 404
 

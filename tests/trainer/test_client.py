@@ -56,7 +56,9 @@ class RecordingServer:
             def do_POST(self):  # noqa: N802 - http.server API
                 raw = self.rfile.read(int(self.headers["Content-Length"]))
                 outer.requests.append((dict(self.headers), raw, json.loads(raw)))
-                status, headers, body = outer.script.pop(0) if outer.script else (200, {}, {"accepted": 0})
+                status, headers, body = outer.script.pop(0) if outer.script else (200, {}, None)
+                if body is None:  # what the service answers: every report of the batch stored
+                    body = {"accepted": len(outer.requests[-1][2]["reports"]), "duplicates": 0, "steps_audited": 0}
                 if outer.fail_when(outer.requests[-1][2]) or time.monotonic() < outer.sick_until:
                     status, body = 500, BOOM
                 outer.statuses.append(status)
@@ -187,7 +189,7 @@ def test_a_422_naming_no_report_is_bisected(server):
     server.fail_when = lambda body: False
     refusal = (422, {}, {"type": "urn:auditor:problem:validation", "status": 422, "detail": "invalid JSON",
                          "errors": [{"field": "body", "loc": [], "msg": "invalid JSON", "type": "json_invalid"}]})
-    server.script = [refusal, (200, {}, {}), refusal, (200, {}, {}), refusal]  # 4 → 2 ok + 2 → 1 ok + 1 refused
+    server.script = [refusal, (200, {}, None), refusal, (200, {}, None), refusal]  # 4 → 2 ok + 2 → 1 ok + 1 refused
     client = AuditorClient(server.url, batch_size=4)
     for r in _reports(4):
         client.report(r)
@@ -405,20 +407,23 @@ GARBAGE_INDEX = [float("inf"), 1.5, True, "1"]
 def test_an_answer_with_garbage_numbers_is_classified_never_raised(value):
     """What a proxy or another program on the service's port may answer: numbers that are
     not the JSON integers the service writes (``1e999``, read as an infinite float, whose
-    ``int()`` raised OverflowError out of post_lines: a traceback a second in the trainer's
-    sender, and ``auditor import`` ended "unexpected OverflowError", exit 2) and a body
-    nested past the JSON parser's recursion limit (RecursionError). Each is an answer that
-    names no report: 2xx sent (0 duplicates), 409 rejected, 422 of several reports split."""
+    ``int()`` raised OverflowError out of post_lines) and a body nested past the JSON
+    parser's recursion limit (RecursionError). Never raised: a 2xx that is not an ingest
+    answer adding up to the batch is a retry (``foreign``, never ``sent``: it counted 24,000
+    reports sent and dropped them), a 409 naming no report rejects, a 422 of several reports
+    splits; a well-formed answer is sent with its duplicates."""
     import httpx
 
     from auditor.trainer import delivery
 
     answers = {
-        "dup": (200, json.dumps({"duplicates": value})),
+        "dup": (200, json.dumps({"accepted": 3, "duplicates": value})),
         "deep": (200, "[" * 100_000 + "]" * 100_000),
+        "short": (200, json.dumps({"accepted": 2, "duplicates": 0})),
+        "good": (200, json.dumps({"accepted": 1, "duplicates": 2, "steps_audited": 0})),
         "conflict": (409, json.dumps({"conflicts": [{"index": value, "fields": ["local.sum"]}]})),
         "loc": (422, json.dumps({"errors": [{"loc": ["reports", value, "local"], "msg": "x"}]})),
-        "deep422": (422, '{"errors":' + "[" * 100_000 + "]" * 100_000 + "}"),
+        "deep422": (422, '{"errors":' + "[" * 20_000 + "]" * 20_000 + "}"),  # under the bound, past recursion
     }
     got = {}
     lines = [json.dumps(r).encode() for r in _reports(3)]
@@ -427,20 +432,24 @@ def test_an_answer_with_garbage_numbers_is_classified_never_raised(value):
             s, content=t.encode(), headers={"Content-Type": "application/json"}))
         with httpx.Client(transport=transport) as http:
             out = delivery.post_lines(http, "http://svc", lines)
-        got[name] = (out.kind, out.duplicates, sorted(out.rejected))
-    assert got == {"dup": ("sent", 0, []), "deep": ("sent", 0, []), "conflict": ("rejected", 0, []),
-                   "loc": ("split", 0, []), "deep422": ("split", 0, [])}
+        got[name] = (out.kind, out.duplicates, sorted(out.rejected), out.foreign)
+    assert got == {"dup": ("retry", 0, [], True), "deep": ("retry", 0, [], True), "short": ("retry", 0, [], True),
+                   "good": ("sent", 2, [], False), "conflict": ("rejected", 0, [], False),
+                   "loc": ("split", 0, [], False), "deep422": ("split", 0, [], False)}
 
 
-def test_a_garbage_answer_leaves_the_sender_quiet_and_the_reports_settled(server, caplog):
-    """The client's sender, answered 200 with ``"duplicates": Infinity``, counts the batch
-    sent and flush() returns True; no "unexpected error in the sender" (before: the batch
-    was spooled as an error, flush() timed out, the traceback repeated every second)."""
-    server.script = [(200, {}, {"accepted": 3, "duplicates": float("inf")})]
-    client = AuditorClient(server.url)
+def test_a_garbage_answer_is_retried_said_once_and_never_counted_sent(server, caplog):
+    """The client's sender, answered 200 with ``"duplicates": Infinity`` twice, does not
+    count the batch sent: it retries, says once that the URL does not answer as an auditor
+    (naming it), and counts the batch sent when a real ingest answer comes; no "unexpected
+    error in the sender"."""
+    garbage = (200, {}, {"accepted": 3, "duplicates": float("inf")})
+    server.script = [garbage, garbage]
+    client = AuditorClient(server.url, max_backoff=0.05)
     for r in _reports(3):
         client.report(r)
     assert client.flush(timeout=10)
-    assert client.stats["sent"] == 3 and client.stats["spooled"] == 0
+    assert client.stats["sent"] == 3 and client.stats["retries"] == 2 and client.stats["rejected"] == 0
+    assert caplog.text.count(f"{server.url} does not answer as an auditor service") == 1
     assert "unexpected error" not in caplog.text
     client.close()

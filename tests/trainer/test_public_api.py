@@ -12,10 +12,10 @@ import pytest
 
 import auditor
 
-#: The trainer API, plus the read client ``Reader`` (notebooks, CI scripts). Changing it is an
-#: API change: update this list, the README and the docs.
+#: The trainer API, plus the read client ``Reader`` (notebooks, CI scripts) and its errors.
+#: Changing it is an API change: update this list, the README and the docs.
 TRAINER_API = [
-    "AuditorClient", "Reader", "audited_norm_sq", "audited_sum", "client_from_env", "distributed_masked_whiten",
+    "AuditorClient", "NotFoundError", "Reader", "ReaderError", "audited_norm_sq", "audited_sum", "client_from_env", "distributed_masked_whiten",
     "masked_moments", "report_statistic", "set_device_mesh", "set_step", "set_topology", "step_context",
     "wrap_distributed_whiten",
 ]
