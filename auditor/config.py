@@ -108,7 +108,10 @@ class Settings(BaseSettings):
 
     # ------------------------------------------------------------------ connections
     max_connections: int = Field(
-        1000, ge=1, description="Open client connections per process; connections past it are closed at once."
+        1000, ge=1, description="Open client connections per process. A connection past it closes an idle one (of "
+                                "the client address holding the most, the longest idle first); with none idle it "
+                                "may only ask for /healthz, /readyz or /metrics (AUDITOR_MAX_CONCURRENT_PROBES "
+                                "such at once), else 503 and closed."
     )
     max_concurrent_requests: int = Field(
         200, ge=1, description="Writes (POST/PUT/DELETE) in progress per process; past it: 503 with Retry-After."
