@@ -182,6 +182,14 @@ class Settings(BaseSettings):
     read_token: str | None = Field(
         None, description="Optional second token that may only read (GET): for Grafana, CI jobs, dashboards."
     )
+    login_max_failures: int = Field(
+        10, ge=1, description="Wrong tokens one client address may send to POST /login within "
+                              "AUDITOR_LOGIN_FAILURE_WINDOW_SECONDS; past it every sign-in of that address (right "
+                              "token or not) is a 429 with Retry-After until the window ends."
+    )
+    login_failure_window_seconds: float = Field(
+        60.0, gt=0, description="The window of AUDITOR_LOGIN_MAX_FAILURES, from an address's first wrong token."
+    )
     public_endpoints: bool = Field(
         True, description="/readyz and /metrics answer without a token even when one is set (/healthz always does)."
     )

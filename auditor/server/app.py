@@ -102,6 +102,44 @@ class Throttled:
 throttled = Throttled(log)
 
 
+class FailureThrottle:
+    """Failed attempts per client address in a window (``POST /login``'s wrong tokens):
+    after ``limit`` failures within ``window`` s of an address's first one, :meth:`blocked`
+    says how many seconds remain until the window ends (the address is refused meanwhile,
+    whatever it sends). At most ``max_clients`` addresses are tracked (the oldest windows
+    are forgotten first), so a flood of addresses cannot grow memory. Event loop only."""
+
+    def __init__(self, limit: int, window: float, max_clients: int = 10_000):
+        self.limit, self.window, self.max_clients = limit, window, max_clients
+        self._failures: dict[str, tuple[float, int]] = {}  # address -> (window start, failures); oldest first
+
+    def _current(self, client: str, now: float) -> tuple[float, int] | None:
+        entry = self._failures.get(client)
+        if entry is not None and now - entry[0] >= self.window:
+            del self._failures[client]
+            return None
+        return entry
+
+    def blocked(self, client: str) -> float:
+        """Seconds until ``client`` may try again; 0.0 when it may now."""
+        now = time.monotonic()
+        entry = self._current(client, now)
+        return entry[0] + self.window - now if entry is not None and entry[1] >= self.limit else 0.0
+
+    def failed(self, client: str) -> None:
+        """Count one failure of ``client``."""
+        now = time.monotonic()
+        start, n = self._current(client, now) or (now, 0)
+        self._failures.pop(client, None)
+        self._failures[client] = (start, n + 1)
+        while len(self._failures) > self.max_clients:
+            del self._failures[next(iter(self._failures))]
+
+    def succeeded(self, client: str) -> None:
+        """Forget ``client``'s failures."""
+        self._failures.pop(client, None)
+
+
 class AppState:
     """What a request handler needs: settings, the service, metrics. One per app."""
 
@@ -123,8 +161,33 @@ class AppState:
         #: takes them, the endpoint that read the body gives them back when it is done.
         self.body_budget = BodyBudget(settings.body_budget_bytes, on_change=self.metrics.body_bytes.set)
         self.metrics.body_bytes.set(0)
+        #: Wrong tokens per client address at POST /login (AUDITOR_LOGIN_MAX_FAILURES).
+        self.login_failures = FailureThrottle(settings.login_max_failures, settings.login_failure_window_seconds)
         #: Last database probe (:func:`_probe_forever`): (ok, message, monotonic time).
         self.database: tuple[bool, str, float] = (True, "ok", time.monotonic())
+        #: Since when writes fail because the database cannot store them (disk full, I/O
+        #: error, read-only; :func:`storage_failure`): (message, monotonic time), None while
+        #: they succeed. ``/readyz`` is 503 meanwhile; the next write that succeeds (a
+        #: request's, or the probe's own, which it tries while this is set) clears it.
+        self.write_failure: tuple[str, float] | None = None
+
+    def write_failed(self, exc: BaseException) -> bool:
+        """Record ``exc`` if it says the database cannot store writes; True if it did."""
+        message = storage_failure(exc)
+        if message is None:
+            return False
+        if self.write_failure is None:
+            log.warning("writes fail: %s; /readyz answers 503 until one succeeds", message)
+            self.write_failure = (message, time.monotonic())
+        else:
+            self.write_failure = (message, self.write_failure[1])
+        return True
+
+    def wrote(self) -> None:
+        """A write succeeded: the database stores writes again."""
+        if self.write_failure is not None:
+            log.warning("writes succeed again after %.0f s of failures", time.monotonic() - self.write_failure[1])
+            self.write_failure = None
 
     def close(self) -> None:
         self.engine.dispose()
@@ -430,6 +493,25 @@ def _disconnected(request: Request) -> Response:
     return Response(status_code=400, headers={"Connection": "close"})
 
 
+#: SQLite's primary result codes of a database that cannot store a write (sqlite3.h):
+#: SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN.
+_SQLITE_STORAGE = {8: "read-only", 10: "I/O error", 13: "disk full", 14: "cannot open the database file"}
+#: PostgreSQL SQLSTATEs of the same: disk_full, io_error, read_only_sql_transaction.
+_PG_STORAGE = {"53100": "disk full", "58030": "I/O error", "25006": "read-only"}
+
+
+def storage_failure(exc: BaseException) -> str | None:
+    """What ``exc`` (a SQLAlchemy or driver error) says about the database's storage, in a
+    few words and the driver's message ("disk full: database or disk is full"), when it
+    says a write cannot be stored; None for any other error (locks, timeouts, a dropped
+    connection, bad input)."""
+    orig = getattr(exc, "orig", None) or exc
+    code = getattr(orig, "sqlite_errorcode", None)
+    what = (_SQLITE_STORAGE.get(code & 0xFF) if isinstance(code, int)
+            else _PG_STORAGE.get(str(getattr(orig, "sqlstate", None) or "")))
+    return None if what is None else f"{what}: {str(orig).strip()[:200]}"
+
+
 def _is_unavailable(exc: BaseException) -> bool:
     """Database conditions that pass: unreachable, locked, pool exhausted, deadlock, lock
     timeout, connection dropped mid-request."""
@@ -514,6 +596,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(sa.exc.SQLAlchemyError)
     async def _database(request: Request, exc: sa.exc.SQLAlchemyError):
+        svc_of(request).write_failed(exc)
         if _is_unavailable(exc):
             throttled.warning("db", "database unavailable or busy (%s): answering 503", type(exc).__name__)
             return problem(503, "unavailable", f"the database is unavailable or busy ({type(exc).__name__}); "
@@ -600,6 +683,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             del parsed
         finally:
             lease.close()
+        s.wrote()
         s.metrics.received.inc(out.accepted)
         s.metrics.ingest_duration.observe(time.perf_counter() - t0)
         return IngestResult(accepted=out.accepted, duplicates=out.duplicates, steps_audited=len(out.audited))
@@ -621,8 +705,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if isinstance(parsed, list):
                 listed = field_errors(parsed, settings.max_errors_listed)
                 return problem(422, "validation", summary(listed, len(parsed)), request.url.path, errors=listed)
-            return Response(await anyio.to_thread.run_sync(lambda: _json(s.service.register_run(run_id, parsed)),
-                                                           limiter=s.ingest_limiter), media_type="application/json")
+            out = await anyio.to_thread.run_sync(lambda: _json(s.service.register_run(run_id, parsed)),
+                                                 limiter=s.ingest_limiter)
+            s.wrote()
+            return Response(out, media_type="application/json")
         finally:
             lease.close()
 
@@ -633,6 +719,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         counts deleted: ``{"run_id", "reports", "steps", "statistics"}``; 404 if unknown."""
         s = svc_of(request)
         counts = await run_in_threadpool(s.service.delete_run, run_id, settings.delete_chunk_rows)
+        s.wrote()
         log.info("deleted run %s: %s", run_id, counts)
         return counts
 
@@ -770,10 +857,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """Check the token of the sign-in form (the read token or the service token); keep it in
         an HttpOnly, SameSite=Strict cookie that GET/HEAD requests of this browser are
         authorised with, and go back to the page asked for (303). Wrong token: the form again, 401.
-        A body over ``LOGIN_BODY_BYTES`` (8 KiB) + 3 bytes per character of the longest token is
+        After ``login_max_failures`` wrong tokens from one client address within
+        ``login_failure_window_seconds``, every sign-in of that address is the form again with a
+        429 and Retry-After until the window ends (the token is not even compared). A body over ``LOGIN_BODY_BYTES`` (8 KiB) + 3 bytes per character of the longest token is
         a 413 ``too_large`` as soon as it is declared or received (the rest is never read); a
         body that stalls is a 408, as on the write endpoints."""
         limit = LOGIN_BODY_BYTES + 3 * max((len(t) for t in (settings.read_token, settings.token) if t), default=0)
+        throttle = svc_of(request).login_failures
+        client = request.client.host if request.client else "?"
+        root = request.scope.get("root_path", "")
+        wait = throttle.blocked(client)
+        if wait > 0:
+            throttled.warning("login", "more than %d wrong tokens at POST /login from %s within %g s "
+                                       "(AUDITOR_LOGIN_MAX_FAILURES): answering 429", throttle.limit, client,
+                              throttle.window)
+            return HTMLResponse(web.render_login(
+                next="/", root_path=root,
+                error=f"Too many wrong tokens from this address: try again in {math.ceil(wait)} s."),
+                status_code=429, headers={"Retry-After": str(math.ceil(wait)), "Connection": "close"})
         try:
             body = await read_body(request, limit, settings.body_timeout_seconds, settings.body_deadline_seconds)
         except BodyTooLarge as e:
@@ -788,11 +889,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         form = urllib.parse.parse_qs(body.decode("utf-8", "replace"))
         token = (form.get("token") or [""])[0]
         target = _local_path((form.get("next") or ["/"])[0])
-        root = request.scope.get("root_path", "")
         known = [t for t in (settings.read_token, settings.token) if t]
         if known and not any(hmac.compare_digest(token.encode(), t.encode()) for t in known):
+            throttle.failed(client)
             return HTMLResponse(web.render_login(next=target, error="That is not this auditor's token.",
                                                  root_path=root), status_code=401)
+        throttle.succeeded(client)
         response = RedirectResponse(root + target, status_code=303)
         if known:
             response.set_cookie(TOKEN_COOKIE, urllib.parse.quote(token, safe=""), httponly=True, samesite="strict",
@@ -859,10 +961,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.get("/readyz")
     async def readyz(request: Request):
         """Readiness: 200 when the last database probe (every few seconds, off the request
-        path) succeeded, else 503 problem details with Retry-After."""
-        ok, message, _ = svc_of(request).database
+        path) succeeded and writes are stored; else 503 problem details with Retry-After:
+        the database does not answer, or writes fail because it cannot store them (disk
+        full, I/O error, read-only) — until a write succeeds again (the probe tries one
+        every period meanwhile)."""
+        s = svc_of(request)
+        ok, message, _ = s.database
         if not ok:
             return problem(503, "unavailable", f"database: {message}", "/readyz", headers={"Retry-After": RETRY_AFTER})
+        if s.write_failure is not None:
+            what, since = s.write_failure
+            return problem(503, "unavailable", f"database: writes fail (for {time.monotonic() - since:.0f} s): {what}",
+                           "/readyz", headers={"Retry-After": RETRY_AFTER})
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -1035,6 +1145,7 @@ async def _sweep_forever(svc: AppState) -> None:
         except NotFound:
             pass  # a run deleted by another replica meanwhile
         except Exception as exc:  # keep sweeping; the next round retries
+            svc.write_failed(exc)
             if _is_unavailable(exc):
                 throttled.warning("sweep-db", "sweep: database unavailable or busy (%s); retrying next round",
                                   type(exc).__name__)
@@ -1069,30 +1180,49 @@ async def _probe_forever(svc: AppState) -> None:
         else:
             answer = loop.create_future()
             started = time.monotonic()
-            thread = threading.Thread(target=_probe, args=(svc.engine, loop, answer), name=PROBE_THREAD, daemon=True)
+            write = svc.write_failure is not None
+            thread = threading.Thread(target=_probe, args=(svc.engine, loop, answer, write), name=PROBE_THREAD,
+                                      daemon=True)
             thread.start()
             try:
                 with anyio.fail_after(timeout):
-                    ok, message = await asyncio.shield(answer)
+                    ok, message, failed = await asyncio.shield(answer)
                 svc.database = (ok, message, time.monotonic())
+                if write and ok:
+                    if failed is None:
+                        svc.wrote()
+                    else:
+                        svc.write_failed(failed)
             except TimeoutError:
                 svc.database = (False, f"TimeoutError: the database did not answer the probe within {timeout:g} s",
                                 time.monotonic())
         await asyncio.sleep(every)
 
 
-def _probe(engine: sa.Engine, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
-    """One probe (in :data:`PROBE_THREAD`): ``(ok, message)`` handed to ``answer`` on ``loop``."""
+def _probe(engine: sa.Engine, loop: asyncio.AbstractEventLoop, answer: asyncio.Future, write: bool) -> None:
+    """One probe (in :data:`PROBE_THREAD`): ``(ok, message, write error)`` handed to
+    ``answer`` on ``loop``. With ``write`` (writes have been failing) it also commits a
+    write that changes nothing (the schema revision set to itself) and hands over the
+    database error it raised, if any (else None): tried only then, so a
+    probe never competes with ingest for the write lock while writes succeed."""
+    failed = None
     try:
         current_revision(engine)
         result = (True, "ok")
+        if write:
+            try:
+                with engine.begin() as conn:
+                    conn.execute(sa.text("UPDATE alembic_version SET version_num = version_num"))
+            except sa.exc.SQLAlchemyError as exc:  # a storage failure, or a lock: not cleared either way
+                failed = exc
     except Exception as exc:  # noqa: BLE001 - reported by /readyz
         result = (False, f"{type(exc).__name__}: {str(exc)[:200]}")
+    result = (*result, failed)
     with contextlib.suppress(RuntimeError):  # the loop is closed: the server stopped meanwhile
         loop.call_soon_threadsafe(_settle, answer, result)
 
 
-def _settle(answer: asyncio.Future, result: tuple[bool, str]) -> None:
+def _settle(answer: asyncio.Future, result: tuple) -> None:
     if not answer.done():
         answer.set_result(result)
 
