@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import collections
 import errno
+import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -228,6 +230,7 @@ _FULL_BODY = (b'{"type":"urn:auditor:problem:overloaded","title":"Too many reque
               b'"status":503,"detail":"too many open connections"}')
 _CONNECTIONS_FULL = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/problem+json\r\nretry-after: 1\r\n"
+    b"x-content-type-options: nosniff\r\n"
     b"connection: close\r\ncontent-length: " + str(len(_FULL_BODY)).encode() + b"\r\n\r\n" + _FULL_BODY
 )
 
@@ -242,6 +245,7 @@ async def _connections_full_app(scope, receive, send) -> None:
     """The answer of a probe connection that asked for anything but a probe path."""
     await send({"type": "http.response.start", "status": 503, "headers": [
         (b"content-type", b"application/problem+json"), (b"retry-after", b"1"), (b"connection", b"close"),
+        (b"x-content-type-options", b"nosniff"),
         (b"content-length", str(len(_FULL_BODY)).encode())]})
     await send({"type": "http.response.body", "body": _FULL_BODY})
 
@@ -269,8 +273,6 @@ def raise_fd_limit(settings: Settings) -> int:
         except (ValueError, OSError):
             pass
     if settings.max_connections + 256 > soft:
-        import logging
-
         logging.getLogger("auditor.server").warning(
             "AUDITOR_MAX_CONNECTIONS=%d does not fit below the open-files limit %d (ulimit -n): lower it",
             settings.max_connections, soft)
@@ -327,16 +329,45 @@ class AuditorServer(uvicorn.Server):
             self._watchdog.start()
 
 
+#: Query parameters whose values the access log never shows (a token sent as ``?token=``).
+#: A name is one when one of its words (split at ``_ - .``) is one of these, as in
+#: ``token``, ``access_token``, ``api-key``, ``X-Amz-Signature``, ``client_secret``.
+_CREDENTIAL_PARAM = re.compile(
+    r"([?&](?:[^=&#]*[_.-])?(?:token|password|passwd|pwd|secret|key|apikey|auth|authorization|signature|sig|"
+    r"session|sessionid|cookie|credentials?|jwt)(?:[_.-][^=&#]*)?=)[^&#]*", re.IGNORECASE)
+
+
+def redact_query(path: str) -> str:
+    """``path`` (with its query string) with the value of every parameter whose name looks
+    like a credential (:data:`_CREDENTIAL_PARAM`: token, password, secret, key, auth,
+    signature, session, ...) replaced by ``REDACTED``: ``/runs?token=abc&step=3`` → ``/runs?token=REDACTED&step=3``."""
+    return _CREDENTIAL_PARAM.sub(r"\1REDACTED", path) if "?" in path else path
+
+
+class RedactQuery(logging.Filter):
+    """On uvicorn's access log (``'%s - "%s %s HTTP/%s" %d'``: client, method, path with
+    query, version, status): the path through :func:`redact_query`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            record.args = (*args[:2], redact_query(args[2]), *args[3:])
+        return True
+
+
 def log_config(log_level: str) -> dict:
     """uvicorn's logging configuration plus the service's own ``auditor.*`` loggers on the
     same handler and level (without it their INFO lines, e.g. a client leaving mid-body or
-    a sweep round, went nowhere)."""
+    a sweep round, went nowhere), and credential-looking query values redacted from the
+    access log (:class:`RedactQuery`)."""
     import copy
 
     from uvicorn.config import LOGGING_CONFIG
 
     cfg = copy.deepcopy(LOGGING_CONFIG)
     cfg["loggers"]["auditor"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
+    cfg.setdefault("filters", {})["redact_query"] = {"()": "auditor.server.run.RedactQuery"}
+    cfg["handlers"]["access"]["filters"] = ["redact_query"]
     return cfg
 
 
@@ -366,8 +397,6 @@ def serve(host: str, port: int, workers: int = 1, log_level: str = "info",
     raise_fd_limit(settings)
     config = uvicorn.Config("auditor.server.app:create_app", factory=True, host=host, port=port, workers=workers,
                             log_level=log_level, log_config=log_config(log_level), **uvicorn_options(settings))
-    import logging
-
     logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host,
                                             sock.getsockname()[1])
     try:

@@ -297,6 +297,15 @@ def render_login(*, next: str = "/", error: str | None = None, root_path: str = 
                                                            assets=_assets(False))
 
 
+def render_error(*, status: int, title: str, detail: str, retry_after: str | None = None,
+                 root_path: str = "") -> str:
+    """The HTML page of an error of a page (``status`` and ``title`` of the problem details,
+    its ``detail``): the site's header and a link to all runs."""
+    return environment().get_template("error.html").render(status=status, title=title, detail=detail,
+                                                           retry_after=retry_after, root=root_path,
+                                                           assets=_assets(False))
+
+
 def render_runs_page(runs: Sequence[Mapping[str, Any]], *, next_cursor: str | None = None,
                      status: str | None = None, root_path: str = "") -> str:
     """The run list (``GET /``): one row per run of ``GET /v1/runs``, linked to its page."""

@@ -96,3 +96,63 @@ def test_readiness_is_503_while_writes_fail_and_200_once_they_succeed(server, ru
     assert r.status_code == 200 and r.json()["accepted"] == 2, r.text
     steps = server.get(f"/v1/runs/{run_id}/statistics/advantages/steps").json()["steps"]
     assert [s["step"] for s in steps] == [0, 1]
+
+
+HTML = {"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"}  # what a browser sends for a page
+
+
+def test_pages_and_problems_carry_security_headers_and_the_access_log_no_token(tmp_path, run_id):
+    """Every answer — a page, `/docs`, JSON, a problem of the app, a 401 of the token check —
+    has `X-Content-Type-Options: nosniff` and `X-Frame-Options: DENY`; pages get a CSP that
+    allows scripts of this origin only (`/docs` also Swagger UI's inline start), JSON and
+    problems one that allows nothing. A token sent as `?token=` (and `?api_key=`) is not in
+    the access log; the request is (its other parameters too)."""
+    s = ServerProcess(f"sqlite:///{tmp_path / 'a.db'}", tmp_path / "server.log", memory_limit=1024 * 2**20,
+                      args=("--log-level", "info"), AUDITOR_TOKEN=TOKEN).start()
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    try:
+        answers = {"page": s.get("/", headers=auth), "docs": s.get("/docs", headers=auth),
+                   "json": s.get("/v1/runs", headers=auth), "problem": s.get(f"/v1/runs/{run_id}", headers=auth),
+                   "unauthorized": s.get("/v1/runs"), "healthz": s.get("/healthz")}
+        assert {k: r.status_code for k, r in answers.items()} == {"page": 200, "docs": 200, "json": 200,
+                                                                  "problem": 404, "unauthorized": 401,
+                                                                  "healthz": 200}
+        for k, r in answers.items():
+            assert r.headers["x-content-type-options"] == "nosniff" and r.headers["x-frame-options"] == "DENY", k
+            assert "frame-ancestors 'none'" in r.headers["content-security-policy"], k
+        page_csp = answers["page"].headers["content-security-policy"]
+        assert "script-src 'self';" in page_csp and "object-src 'none'" in page_csp
+        assert "script-src 'self' 'unsafe-inline'" in answers["docs"].headers["content-security-policy"]
+        for k in ("json", "problem", "unauthorized", "healthz"):
+            assert answers[k].headers["content-security-policy"].startswith("default-src 'none'"), k
+        assert s.get(f"/v1/runs?token={TOKEN}&limit=7", headers=auth).status_code == 200
+        assert s.get("/v1/runs?api_key=k3y-value&limit=8", headers=auth).status_code == 200
+    finally:
+        s.stop()
+    log = s.log_path.read_text()
+    assert "GET /v1/runs?token=REDACTED&limit=7 HTTP/1.1" in log and "GET /v1/runs?api_key=REDACTED&limit=8" in log
+    assert TOKEN not in log and "k3y-value" not in log
+
+
+def test_a_browser_gets_errors_of_pages_as_pages_and_head_answers_every_get(tmp_path, run_id):
+    """A browser (Accept: text/html) opening an unknown run, an unknown path or a bad
+    query gets an HTML page with the status, the detail and a link to all runs; the same
+    URLs without HTML in Accept, and the API in any case, keep problem JSON. HEAD answers
+    every page and read with the GET's status and headers and no body (pages were 405)."""
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'a.db'}")
+    with BackgroundServer(settings) as url, httpx.Client(base_url=url, timeout=10) as http:
+        for path, status, said in ((f"/runs/{run_id}", 404, f"not found: {run_id}"), ("/no/such/page", 404, "Not Found"),
+                                   ("/?cursor=bogus", 422, "cursor: not a cursor of this listing")):
+            r = http.get(path, headers=HTML)
+            assert r.status_code == status and r.headers["content-type"].startswith("text/html"), (path, r.text)
+            assert said in r.text and 'id="all-runs"' in r.text and 'class="brand"' in r.text, r.text
+            assert "script-src 'self';" in r.headers["content-security-policy"]
+            r = http.get(path)
+            assert r.status_code == status and r.headers["content-type"] == "application/problem+json"
+        r = http.get(f"/v1/runs/{run_id}", headers=HTML)
+        assert r.status_code == 404 and r.headers["content-type"] == "application/problem+json"
+        for path in ("/", "/runbook", "/login", "/v1/runs", "/healthz", "/readyz", "/metrics", "/docs",
+                     "/openapi.json", "/static/auditor.css", f"/runs/{run_id}"):
+            get, head = http.get(path), http.head(path)
+            assert (head.status_code, head.content) == (get.status_code, b""), path
+            assert head.headers["content-type"] == get.headers["content-type"], path
