@@ -194,6 +194,15 @@ class Settings(BaseSettings):
         True, description="/readyz and /metrics answer without a token even when one is set (/healthz always does)."
     )
 
+    @field_validator("token", "read_token")
+    @classmethod
+    def _not_a_placeholder(cls, value: str | None) -> str | None:
+        """A token is a secret: the placeholders of an example env file ("change-me...")
+        are refused (they passed ``docker-compose config`` and served with them)."""
+        if value is not None and value.strip().lower().replace("_", "-").startswith(("change-me", "changeme")):
+            raise ValueError(f"{value!r} is a placeholder, not a secret: set a random token (openssl rand -hex 32)")
+        return value
+
     @field_validator("*")
     @classmethod
     def _durations_a_wait_can_take(cls, value, info: ValidationInfo):

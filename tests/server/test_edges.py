@@ -9,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from pydantic import ValidationError
 from conftest import ServerProcess
 from factory import reference_reports
 
@@ -22,6 +23,14 @@ FORM = {"Content-Type": "application/x-www-form-urlencoded"}
 def _client(url: str, source: str) -> httpx.Client:
     """A client whose connections come from ``source`` (an address of 127.0.0.0/8)."""
     return httpx.Client(base_url=url, timeout=10, transport=httpx.HTTPTransport(local_address=source))
+
+
+def test_placeholder_tokens_are_refused():
+    """An example env file's placeholder is not a token: the settings name the field."""
+    for field in ("token", "read_token"):
+        with pytest.raises(ValidationError, match=f"{field}\n.*'change-me-too' is a placeholder"):
+            Settings(**{field: "change-me-too"})
+    assert Settings(token="7f3c9e").token == "7f3c9e"
 
 
 def test_login_failures_are_throttled_per_client_address(tmp_path):
