@@ -649,6 +649,15 @@ def _is_unavailable(exc: BaseException) -> bool:
 RunIdPath = Path(min_length=1, max_length=128, pattern=RUN_ID_PATTERN)
 
 
+#: The groups of ``/docs``, in this order.
+OPENAPI_TAGS = [
+    {"name": "ingest", "description": "What trainer ranks send: reports (wire contract v1) and run registrations."},
+    {"name": "runs", "description": "Runs and their consistency reports."},
+    {"name": "steps", "description": "Per-step history and detail of one statistic of a run."},
+    {"name": "operations", "description": "Probes and metrics for orchestrators and Prometheus."},
+]
+
+
 # ------------------------------------------------------------------ the app
 def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the FastAPI app. On start-up it migrates an empty database to head and refuses
@@ -671,7 +680,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     # FastAPIOffline: /docs and /redoc with Swagger UI and ReDoc shipped inside the
     # fastapi-offline package (stock FastAPI loads them from a CDN: blank when air-gapped).
-    app = FastAPIOffline(title="auditor", version=__version__, lifespan=lifespan,
+    app = FastAPIOffline(title="auditor", version=__version__, lifespan=lifespan, openapi_tags=OPENAPI_TAGS,
                   description="Audits the statistics distributed trainers all-reduce across ranks. Every error "
                               "is RFC 9457 problem details (application/problem+json).")
     app.add_middleware(HeadAsGetMiddleware)  # innermost: the routes see a GET
@@ -774,7 +783,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return _disconnected(request)
 
     # ---------------------------------------------------------------- writes
-    @app.post("/v1/reports", response_model=IngestResult)
+    @app.post("/v1/reports", response_model=IngestResult, tags=["ingest"],
+              summary="Store a batch of rank reports and audit the steps it completes")
     async def post_reports(request: Request):
         """Store a batch of rank reports and audit every step it completes.
 
@@ -815,7 +825,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         s.metrics.ingest_duration.observe(time.perf_counter() - t0)
         return IngestResult(accepted=out.accepted, duplicates=out.duplicates, steps_audited=len(out.audited))
 
-    @app.put("/v1/runs/{run_id}")
+    @app.put("/v1/runs/{run_id}", tags=["ingest"], summary="Register a run's topology and statistics")
     async def put_run(request: Request, run_id: str = RunIdPath):
         """Register a run's topology (and statistic kinds/specs) before its first report.
         Body: :class:`auditor.schemas.RunRegistration`. Idempotent; 409
@@ -839,7 +849,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             lease.close()
 
-    @app.delete("/v1/runs/{run_id}")
+    @app.delete("/v1/runs/{run_id}", tags=["runs"], summary="Delete a run with its reports and verdicts")
     async def delete_run(request: Request, run_id: str = RunIdPath):
         """Delete a run with its reports, verdicts and faults, in transactions of at most
         ``delete_chunk_rows`` reports (ingest of other runs goes on meanwhile). Answers the
@@ -854,7 +864,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def read(fn: Callable[[], Any]) -> Response:
         return Response(await run_in_threadpool(lambda: _json(fn())), media_type="application/json")
 
-    @app.get("/v1/runs")
+    @app.get("/v1/runs", tags=["runs"], summary="List runs, newest first (paginated, by status)")
     async def list_runs(
         request: Request,
         limit: int = Query(100, ge=1, le=1000, description="Runs per page."),
@@ -877,13 +887,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return {"runs": rows, "next_cursor": encode_cursor(list(last)) if last else None}
         return await read(page)
 
-    @app.get("/v1/runs/{run_id}")
+    @app.get("/v1/runs/{run_id}", tags=["runs"], summary="One run's summary")
     async def get_run(request: Request, run_id: str = RunIdPath):
         """One run's summary; 404 if unknown."""
         s = svc_of(request)
         return await read(lambda: s.service.get_run(run_id))
 
-    @app.get("/v1/runs/{run_id}/report")
+    @app.get("/v1/runs/{run_id}/report", tags=["runs"],
+             summary="Consistency report of a run: verdicts, faults, bad steps' rank tables")
     async def get_report(
         request: Request,
         run_id: str = RunIdPath,
@@ -915,7 +926,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # which the default converter would not match (404). Unambiguous: ".../steps" ends the
     # listing, ".../steps/<int>" the detail; a name's parts are never empty, "." or ".."
     # (schemas.addressable).
-    @app.get("/v1/runs/{run_id}/statistics/{statistic:path}/steps")
+    @app.get("/v1/runs/{run_id}/statistics/{statistic:path}/steps", tags=["steps"],
+             summary="Step history of one statistic (paginated, by verdict)")
     async def get_steps(
         request: Request,
         run_id: str = RunIdPath,
@@ -943,7 +955,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return {**out, "next_cursor": encode_cursor(last) if last is not None else None}
         return await read(page)
 
-    @app.get("/v1/runs/{run_id}/statistics/{statistic:path}/steps/{step}")
+    @app.get("/v1/runs/{run_id}/statistics/{statistic:path}/steps/{step}", tags=["steps"],
+             summary="One step's verdict, faults and per-rank table (paginated)")
     async def get_step(request: Request, run_id: str = RunIdPath,
                        statistic: str = Path(min_length=1, max_length=128, pattern=STATISTIC_PATTERN),
                        step: int = Path(ge=0, le=2**62),
@@ -1075,7 +1088,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             s.page_slots.release()
 
-    @app.get("/healthz")
+    @app.get("/healthz", tags=["operations"], summary="Liveness (no database, no token)")
     async def healthz(request: Request):
         """Liveness, answered on the event loop (no thread, no database): 200 while the
         process serves, in milliseconds however busy ingest is. ``database`` is the
@@ -1085,7 +1098,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return {"status": "ok", "version": __version__, "schema_revision": s.schema_revision,
                 "database": "ok" if ok else message, "database_checked_s_ago": round(time.monotonic() - at, 1)}
 
-    @app.get("/readyz")
+    @app.get("/readyz", tags=["operations"], summary="Readiness: the database answers and stores writes")
     async def readyz(request: Request):
         """Readiness: 200 when the last database probe (every few seconds, off the request
         path) succeeded and writes are stored; else 503 problem details with Retry-After:
@@ -1102,7 +1115,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                            "/readyz", headers={"Retry-After": RETRY_AFTER})
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", tags=["operations"], summary="Prometheus metrics")
     def metrics(request: Request) -> Response:
         """Prometheus exposition (DESIGN.md §6)."""
         return Response(generate_latest(svc_of(request).registry), media_type=CONTENT_TYPE_LATEST)
@@ -1139,7 +1152,8 @@ def _openapi(app: FastAPI, settings: Settings) -> dict:
     and the bearer security scheme."""
     if app.openapi_schema:
         return app.openapi_schema
-    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes,
+                      tags=app.openapi_tags)
     comps = doc.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         comps.pop(name, None)
