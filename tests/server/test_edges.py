@@ -1,6 +1,8 @@
-"""Issue 25 §3, the service's own edges against a real server over real HTTP: sign-in
-brute force is throttled per client address, and readiness follows the ability to write
-(the write-failing state of a server whose files cannot grow)."""
+"""Issue 25 §3-4, the service's own edges against a real server over real HTTP: sign-in
+brute force is throttled per client address; readiness follows the ability to write (a
+server whose files cannot grow); security headers on every answer and no token in the
+access log; a browser's errors of pages as pages, HEAD on every GET; placeholder tokens
+refused; `/docs` grouped by tag with written summaries."""
 
 from __future__ import annotations
 
