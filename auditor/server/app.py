@@ -731,8 +731,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return problem(exc.status_code, code, str(exc.detail), request.url.path, headers=headers or None)
 
     @app.exception_handler(sa.exc.SQLAlchemyError)
+    def _cannot_store(request: Request, exc: BaseException) -> Response | None:
+        """The 503 of a database that cannot store writes (:func:`storage_failure`; a
+        read-only PostgreSQL was a 500), recorded for ``/readyz``; None for any other error."""
+        if not svc_of(request).write_failed(exc):
+            return None
+        throttled.warning("db-storage", "the database cannot store writes (%s): answering 503", type(exc).__name__)
+        return problem(503, "unavailable", f"the database cannot store writes ({storage_failure(exc)}); retry later",
+                       request.url.path, headers={"Retry-After": RETRY_AFTER})
+
     async def _database(request: Request, exc: sa.exc.SQLAlchemyError):
-        svc_of(request).write_failed(exc)
+        if (refused := _cannot_store(request, exc)) is not None:
+            return refused
         if _is_unavailable(exc):
             throttled.warning("db", "database unavailable or busy (%s): answering 503", type(exc).__name__)
             return problem(503, "unavailable", f"the database is unavailable or busy ({type(exc).__name__}); "
@@ -746,6 +756,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         return _internal(request, exc)
+
+    async def _driver(request: Request, exc: Exception):
+        """A database driver's error that reached here unwrapped (the store's raw cursors):
+        a 503 when the database cannot store writes, else the 500 (without the generic
+        handler's re-raise, whose traceback uvicorn logged once per request)."""
+        return _cannot_store(request, exc) or _internal(request, exc)
+
+    import sqlite3
+
+    app.add_exception_handler(sqlite3.Error, _driver)
+    with contextlib.suppress(ImportError):  # the postgres extra
+        import psycopg
+
+        app.add_exception_handler(psycopg.Error, _driver)
 
     async def body_of(request: Request, lease: Lease) -> bytes | Response:
         encoding = request.headers.get("content-encoding", "").strip().lower()
@@ -1286,8 +1310,10 @@ async def _sweep_forever(svc: AppState) -> None:
         except NotFound:
             pass  # a run deleted by another replica meanwhile
         except Exception as exc:  # keep sweeping; the next round retries
-            svc.write_failed(exc)
-            if _is_unavailable(exc):
+            if svc.write_failed(exc):
+                throttled.warning("sweep-storage", "sweep: the database cannot store writes (%s); retrying next round",
+                                  storage_failure(exc))
+            elif _is_unavailable(exc):
                 throttled.warning("sweep-db", "sweep: database unavailable or busy (%s); retrying next round",
                                   type(exc).__name__)
             else:

@@ -186,3 +186,44 @@ def test_docs_group_every_operation_under_a_tag_with_a_written_summary(tmp_path)
         assert op["summary"].lower() != function.replace("_", " ").lower(), (method, path, op["summary"])
         assert len(op["summary"].split()) >= 2, (method, path, op["summary"])
     assert {p for m, p, op in ops if op["tags"] == ["operations"]} == {"/healthz", "/readyz", "/metrics"}
+
+
+def test_readiness_on_postgresql_follows_a_read_only_database(tmp_path, run_id):
+    """PostgreSQL turned read-only under the service (`default_transaction_read_only` on,
+    its sessions ended so they reconnect): writes are 503 and `/readyz` 503 naming it
+    (SQLSTATE 25006); turned back, `/readyz` is 200 again without a request and the batch
+    is stored."""
+    import sqlalchemy as sa
+
+    from auditor.testing.postgres import PG_ADMIN_URL, create_database
+
+    url, drop = create_database("auditor_test_readonly")
+    name = sa.make_url(url).database
+    admin = sa.create_engine(PG_ADMIN_URL.replace("postgresql://", "postgresql+psycopg://", 1),
+                             isolation_level="AUTOCOMMIT")
+    s = ServerProcess(url, tmp_path / "server.log", memory_limit=1024 * 2**20,
+                      AUDITOR_PROBE_INTERVAL_SECONDS="0.2").start()
+
+    def flip(on: bool) -> None:
+        with admin.connect() as c:
+            c.execute(sa.text(f'ALTER DATABASE "{name}" SET default_transaction_read_only = {"on" if on else "off"}'))
+            c.execute(sa.text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = :d"), {"d": name})
+
+    try:
+        assert s.post("/v1/reports", json={"reports": reference_reports(run_id, buggy=False, step=0)}).status_code == 200
+        flip(True)
+        batch = {"reports": reference_reports(run_id, buggy=False, step=1)}
+        # the first write may meet a session ended under it (a 503 too); then read-only ones
+        _wait(lambda: s.post("/v1/reports", json=batch).status_code == 503 and s.get("/readyz").status_code == 503,
+              "write refusal and readiness 503")
+        detail = s.get("/readyz").json()["detail"]
+        assert detail.startswith("database: writes fail (for ") and "read-only" in detail, detail
+        assert s.get("/healthz").status_code == 200
+        flip(False)
+        _wait(lambda: s.get("/readyz").status_code == 200, "ready service once writes succeed")
+        _wait(lambda: s.post("/v1/reports", json=batch).status_code == 200, "batch stored")
+        assert [x["step"] for x in s.get(f"/v1/runs/{run_id}/statistics/advantages/steps").json()["steps"]] == [0, 1]
+    finally:
+        s.stop()
+        admin.dispose()
+        drop()
