@@ -730,7 +730,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             headers["Allow"] = ", ".join(allowed)
         return problem(exc.status_code, code, str(exc.detail), request.url.path, headers=headers or None)
 
-    @app.exception_handler(sa.exc.SQLAlchemyError)
     def _cannot_store(request: Request, exc: BaseException) -> Response | None:
         """The 503 of a database that cannot store writes (:func:`storage_failure`; a
         read-only PostgreSQL was a 500), recorded for ``/readyz``; None for any other error."""
@@ -740,6 +739,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return problem(503, "unavailable", f"the database cannot store writes ({storage_failure(exc)}); retry later",
                        request.url.path, headers={"Retry-After": RETRY_AFTER})
 
+    @app.exception_handler(sa.exc.SQLAlchemyError)
     async def _database(request: Request, exc: sa.exc.SQLAlchemyError):
         if (refused := _cannot_store(request, exc)) is not None:
             return refused
