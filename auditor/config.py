@@ -108,7 +108,10 @@ class Settings(BaseSettings):
 
     # ------------------------------------------------------------------ connections
     max_connections: int = Field(
-        1000, ge=1, description="Open client connections per process; connections past it are closed at once."
+        1000, ge=1, description="Open client connections per process. A connection past it closes an idle one (of "
+                                "the client address holding the most, the longest idle first); with none idle it "
+                                "may only ask for /healthz, /readyz or /metrics (AUDITOR_MAX_CONCURRENT_PROBES "
+                                "such at once), else 503 and closed."
     )
     max_concurrent_requests: int = Field(
         200, ge=1, description="Writes (POST/PUT/DELETE) in progress per process; past it: 503 with Retry-After."
@@ -179,9 +182,26 @@ class Settings(BaseSettings):
     read_token: str | None = Field(
         None, description="Optional second token that may only read (GET): for Grafana, CI jobs, dashboards."
     )
+    login_max_failures: int = Field(
+        10, ge=1, description="Wrong tokens one client address may send to POST /login within "
+                              "AUDITOR_LOGIN_FAILURE_WINDOW_SECONDS; past it every sign-in of that address (right "
+                              "token or not) is a 429 with Retry-After until the window ends."
+    )
+    login_failure_window_seconds: float = Field(
+        60.0, gt=0, description="The window of AUDITOR_LOGIN_MAX_FAILURES, from an address's first wrong token."
+    )
     public_endpoints: bool = Field(
         True, description="/readyz and /metrics answer without a token even when one is set (/healthz always does)."
     )
+
+    @field_validator("token", "read_token")
+    @classmethod
+    def _not_a_placeholder(cls, value: str | None) -> str | None:
+        """A token is a secret: the placeholders of an example env file ("change-me...")
+        are refused (they passed ``docker-compose config`` and served with them)."""
+        if value is not None and value.strip().lower().replace("_", "-").startswith(("change-me", "changeme")):
+            raise ValueError(f"{value!r} is a placeholder, not a secret: set a random token (openssl rand -hex 32)")
+        return value
 
     @field_validator("*")
     @classmethod

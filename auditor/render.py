@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.table import Table
 
 from auditor import status as statuses
-from auditor.web import fixed
+from auditor.web import fixed, shown_sizes
 
 #: The header's word for each run status (:mod:`auditor.status`).
 STATUS_TEXT = {"inconsistent": "[red bold]INCONSISTENT[/]", "unverified": "[magenta bold]UNVERIFIED[/]",
@@ -38,12 +38,7 @@ def render_report(report: dict[str, Any], console: Console, *, max_steps: int = 
         Bad steps per statistic and rank rows per bad step to show; the rest is counted.
     """
     verdict = STATUS_TEXT[statuses.status_of(report)]
-    sizes = dict(report.get("sizes") or {})
-    if report.get("topology") == "unknown":  # placeholder sizes of 1, not a 1×1×1×1 layout
-        sizes = {}
-    elif sizes.get("ep", 1) == 1 and sizes.get("etp", 1) == 1:  # no expert parallelism: edp is just dp×cp
-        for d in ("edp", "ep", "etp"):
-            sizes.pop(d, None)
+    sizes = shown_sizes(report)
     extra = (f"  order={report['order']}" if report.get("order") else "") + (
         "  topology unknown (judged against group_ranks)" if report.get("topology") == "unknown" else "") + (
         f"  layout from {report['topology_source']}" if report.get("topology_source") else "")

@@ -102,6 +102,44 @@ class Throttled:
 throttled = Throttled(log)
 
 
+class FailureThrottle:
+    """Failed attempts per client address in a window (``POST /login``'s wrong tokens):
+    after ``limit`` failures within ``window`` s of an address's first one, :meth:`blocked`
+    says how many seconds remain until the window ends (the address is refused meanwhile,
+    whatever it sends). At most ``max_clients`` addresses are tracked (the oldest windows
+    are forgotten first), so a flood of addresses cannot grow memory. Event loop only."""
+
+    def __init__(self, limit: int, window: float, max_clients: int = 10_000):
+        self.limit, self.window, self.max_clients = limit, window, max_clients
+        self._failures: dict[str, tuple[float, int]] = {}  # address -> (window start, failures); oldest first
+
+    def _current(self, client: str, now: float) -> tuple[float, int] | None:
+        entry = self._failures.get(client)
+        if entry is not None and now - entry[0] >= self.window:
+            del self._failures[client]
+            return None
+        return entry
+
+    def blocked(self, client: str) -> float:
+        """Seconds until ``client`` may try again; 0.0 when it may now."""
+        now = time.monotonic()
+        entry = self._current(client, now)
+        return entry[0] + self.window - now if entry is not None and entry[1] >= self.limit else 0.0
+
+    def failed(self, client: str) -> None:
+        """Count one failure of ``client``."""
+        now = time.monotonic()
+        start, n = self._current(client, now) or (now, 0)
+        self._failures.pop(client, None)
+        self._failures[client] = (start, n + 1)
+        while len(self._failures) > self.max_clients:
+            del self._failures[next(iter(self._failures))]
+
+    def succeeded(self, client: str) -> None:
+        """Forget ``client``'s failures."""
+        self._failures.pop(client, None)
+
+
 class AppState:
     """What a request handler needs: settings, the service, metrics. One per app."""
 
@@ -123,8 +161,33 @@ class AppState:
         #: takes them, the endpoint that read the body gives them back when it is done.
         self.body_budget = BodyBudget(settings.body_budget_bytes, on_change=self.metrics.body_bytes.set)
         self.metrics.body_bytes.set(0)
+        #: Wrong tokens per client address at POST /login (AUDITOR_LOGIN_MAX_FAILURES).
+        self.login_failures = FailureThrottle(settings.login_max_failures, settings.login_failure_window_seconds)
         #: Last database probe (:func:`_probe_forever`): (ok, message, monotonic time).
         self.database: tuple[bool, str, float] = (True, "ok", time.monotonic())
+        #: Since when writes fail because the database cannot store them (disk full, I/O
+        #: error, read-only; :func:`storage_failure`): (message, monotonic time), None while
+        #: they succeed. ``/readyz`` is 503 meanwhile; the next write that succeeds (a
+        #: request's, or the probe's own, which it tries while this is set) clears it.
+        self.write_failure: tuple[str, float] | None = None
+
+    def write_failed(self, exc: BaseException) -> bool:
+        """Record ``exc`` if it says the database cannot store writes; True if it did."""
+        message = storage_failure(exc)
+        if message is None:
+            return False
+        if self.write_failure is None:
+            log.warning("writes fail: %s; /readyz answers 503 until one succeeds", message)
+            self.write_failure = (message, time.monotonic())
+        else:
+            self.write_failure = (message, self.write_failure[1])
+        return True
+
+    def wrote(self) -> None:
+        """A write succeeded: the database stores writes again."""
+        if self.write_failure is not None:
+            log.warning("writes succeed again after %.0f s of failures", time.monotonic() - self.write_failure[1])
+            self.write_failure = None
 
     def close(self) -> None:
         self.engine.dispose()
@@ -256,6 +319,130 @@ class ConcurrencyMiddleware:
             await self.app(scope, receive, send)
         finally:
             self.active[budget] -= 1
+
+
+#: Content-Security-Policy of the pages: scripts and styles of this origin only (plotly.js,
+#: run.js, auditor.css are files of the package; the figures' data is a JSON script element,
+#: which is not executed), inline styles allowed (plotly adds style elements, the pages set
+#: style attributes), no plugins, no framing, forms post only here.
+PAGE_CSP = ("default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data: blob:; "
+            "font-src 'self' data:; connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
+            "frame-ancestors 'none'")
+#: The same for Swagger UI and ReDoc (``/docs``, ``/redoc``): fastapi-offline's pages start
+#: their bundle with an inline script, and ReDoc runs a worker from a blob.
+DOCS_CSP = PAGE_CSP.replace("script-src 'self'", "script-src 'self' 'unsafe-inline'") + "; worker-src 'self' blob:"
+#: Anything else (JSON, problem details, metrics): nothing to run or load at all.
+API_CSP = "default-src 'none'; frame-ancestors 'none'"
+DOCS_PATHS = frozenset({"/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+class SecurityHeadersMiddleware:
+    """Headers on every response, those of the other middlewares (401, 503) included:
+    ``X-Content-Type-Options: nosniff`` (a JSON body or a problem is never sniffed into
+    HTML), ``X-Frame-Options: DENY`` with CSP ``frame-ancestors 'none'`` (no page of the
+    service in a frame of another site), ``Referrer-Policy: same-origin``, and a
+    Content-Security-Policy: :data:`PAGE_CSP` on HTML, :data:`DOCS_CSP` on ``/docs`` and
+    ``/redoc``, :data:`API_CSP` on everything else."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        docs = scope["path"] in DOCS_PATHS
+
+        async def send_with_headers(message):
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", ()))
+                html = any(k.lower() == b"content-type" and v.startswith(b"text/html") for k, v in headers)
+                csp = DOCS_CSP if docs else PAGE_CSP if html else API_CSP
+                headers += [(b"x-content-type-options", b"nosniff"), (b"x-frame-options", b"DENY"),
+                            (b"referrer-policy", b"same-origin"), (b"content-security-policy", csp.encode())]
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_headers)
+
+
+class HeadAsGetMiddleware:
+    """``HEAD`` on every path that answers ``GET`` (pages, API reads, probes, assets): routed
+    as the GET (FastAPI's routes register GET only: pages answered HEAD with 405), with the
+    same status and headers; uvicorn sends no body for a HEAD (it sees the request's own
+    method, not this copy's)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}
+        await self.app(scope, receive, send)
+
+
+#: Paths that are never pages, whatever the client accepts: the API, probes, metrics, assets.
+_NOT_PAGES = ("/v1/", "/static/", "/static-offline-docs/")
+
+
+class HtmlErrorsMiddleware:
+    """A browser's errors as pages: a problem-details answer (any status, from any layer:
+    a 404 of an unknown run, a 422 of a bad query, a 503) to a GET/HEAD that accepts
+    ``text/html`` on a path outside the API (:data:`_NOT_PAGES`, :data:`PUBLIC_PATHS`,
+    ``/openapi.json``) becomes :func:`auditor.web.render_error`'s page with the same status
+    and headers (Retry-After, Allow, ...). API clients, which do not ask for HTML, keep
+    the problem JSON."""
+
+    def __init__(self, app):
+        self.app = app
+
+    @staticmethod
+    def _wants_html(scope) -> bool:
+        path = scope["path"]
+        if (scope["method"] not in ("GET", "HEAD") or path.startswith(_NOT_PAGES) or path in PUBLIC_PATHS
+                or path == "/openapi.json"):
+            return False
+        return any(k == b"accept" and b"text/html" in v for k, v in scope["headers"])
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self._wants_html(scope):
+            return await self.app(scope, receive, send)
+        start: dict | None = None
+        chunks: list[bytes] = []
+
+        async def convert(message):
+            nonlocal start
+            if message["type"] == "http.response.start":
+                if any(k.lower() == b"content-type" and v.startswith(MEDIA_TYPE.encode())
+                       for k, v in message.get("headers", ())):
+                    start = message  # a problem: held until its (small) body is complete
+                    return
+                return await send(message)
+            if start is None:
+                return await send(message)
+            chunks.append(message.get("body", b""))
+            if message.get("more_body"):
+                return
+            await send_page(start, b"".join(chunks))
+
+        async def send_page(start: dict, body: bytes) -> None:
+            from auditor import web
+
+            try:
+                doc = json.loads(body)
+            except ValueError:
+                doc = {}
+            headers = {k.lower(): v for k, v in start.get("headers", ())}
+            html = web.render_error(status=start["status"], title=str(doc.get("title", "Error")),
+                                    detail=str(doc.get("detail", "")),
+                                    retry_after=headers.get(b"retry-after", b"").decode("latin-1") or None,
+                                    root_path=scope.get("root_path", "")).encode()
+            kept = [(k, v) for k, v in start.get("headers", ())
+                    if k.lower() not in (b"content-type", b"content-length")]
+            await send({**start, "headers": kept + [(b"content-type", b"text/html; charset=utf-8"),
+                                                    (b"content-length", str(len(html)).encode())]})
+            await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else html})
+
+        await self.app(scope, receive, convert)
 
 
 # ------------------------------------------------------------------ request bodies
@@ -430,6 +617,25 @@ def _disconnected(request: Request) -> Response:
     return Response(status_code=400, headers={"Connection": "close"})
 
 
+#: SQLite's primary result codes of a database that cannot store a write (sqlite3.h):
+#: SQLITE_READONLY, SQLITE_IOERR, SQLITE_FULL, SQLITE_CANTOPEN.
+_SQLITE_STORAGE = {8: "read-only", 10: "I/O error", 13: "disk full", 14: "cannot open the database file"}
+#: PostgreSQL SQLSTATEs of the same: disk_full, io_error, read_only_sql_transaction.
+_PG_STORAGE = {"53100": "disk full", "58030": "I/O error", "25006": "read-only"}
+
+
+def storage_failure(exc: BaseException) -> str | None:
+    """What ``exc`` (a SQLAlchemy or driver error) says about the database's storage, in a
+    few words and the driver's message ("disk full: database or disk is full"), when it
+    says a write cannot be stored; None for any other error (locks, timeouts, a dropped
+    connection, bad input)."""
+    orig = getattr(exc, "orig", None) or exc
+    code = getattr(orig, "sqlite_errorcode", None)
+    what = (_SQLITE_STORAGE.get(code & 0xFF) if isinstance(code, int)
+            else _PG_STORAGE.get(str(getattr(orig, "sqlstate", None) or "")))
+    return None if what is None else f"{what}: {str(orig).strip()[:200]}"
+
+
 def _is_unavailable(exc: BaseException) -> bool:
     """Database conditions that pass: unreachable, locked, pool exhausted, deadlock, lock
     timeout, connection dropped mid-request."""
@@ -441,6 +647,15 @@ def _is_unavailable(exc: BaseException) -> bool:
 #: Every path and query parameter carries the wire pattern of what it names, so characters a
 #: database rejects (NUL, lone surrogates) are a 422 naming the parameter, never a query.
 RunIdPath = Path(min_length=1, max_length=128, pattern=RUN_ID_PATTERN)
+
+
+#: The groups of ``/docs``, in this order.
+OPENAPI_TAGS = [
+    {"name": "ingest", "description": "What trainer ranks send: reports (wire contract v1) and run registrations."},
+    {"name": "runs", "description": "Runs and their consistency reports."},
+    {"name": "steps", "description": "Per-step history and detail of one statistic of a run."},
+    {"name": "operations", "description": "Probes and metrics for orchestrators and Prometheus."},
+]
 
 
 # ------------------------------------------------------------------ the app
@@ -465,12 +680,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     # FastAPIOffline: /docs and /redoc with Swagger UI and ReDoc shipped inside the
     # fastapi-offline package (stock FastAPI loads them from a CDN: blank when air-gapped).
-    app = FastAPIOffline(title="auditor", version=__version__, lifespan=lifespan,
+    app = FastAPIOffline(title="auditor", version=__version__, lifespan=lifespan, openapi_tags=OPENAPI_TAGS,
                   description="Audits the statistics distributed trainers all-reduce across ranks. Every error "
                               "is RFC 9457 problem details (application/problem+json).")
+    app.add_middleware(HeadAsGetMiddleware)  # innermost: the routes see a GET
     app.add_middleware(AuthMiddleware, settings=settings)
     app.add_middleware(ConcurrencyMiddleware, limit=settings.max_concurrent_requests,
                        probe_limit=settings.max_concurrent_probes, read_limit=settings.max_concurrent_reads)
+    app.add_middleware(HtmlErrorsMiddleware)
+    app.add_middleware(SecurityHeadersMiddleware)  # outermost: on the other middlewares' answers too
 
     def svc_of(request: Request) -> AppState:
         return request.app.state.svc
@@ -512,8 +730,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             headers["Allow"] = ", ".join(allowed)
         return problem(exc.status_code, code, str(exc.detail), request.url.path, headers=headers or None)
 
+    def _cannot_store(request: Request, exc: BaseException) -> Response | None:
+        """The 503 of a database that cannot store writes (:func:`storage_failure`; a
+        read-only PostgreSQL was a 500), recorded for ``/readyz``; None for any other error."""
+        if not svc_of(request).write_failed(exc):
+            return None
+        throttled.warning("db-storage", "the database cannot store writes (%s): answering 503", type(exc).__name__)
+        return problem(503, "unavailable", f"the database cannot store writes ({storage_failure(exc)}); retry later",
+                       request.url.path, headers={"Retry-After": RETRY_AFTER})
+
     @app.exception_handler(sa.exc.SQLAlchemyError)
     async def _database(request: Request, exc: sa.exc.SQLAlchemyError):
+        if (refused := _cannot_store(request, exc)) is not None:
+            return refused
         if _is_unavailable(exc):
             throttled.warning("db", "database unavailable or busy (%s): answering 503", type(exc).__name__)
             return problem(503, "unavailable", f"the database is unavailable or busy ({type(exc).__name__}); "
@@ -527,6 +756,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         return _internal(request, exc)
+
+    async def _driver(request: Request, exc: Exception):
+        """A database driver's error that reached here unwrapped (the store's raw cursors):
+        a 503 when the database cannot store writes, else the 500 (without the generic
+        handler's re-raise, whose traceback uvicorn logged once per request)."""
+        return _cannot_store(request, exc) or _internal(request, exc)
+
+    import sqlite3
+
+    app.add_exception_handler(sqlite3.Error, _driver)
+    with contextlib.suppress(ImportError):  # the postgres extra
+        import psycopg
+
+        app.add_exception_handler(psycopg.Error, _driver)
 
     async def body_of(request: Request, lease: Lease) -> bytes | Response:
         encoding = request.headers.get("content-encoding", "").strip().lower()
@@ -564,7 +807,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return _disconnected(request)
 
     # ---------------------------------------------------------------- writes
-    @app.post("/v1/reports", response_model=IngestResult)
+    @app.post("/v1/reports", response_model=IngestResult, tags=["ingest"],
+              summary="Store a batch of rank reports and audit the steps it completes")
     async def post_reports(request: Request):
         """Store a batch of rank reports and audit every step it completes.
 
@@ -600,11 +844,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             del parsed
         finally:
             lease.close()
+        s.wrote()
         s.metrics.received.inc(out.accepted)
         s.metrics.ingest_duration.observe(time.perf_counter() - t0)
         return IngestResult(accepted=out.accepted, duplicates=out.duplicates, steps_audited=len(out.audited))
 
-    @app.put("/v1/runs/{run_id}")
+    @app.put("/v1/runs/{run_id}", tags=["ingest"], summary="Register a run's topology and statistics")
     async def put_run(request: Request, run_id: str = RunIdPath):
         """Register a run's topology (and statistic kinds/specs) before its first report.
         Body: :class:`auditor.schemas.RunRegistration`. Idempotent; 409
@@ -621,18 +866,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             if isinstance(parsed, list):
                 listed = field_errors(parsed, settings.max_errors_listed)
                 return problem(422, "validation", summary(listed, len(parsed)), request.url.path, errors=listed)
-            return Response(await anyio.to_thread.run_sync(lambda: _json(s.service.register_run(run_id, parsed)),
-                                                           limiter=s.ingest_limiter), media_type="application/json")
+            out = await anyio.to_thread.run_sync(lambda: _json(s.service.register_run(run_id, parsed)),
+                                                 limiter=s.ingest_limiter)
+            s.wrote()
+            return Response(out, media_type="application/json")
         finally:
             lease.close()
 
-    @app.delete("/v1/runs/{run_id}")
+    @app.delete("/v1/runs/{run_id}", tags=["runs"], summary="Delete a run with its reports and verdicts")
     async def delete_run(request: Request, run_id: str = RunIdPath):
         """Delete a run with its reports, verdicts and faults, in transactions of at most
         ``delete_chunk_rows`` reports (ingest of other runs goes on meanwhile). Answers the
         counts deleted: ``{"run_id", "reports", "steps", "statistics"}``; 404 if unknown."""
         s = svc_of(request)
         counts = await run_in_threadpool(s.service.delete_run, run_id, settings.delete_chunk_rows)
+        s.wrote()
         log.info("deleted run %s: %s", run_id, counts)
         return counts
 
@@ -640,7 +888,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def read(fn: Callable[[], Any]) -> Response:
         return Response(await run_in_threadpool(lambda: _json(fn())), media_type="application/json")
 
-    @app.get("/v1/runs")
+    @app.get("/v1/runs", tags=["runs"], summary="List runs, newest first (paginated, by status)")
     async def list_runs(
         request: Request,
         limit: int = Query(100, ge=1, le=1000, description="Runs per page."),
@@ -664,13 +912,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return {"runs": rows, "next_cursor": encode_cursor(list(last)) if last else None}
         return await read(page)
 
-    @app.get("/v1/runs/{run_id}")
+    @app.get("/v1/runs/{run_id}", tags=["runs"], summary="One run's summary")
     async def get_run(request: Request, run_id: str = RunIdPath):
         """One run's summary; 404 if unknown."""
         s = svc_of(request)
         return await read(lambda: s.service.get_run(run_id))
 
-    @app.get("/v1/runs/{run_id}/report")
+    @app.get("/v1/runs/{run_id}/report", tags=["runs"],
+             summary="Consistency report of a run: verdicts, faults, bad steps' rank tables")
     async def get_report(
         request: Request,
         run_id: str = RunIdPath,
@@ -702,7 +951,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # which the default converter would not match (404). Unambiguous: ".../steps" ends the
     # listing, ".../steps/<int>" the detail; a name's parts are never empty, "." or ".."
     # (schemas.addressable).
-    @app.get("/v1/runs/{run_id}/statistics/{statistic:path}/steps")
+    @app.get("/v1/runs/{run_id}/statistics/{statistic:path}/steps", tags=["steps"],
+             summary="Step history of one statistic (paginated, by verdict)")
     async def get_steps(
         request: Request,
         run_id: str = RunIdPath,
@@ -730,7 +980,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return {**out, "next_cursor": encode_cursor(last) if last is not None else None}
         return await read(page)
 
-    @app.get("/v1/runs/{run_id}/statistics/{statistic:path}/steps/{step}")
+    @app.get("/v1/runs/{run_id}/statistics/{statistic:path}/steps/{step}", tags=["steps"],
+             summary="One step's verdict, faults and per-rank table (paginated)")
     async def get_step(request: Request, run_id: str = RunIdPath,
                        statistic: str = Path(min_length=1, max_length=128, pattern=STATISTIC_PATTERN),
                        step: int = Path(ge=0, le=2**62),
@@ -771,10 +1022,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         """Check the token of the sign-in form (the read token or the service token); keep it in
         an HttpOnly, SameSite=Strict cookie that GET/HEAD requests of this browser are
         authorised with, and go back to the page asked for (303). Wrong token: the form again, 401.
-        A body over ``LOGIN_BODY_BYTES`` (8 KiB) + 3 bytes per character of the longest token is
+        After ``login_max_failures`` wrong tokens from one client address within
+        ``login_failure_window_seconds``, every sign-in of that address is the form again with a
+        429 and Retry-After until the window ends (the token is not even compared). A body over ``LOGIN_BODY_BYTES`` (8 KiB) + 3 bytes per character of the longest token is
         a 413 ``too_large`` as soon as it is declared or received (the rest is never read); a
         body that stalls is a 408, as on the write endpoints."""
         limit = LOGIN_BODY_BYTES + 3 * max((len(t) for t in (settings.read_token, settings.token) if t), default=0)
+        throttle = svc_of(request).login_failures
+        client = request.client.host if request.client else "?"
+        root = request.scope.get("root_path", "")
+        wait = throttle.blocked(client)
+        if wait > 0:
+            throttled.warning("login", "more than %d wrong tokens at POST /login from %s within %g s "
+                                       "(AUDITOR_LOGIN_MAX_FAILURES): answering 429", throttle.limit, client,
+                              throttle.window)
+            return HTMLResponse(web.render_login(
+                next="/", root_path=root,
+                error=f"Too many wrong tokens from this address: try again in {math.ceil(wait)} s."),
+                status_code=429, headers={"Retry-After": str(math.ceil(wait)), "Connection": "close"})
         try:
             body = await read_body(request, limit, settings.body_timeout_seconds, settings.body_deadline_seconds)
         except BodyTooLarge as e:
@@ -789,11 +1054,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         form = urllib.parse.parse_qs(body.decode("utf-8", "replace"))
         token = (form.get("token") or [""])[0]
         target = _local_path((form.get("next") or ["/"])[0])
-        root = request.scope.get("root_path", "")
         known = [t for t in (settings.read_token, settings.token) if t]
         if known and not any(hmac.compare_digest(token.encode(), t.encode()) for t in known):
+            throttle.failed(client)
             return HTMLResponse(web.render_login(next=target, error="That is not this auditor's token.",
                                                  root_path=root), status_code=401)
+        throttle.succeeded(client)
         response = RedirectResponse(root + target, status_code=303)
         if known:
             response.set_cookie(TOKEN_COOKIE, urllib.parse.quote(token, safe=""), httponly=True, samesite="strict",
@@ -847,7 +1113,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         finally:
             s.page_slots.release()
 
-    @app.get("/healthz")
+    @app.get("/healthz", tags=["operations"], summary="Liveness (no database, no token)")
     async def healthz(request: Request):
         """Liveness, answered on the event loop (no thread, no database): 200 while the
         process serves, in milliseconds however busy ingest is. ``database`` is the
@@ -857,16 +1123,24 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         return {"status": "ok", "version": __version__, "schema_revision": s.schema_revision,
                 "database": "ok" if ok else message, "database_checked_s_ago": round(time.monotonic() - at, 1)}
 
-    @app.get("/readyz")
+    @app.get("/readyz", tags=["operations"], summary="Readiness: the database answers and stores writes")
     async def readyz(request: Request):
         """Readiness: 200 when the last database probe (every few seconds, off the request
-        path) succeeded, else 503 problem details with Retry-After."""
-        ok, message, _ = svc_of(request).database
+        path) succeeded and writes are stored; else 503 problem details with Retry-After:
+        the database does not answer, or writes fail because it cannot store them (disk
+        full, I/O error, read-only) — until a write succeeds again (the probe tries one
+        every period meanwhile)."""
+        s = svc_of(request)
+        ok, message, _ = s.database
         if not ok:
             return problem(503, "unavailable", f"database: {message}", "/readyz", headers={"Retry-After": RETRY_AFTER})
+        if s.write_failure is not None:
+            what, since = s.write_failure
+            return problem(503, "unavailable", f"database: writes fail (for {time.monotonic() - since:.0f} s): {what}",
+                           "/readyz", headers={"Retry-After": RETRY_AFTER})
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", tags=["operations"], summary="Prometheus metrics")
     def metrics(request: Request) -> Response:
         """Prometheus exposition (DESIGN.md §6)."""
         return Response(generate_latest(svc_of(request).registry), media_type=CONTENT_TYPE_LATEST)
@@ -903,7 +1177,8 @@ def _openapi(app: FastAPI, settings: Settings) -> dict:
     and the bearer security scheme."""
     if app.openapi_schema:
         return app.openapi_schema
-    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes,
+                      tags=app.openapi_tags)
     comps = doc.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         comps.pop(name, None)
@@ -1036,7 +1311,10 @@ async def _sweep_forever(svc: AppState) -> None:
         except NotFound:
             pass  # a run deleted by another replica meanwhile
         except Exception as exc:  # keep sweeping; the next round retries
-            if _is_unavailable(exc):
+            if svc.write_failed(exc):
+                throttled.warning("sweep-storage", "sweep: the database cannot store writes (%s); retrying next round",
+                                  storage_failure(exc))
+            elif _is_unavailable(exc):
                 throttled.warning("sweep-db", "sweep: database unavailable or busy (%s); retrying next round",
                                   type(exc).__name__)
             else:
@@ -1070,30 +1348,49 @@ async def _probe_forever(svc: AppState) -> None:
         else:
             answer = loop.create_future()
             started = time.monotonic()
-            thread = threading.Thread(target=_probe, args=(svc.engine, loop, answer), name=PROBE_THREAD, daemon=True)
+            write = svc.write_failure is not None
+            thread = threading.Thread(target=_probe, args=(svc.engine, loop, answer, write), name=PROBE_THREAD,
+                                      daemon=True)
             thread.start()
             try:
                 with anyio.fail_after(timeout):
-                    ok, message = await asyncio.shield(answer)
+                    ok, message, failed = await asyncio.shield(answer)
                 svc.database = (ok, message, time.monotonic())
+                if write and ok:
+                    if failed is None:
+                        svc.wrote()
+                    else:
+                        svc.write_failed(failed)
             except TimeoutError:
                 svc.database = (False, f"TimeoutError: the database did not answer the probe within {timeout:g} s",
                                 time.monotonic())
         await asyncio.sleep(every)
 
 
-def _probe(engine: sa.Engine, loop: asyncio.AbstractEventLoop, answer: asyncio.Future) -> None:
-    """One probe (in :data:`PROBE_THREAD`): ``(ok, message)`` handed to ``answer`` on ``loop``."""
+def _probe(engine: sa.Engine, loop: asyncio.AbstractEventLoop, answer: asyncio.Future, write: bool) -> None:
+    """One probe (in :data:`PROBE_THREAD`): ``(ok, message, write error)`` handed to
+    ``answer`` on ``loop``. With ``write`` (writes have been failing) it also commits a
+    write that changes nothing (the schema revision set to itself) and hands over the
+    database error it raised, if any (else None): tried only then, so a
+    probe never competes with ingest for the write lock while writes succeed."""
+    failed = None
     try:
         current_revision(engine)
         result = (True, "ok")
+        if write:
+            try:
+                with engine.begin() as conn:
+                    conn.execute(sa.text("UPDATE alembic_version SET version_num = version_num"))
+            except sa.exc.SQLAlchemyError as exc:  # a storage failure, or a lock: not cleared either way
+                failed = exc
     except Exception as exc:  # noqa: BLE001 - reported by /readyz
         result = (False, f"{type(exc).__name__}: {str(exc)[:200]}")
+    result = (*result, failed)
     with contextlib.suppress(RuntimeError):  # the loop is closed: the server stopped meanwhile
         loop.call_soon_threadsafe(_settle, answer, result)
 
 
-def _settle(answer: asyncio.Future, result: tuple[bool, str]) -> None:
+def _settle(answer: asyncio.Future, result: tuple) -> None:
     if not answer.done():
         answer.set_result(result)
 

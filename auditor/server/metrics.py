@@ -50,6 +50,13 @@ EXPORTED_METRICS: tuple[str, ...] = (
     "auditor_ingest_duration_seconds",
     "auditor_body_bytes_in_flight",
 )
+#: Exported series without a panel of the Grafana dashboard (deploy/grafana), each with why:
+#: every other one is queried there (tests/e2e/test_deploy.py checks both ways on a scrape).
+INTERNAL_METRICS: dict[str, str] = {
+    "auditor_body_bytes_in_flight": "capacity detail behind the 503 'overloaded' of bodies in flight "
+                                    "(AUDITOR_MAX_BODY_BYTES_IN_FLIGHT): read it on /metrics when they appear; "
+                                    "nobody acts on its value otherwise",
+}
 
 
 def multiprocess_dir() -> str | None:

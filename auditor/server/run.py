@@ -3,8 +3,11 @@ background thread (``auditor demo``, :class:`BackgroundServer`)."""
 
 from __future__ import annotations
 
+import collections
 import errno
+import logging
 import os
+import re
 import shutil
 import signal
 import socket
@@ -13,6 +16,7 @@ import threading
 import time
 from typing import Callable
 
+import httptools
 import httpx
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -23,9 +27,18 @@ from auditor.config import Settings
 class AuditorHttp(HttpToolsProtocol):
     """uvicorn's httptools protocol (llhttp, in C) with the connection limits uvicorn lacks.
 
-    * ``max_connections``: a connection accepted while that many are open gets a 503
-      (problem details) and is closed at once, so idle sockets cannot exhaust the process's
-      file descriptors (the condition is logged once per minute, not once per accept).
+    * ``max_connections``: a connection accepted while that many are open makes room by
+      closing an idle one (no request in progress: never sent one, sending its headers, or
+      kept alive after a response), of the client (IP address) that holds the most open
+      connections, the longest idle of them first; so 1,000 idle sockets of one caller
+      cannot keep probes or other callers out, they only lose their own sockets. When none
+      is idle (every connection has a request in progress), the new connection is a
+      *probe connection* if fewer than ``max_concurrent_probes`` are open: it gets
+      :data:`PROBE_HEADER_TIMEOUT` s to send one request, which is served if it asks for a
+      probe path (:data:`PROBE_ONLY_PATHS`), else answered 503 "too many open
+      connections"; the connection closes after it. Past that too: 503 and closed at once.
+      Either way idle sockets cannot exhaust the process's file descriptors (the condition
+      is logged once per minute, not once per accept).
     * ``header_timeout_seconds``: a connection that has not delivered a request's complete
       headers within that time of opening (or of its previous response) is closed. uvicorn
       arms its keep-alive timer only after a response, so a connection that never sends a
@@ -62,7 +75,7 @@ class AuditorHttp(HttpToolsProtocol):
         if AuditorHttp.limits is None:
             AuditorHttp.limits = Settings()
         lim = AuditorHttp.limits
-        over = len(self.connections) >= lim.max_connections
+        full = len(self.connections) >= lim.max_connections and self._open() >= lim.max_connections
         super().connection_made(transport)
         self._header_timer = None
         self._timed_cycle = None
@@ -70,15 +83,53 @@ class AuditorHttp(HttpToolsProtocol):
         self._header_bytes = 0  # of them, passed on by the parser (URL, complete header lines)
         self._pending_bytes = 0  # of them, in chunks that left them incomplete
         self._refusal: str | None = None  # why the connection is answered 400 and closed
-        if over:
+        self._idle_since = self.loop.time()  # opened, or its last response completed
+        self._probe_only = False  # accepted past the cap: one request, to a probe path
+        if full:
             from auditor.server.app import throttled
 
-            throttled.warning("connections", "%d connections open (AUDITOR_MAX_CONNECTIONS): closing new ones at once",
-                              lim.max_connections)
-            transport.write(_CONNECTIONS_FULL)
-            transport.close()
-            return
+            victim = self._idle_victim()
+            if victim is not None:
+                throttled.warning("connections", "%d connections open (AUDITOR_MAX_CONNECTIONS): closing idle ones, "
+                                                 "of the clients holding the most, to make room", lim.max_connections)
+                victim.transport.close()
+            elif sum(getattr(c, "_probe_only", False) for c in self._live()) < lim.max_concurrent_probes:
+                throttled.warning("connections-busy", "%d connections open, none idle (AUDITOR_MAX_CONNECTIONS): "
+                                                      "new ones may only ask for a probe path", lim.max_connections)
+                self._probe_only = True
+                self._arm(min(PROBE_HEADER_TIMEOUT, lim.header_timeout_seconds))
+                return
+            else:
+                throttled.warning("connections-full", "%d connections open, none idle, and %d probe connections "
+                                                      "(AUDITOR_MAX_CONNECTIONS, AUDITOR_MAX_CONCURRENT_PROBES): "
+                                                      "closing new ones at once",
+                                  lim.max_connections, lim.max_concurrent_probes)
+                transport.write(_CONNECTIONS_FULL)
+                transport.close()
+                return
         self._arm(lim.header_timeout_seconds)
+
+    def _live(self):
+        """The open connections of this process not already being closed."""
+        return (c for c in self.connections if not c.transport.is_closing())
+
+    def _open(self) -> int:
+        return sum(1 for _ in self._live())
+
+    def _idle(self) -> bool:
+        """No request in progress or queued (never sent one, its headers still arriving, or
+        kept alive after its response)."""
+        return not self._probe_only and (self.cycle is None or self.cycle.response_complete) and not self.pipeline
+
+    def _idle_victim(self) -> "AuditorHttp | None":
+        """The idle connection to close for a new one: of the client (IP address) holding
+        the most open connections, the longest idle of them; None when none is idle."""
+        live = [c for c in self._live() if c is not self and isinstance(c, AuditorHttp)]
+        held = collections.Counter(c.client[0] if c.client else None for c in live)
+        idle = [c for c in live if c._idle()]
+        if not idle:
+            return None
+        return max(idle, key=lambda c: (held[c.client[0] if c.client else None], -c._idle_since))
 
     def _arm(self, seconds: float) -> None:
         self._disarm()
@@ -127,7 +178,18 @@ class AuditorHttp(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_headers = False
-        super().on_headers_complete()
+        if not self._probe_only:
+            return super().on_headers_complete()
+        # a probe connection (accepted past the cap): a probe path is served, anything else
+        # gets the 503 of a full server; the connection closes after either
+        app = self.app
+        if httptools.parse_url(self.url).path not in PROBE_ONLY_PATHS:
+            self.app = _connections_full_app
+        try:
+            super().on_headers_complete()
+        finally:
+            self.app = app
+        self.cycle.keep_alive = False
 
     def _count_header_bytes(self, n: int) -> None:
         """Add ``n`` bytes of the request line and complete headers; past ``max_header_bytes``
@@ -151,6 +213,7 @@ class AuditorHttp(HttpToolsProtocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._idle_since = self.loop.time()
         if not self.transport.is_closing():
             self._arm(AuditorHttp.limits.header_timeout_seconds)
 
@@ -167,8 +230,24 @@ _FULL_BODY = (b'{"type":"urn:auditor:problem:overloaded","title":"Too many reque
               b'"status":503,"detail":"too many open connections"}')
 _CONNECTIONS_FULL = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/problem+json\r\nretry-after: 1\r\n"
+    b"x-content-type-options: nosniff\r\n"
     b"connection: close\r\ncontent-length: " + str(len(_FULL_BODY)).encode() + b"\r\n\r\n" + _FULL_BODY
 )
+
+
+#: Paths a probe connection (accepted past ``max_connections`` while none was idle) may ask for.
+PROBE_ONLY_PATHS = frozenset({b"/healthz", b"/readyz", b"/metrics"})
+#: Seconds a probe connection gets to send its request's headers.
+PROBE_HEADER_TIMEOUT = 2.0
+
+
+async def _connections_full_app(scope, receive, send) -> None:
+    """The answer of a probe connection that asked for anything but a probe path."""
+    await send({"type": "http.response.start", "status": 503, "headers": [
+        (b"content-type", b"application/problem+json"), (b"retry-after", b"1"), (b"connection", b"close"),
+        (b"x-content-type-options", b"nosniff"),
+        (b"content-length", str(len(_FULL_BODY)).encode())]})
+    await send({"type": "http.response.body", "body": _FULL_BODY})
 
 
 def uvicorn_options(settings: Settings) -> dict:
@@ -194,8 +273,6 @@ def raise_fd_limit(settings: Settings) -> int:
         except (ValueError, OSError):
             pass
     if settings.max_connections + 256 > soft:
-        import logging
-
         logging.getLogger("auditor.server").warning(
             "AUDITOR_MAX_CONNECTIONS=%d does not fit below the open-files limit %d (ulimit -n): lower it",
             settings.max_connections, soft)
@@ -252,16 +329,45 @@ class AuditorServer(uvicorn.Server):
             self._watchdog.start()
 
 
+#: Query parameters whose values the access log never shows (a token sent as ``?token=``).
+#: A name is one when one of its words (split at ``_ - .``) is one of these, as in
+#: ``token``, ``access_token``, ``api-key``, ``X-Amz-Signature``, ``client_secret``.
+_CREDENTIAL_PARAM = re.compile(
+    r"([?&](?:[^=&#]*[_.-])?(?:token|password|passwd|pwd|secret|key|apikey|auth|authorization|signature|sig|"
+    r"session|sessionid|cookie|credentials?|jwt)(?:[_.-][^=&#]*)?=)[^&#]*", re.IGNORECASE)
+
+
+def redact_query(path: str) -> str:
+    """``path`` (with its query string) with the value of every parameter whose name looks
+    like a credential (:data:`_CREDENTIAL_PARAM`: token, password, secret, key, auth,
+    signature, session, ...) replaced by ``REDACTED``: ``/runs?token=abc&step=3`` → ``/runs?token=REDACTED&step=3``."""
+    return _CREDENTIAL_PARAM.sub(r"\1REDACTED", path) if "?" in path else path
+
+
+class RedactQuery(logging.Filter):
+    """On uvicorn's access log (``'%s - "%s %s HTTP/%s" %d'``: client, method, path with
+    query, version, status): the path through :func:`redact_query`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) >= 3 and isinstance(args[2], str):
+            record.args = (*args[:2], redact_query(args[2]), *args[3:])
+        return True
+
+
 def log_config(log_level: str) -> dict:
     """uvicorn's logging configuration plus the service's own ``auditor.*`` loggers on the
     same handler and level (without it their INFO lines, e.g. a client leaving mid-body or
-    a sweep round, went nowhere)."""
+    a sweep round, went nowhere), and credential-looking query values redacted from the
+    access log (:class:`RedactQuery`)."""
     import copy
 
     from uvicorn.config import LOGGING_CONFIG
 
     cfg = copy.deepcopy(LOGGING_CONFIG)
     cfg["loggers"]["auditor"] = {"handlers": ["default"], "level": log_level.upper(), "propagate": False}
+    cfg.setdefault("filters", {})["redact_query"] = {"()": "auditor.server.run.RedactQuery"}
+    cfg["handlers"]["access"]["filters"] = ["redact_query"]
     return cfg
 
 
@@ -291,8 +397,6 @@ def serve(host: str, port: int, workers: int = 1, log_level: str = "info",
     raise_fd_limit(settings)
     config = uvicorn.Config("auditor.server.app:create_app", factory=True, host=host, port=port, workers=workers,
                             log_level=log_level, log_config=log_config(log_level), **uvicorn_options(settings))
-    import logging
-
     logging.getLogger("uvicorn.error").info("Uvicorn running on http://%s:%d (Press CTRL+C to quit)", host,
                                             sock.getsockname()[1])
     try:

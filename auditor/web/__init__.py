@@ -49,6 +49,7 @@ def environment() -> jinja2.Environment:
     env.filters["sigma"] = _sigma
     env.globals["fault_colour"] = plots.fault_colour
     env.globals["topology_text"] = topology_text
+    env.globals["shown_sizes"] = shown_sizes
     env.globals["status_of"] = statuses.status_of
     env.globals["refused_line"] = statuses.refused_line
     env.globals["incomplete_line"] = statuses.incomplete_line
@@ -57,13 +58,30 @@ def environment() -> jinja2.Environment:
     return env
 
 
+#: The expert-parallel dims: shown only for a run with expert parallelism.
+EXPERT_DIMS = ("edp", "ep", "etp")
+
+
+def shown_sizes(run: Mapping[str, Any]) -> dict[str, int]:
+    """The sizes of a run worth showing: none for an unknown topology (placeholders of 1,
+    not a 1×1×1×1 layout), and without ``edp``/``ep``/``etp`` when ``ep`` and ``etp`` are 1
+    (no expert parallelism: ``edp`` is only dp×cp again)."""
+    if run.get("topology") == "unknown":
+        return {}
+    sizes = dict(run.get("sizes") or {})
+    if sizes.get("ep", 1) == 1 and sizes.get("etp", 1) == 1:
+        for d in EXPERT_DIMS:
+            sizes.pop(d, None)
+    return sizes
+
+
 def topology_text(run: Mapping[str, Any]) -> str:
-    """A run's topology in words: ``dp=2 cp=2 tp=1 pp=1`` (expert sizes too when given),
-    or ``unknown topology (world 8)`` for a run whose ranks declared none (its sizes are
-    placeholders of 1, not a 1×1×1×1 layout)."""
+    """A run's topology in words: ``dp=2 cp=2 tp=1 pp=1`` (expert sizes too with expert
+    parallelism, :func:`shown_sizes`), or ``unknown topology (world 8)`` for a run whose
+    ranks declared none."""
     if run.get("topology") == "unknown":
         return f"unknown topology (world {run.get('world_size')})"
-    return " ".join(f"{k}={v}" for k, v in (run.get("sizes") or {}).items())
+    return " ".join(f"{k}={v}" for k, v in shown_sizes(run).items())
 
 
 #: Magnitudes :func:`fixed` writes in scientific notation: from 1e9 up (a fixed-point 1e300
@@ -295,6 +313,15 @@ def render_login(*, next: str = "/", error: str | None = None, root_path: str = 
     """The sign-in form (``GET /login``): the token is posted to ``/login``, which keeps it in a
     cookie and returns to ``next``."""
     return environment().get_template("login.html").render(next=next, error=error, root=root_path,
+                                                           assets=_assets(False))
+
+
+def render_error(*, status: int, title: str, detail: str, retry_after: str | None = None,
+                 root_path: str = "") -> str:
+    """The HTML page of an error of a page (``status`` and ``title`` of the problem details,
+    its ``detail``): the site's header and a link to all runs."""
+    return environment().get_template("error.html").render(status=status, title=title, detail=detail,
+                                                           retry_after=retry_after, root=root_path,
                                                            assets=_assets(False))
 
 

@@ -198,12 +198,13 @@ class StepHistory:
         """Per-step CP-disagreement σ and applied-error σ of a ``moments`` statistic (log
         scale), with the rounding tolerance of each step as a dashed line when the steps carry
         one (``tolerance_sigma``). Zero is not drawable on a log axis: exact zeros are drawn
-        at a floor one decade below the smallest positive value (hover shows the true value)."""
+        at a floor one decade below the smallest positive value (hover shows the true value).
+        A series without any point (no step carried it) is left out, legend entry included."""
         floor = self.min_positive / 10 if self.min_positive is not None else 1e-12
         data = []
         for name, key, colour, dash in SIGMA_SERIES:
             x, y = self.sigma[key].points()
-            if not x and key == "tolerance_sigma":
+            if not x:  # no legend entry for a series with no point
                 continue
             data.append({
                 "type": "scatter", "mode": "lines+markers" if len(x) <= 200 else "lines", "name": name,

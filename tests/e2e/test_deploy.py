@@ -1,7 +1,7 @@
 """Deployment artefacts: Prometheus rules and config, Grafana dashboard, docker-compose, Dockerfile.
 
 Pure file checks plus the real binaries (Debian's ``prometheus`` package for ``promtool``,
-``docker-compose`` v1); no server is started here.
+``docker-compose`` v1); one in-process service is started, for a real scrape of ``/metrics``.
 """
 
 from __future__ import annotations
@@ -260,6 +260,55 @@ def test_dashboard_uses_only_exported_metrics_and_shows_all_of_them():
     assert DESIGN_METRICS <= used, f"metrics not on the dashboard: {DESIGN_METRICS - used}"
 
 
+def _scraped_families(tmp_path) -> set[str]:
+    """The metric families a real service exports on ``/metrics`` once it has audited a
+    step, rejected a report and seen ranks fall behind (an in-process server on SQLite)."""
+    import time
+
+    import httpx
+    from factory import reference_reports
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from auditor.config import Settings
+    from auditor.server import BackgroundServer
+
+    settings = Settings(database_url=f"sqlite:///{tmp_path / 'm.db'}", grace_seconds=0.2, sweep_interval_seconds=0.1)
+    with BackgroundServer(settings) as url:
+        assert httpx.post(f"{url}/v1/reports", json={"reports": reference_reports("m", buggy=True)}).status_code == 200
+        one = reference_reports("m", buggy=True, step=1)[:1]  # rank 1 never reports step 1: behind
+        assert httpx.post(f"{url}/v1/reports", json={"reports": one}).status_code == 200
+        assert httpx.post(f"{url}/v1/reports", json={"reports": [{}]}).status_code == 422
+        time.sleep(0.6)  # the sweep audits step 1 incomplete
+        text = httpx.get(f"{url}/metrics").text
+    # prometheus-client's creation timestamps (FAMILY_created) are not families of their own
+    return {f.name if f.type != "counter" else f.name + "_total" for f in text_string_to_metric_families(text)
+            if f.name.startswith("auditor_") and not f.name.endswith("_created")}
+
+
+def test_every_metric_is_on_the_dashboard_or_listed_internal(tmp_path):
+    """Each family a real scrape shows is EXPORTED_METRICS', and queried by a panel unless
+    INTERNAL_METRICS lists it (with why); nothing internal is on the dashboard."""
+    from auditor.server.metrics import INTERNAL_METRICS
+
+    scraped = _scraped_families(tmp_path)
+    assert scraped == exported_metrics(), scraped ^ exported_metrics()
+    used = set()
+    for where, expr in dashboard_exprs(dashboard()):
+        used |= _check_names(where, expr, exported_metrics())
+    assert scraped - set(INTERNAL_METRICS) <= used, f"no panel for {sorted(scraped - set(INTERNAL_METRICS) - used)}"
+    assert not set(INTERNAL_METRICS) & used and set(INTERNAL_METRICS) <= scraped
+    assert all(why.strip() for why in INTERNAL_METRICS.values())
+
+
+def test_deploy_doc_lists_every_alert_rule():
+    """docs/deploy.md's alert table names each rule of alerts.yml with the rule's severity."""
+    rules = dict(re.findall(r"^\s*-\s*alert:\s*(\S+)\n(?:.*\n)*?\s*severity:\s*(\w+)", ALERTS.read_text(), re.M))
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    table = dict(re.findall(r"^\| `(Auditor\w+)` \| (\w+) \|", doc, re.M))
+    assert table == rules, {"missing": sorted(set(rules) - set(table)), "not rules": sorted(set(table) - set(rules)),
+                            "severity": sorted(k for k in rules if k in table and table[k] != rules[k])}
+
+
 def test_dashboard_promql_parses(tmp_path):
     """Every dashboard expression, with Grafana variables substituted, parses in promtool."""
     rules = []
@@ -311,16 +360,28 @@ def test_grafana_provisioning_matches_dashboard_and_compose():
 # --------------------------------------------------------------------------- compose, docker
 
 
-def test_docker_compose_config():
+def test_docker_compose_config(tmp_path):
     exe = shutil.which("docker-compose")
     if exe is None:
         pytest.skip("docker-compose binary not installed (Debian package docker-compose)")
-    env_file = ROOT / "deploy" / "env.example"
+    clean = {"PATH": os.environ["PATH"]}
+    # the example's values are empty: compose refuses it as it is, naming the first secret
+    example = ROOT / "deploy" / "env.example"
+    proc = subprocess.run([exe, "-f", str(COMPOSE), "--env-file", str(example), "config", "-q"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env=clean)
+    assert proc.returncode != 0 and "POSTGRES_PASSWORD" in proc.stderr, proc.stderr
+    # filled in, with a password a URL could not hold as it is
+    env_file = tmp_path / ".env"
+    env_file.write_text(example.read_text().replace("POSTGRES_PASSWORD=", "POSTGRES_PASSWORD=p@ss/w:rd%1")
+                        .replace("AUDITOR_TOKEN=", "AUDITOR_TOKEN=tok-3f9a").replace(
+                            "GRAFANA_ADMIN_PASSWORD=", "GRAFANA_ADMIN_PASSWORD=graf-77"))
     base = [exe, "-f", str(COMPOSE), "--env-file", str(env_file)]
-    proc = subprocess.run([*base, "config"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([*base, "config"], cwd=ROOT, capture_output=True, text=True, timeout=120, env=clean)
     assert proc.returncode == 0, f"docker-compose config exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
-    # the secrets come from the env file: they appear in the resolved config, not in the compose file
-    assert "change-me-too" in proc.stdout and "auditor:change-me@postgres" in proc.stdout
+    # the secrets come from the env file: they appear in the resolved config, not in the compose file;
+    # the password as PGPASSWORD, the URL without it
+    assert "tok-3f9a" in proc.stdout and "PGPASSWORD: p@ss/w:rd%1" in proc.stdout, proc.stdout
+    assert "AUDITOR_DATABASE_URL: postgresql+psycopg://auditor@postgres:5432/auditor" in proc.stdout
     services = subprocess.run([*base, "config", "--services"], cwd=ROOT, capture_output=True, text=True,
                               timeout=120).stdout.split()
     assert {"auditor", "postgres", "prometheus", "grafana"} <= set(services), services
@@ -331,11 +392,47 @@ def test_docker_compose_config():
     assert proc.returncode != 0 and "POSTGRES_PASSWORD" in proc.stderr, proc.stderr
 
 
+def test_the_database_password_travels_outside_the_url(monkeypatch):
+    """The compose stack's URL carries no password; PostgreSQL's client takes it from
+    PGPASSWORD, so any character works: a real connection of the service's engine to the
+    local PostgreSQL, with a password holding "@", "/", ":" and "%", uses it unchanged."""
+    from auditor.db.engine import make_engine
+    from auditor.testing.postgres import PG_ADMIN_URL
+
+    secret = "p@ss/w:rd%1"
+    monkeypatch.setenv("PGPASSWORD", secret)
+    engine = make_engine(PG_ADMIN_URL.replace("postgresql://", "postgresql+psycopg://", 1))
+    try:
+        with engine.connect() as conn:
+            assert conn.connection.dbapi_connection.info.password == secret
+    finally:
+        engine.dispose()
+
+
+def test_the_entrypoint_refuses_placeholder_secrets(tmp_path):
+    """deploy/docker/entrypoint.sh exits 2 naming the variable when a secret is an old
+    example's placeholder ("change-me-too"), before it touches the database; a real value
+    goes on to `auditor db upgrade` then `auditor serve` (a stub `auditor` records them)."""
+    stub = tmp_path / "bin" / "auditor"
+    stub.parent.mkdir()
+    stub.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path / 'calls'}\n")
+    stub.chmod(0o755)
+    entry = ROOT / "deploy" / "docker" / "entrypoint.sh"
+    env = {"PATH": f"{stub.parent}:{os.environ['PATH']}", "PGPASSWORD": "x7", "AUDITOR_TOKEN": "change-me-too"}
+    proc = subprocess.run(["sh", str(entry)], capture_output=True, text=True, timeout=30, env=env)
+    assert proc.returncode == 2 and "AUDITOR_TOKEN is a placeholder" in proc.stderr, proc.stderr
+    assert not (tmp_path / "calls").exists()
+    proc = subprocess.run(["sh", str(entry)], capture_output=True, text=True, timeout=30,
+                          env={**env, "AUDITOR_TOKEN": "tok-3f9a"})
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "calls").read_text().splitlines() == ["db upgrade", "serve --host 0.0.0.0 --port 8000"]
+
+
 def test_compose_mounts_exist_and_wire_the_stack():
     compose = COMPOSE.read_text()
     for host_path in re.findall(r"^\s*-\s*\./([^:\s]+):", compose, re.M):
         assert (ROOT / host_path).exists(), f"docker-compose.yml mounts missing ./{host_path}"
-    assert "postgresql+psycopg://auditor:${POSTGRES_PASSWORD:?" in compose
+    assert "postgresql+psycopg://auditor@postgres:5432/auditor" in compose and "PGPASSWORD: ${POSTGRES_PASSWORD:?" in compose
     for key, secret in (("POSTGRES_PASSWORD", "POSTGRES_PASSWORD"), ("AUDITOR_TOKEN", "AUDITOR_TOKEN"),
                         ("GF_SECURITY_ADMIN_PASSWORD", "GRAFANA_ADMIN_PASSWORD")):
         assert re.search(rf"{key}: \$\{{{secret}:\?", compose), secret  # from the env file only
