@@ -10,6 +10,7 @@ its exit status, output, peak memory (``ru_maxrss``) and time.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -158,27 +159,58 @@ class Capped:
     seconds: float
 
 
+#: The launcher :func:`run_capped` starts: it forks ``argv[3:]`` under ``RLIMIT_AS`` and writes
+#: the child's ``ru_maxrss`` to ``argv[2]``. Linux keeps a process's peak RSS across ``exec``
+#: (and a fork copies its parent's), so a child started straight from a large test process
+#: (a pytest-xdist worker at 500 MB) would report that process's peak, not its own; the
+#: launcher's child is forked from a small interpreter. A signal that ends the child ends
+#: the launcher the same way.
+_LAUNCHER = """
+import os, resource, signal, sys
+memory, out = int(sys.argv[1]), sys.argv[2]
+pid = os.fork()
+if pid == 0:
+    resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    os.execvp(sys.argv[3], sys.argv[3:])
+_, status, usage = os.wait4(pid, 0)
+with open(out, "w") as f:
+    f.write(str(usage.ru_maxrss))
+code = os.waitstatus_to_exitcode(status)
+if code < 0:
+    signal.signal(-code, signal.SIG_DFL)
+    os.kill(os.getpid(), -code)
+sys.exit(code)
+"""
+
+
 def run_capped(args: list[str], *, memory: int = 2 << 30, timeout: float = 60.0, env: dict | None = None,
                cwd: str | None = None) -> Capped:
     """Run ``args`` with ``RLIMIT_AS`` = ``memory`` bytes (a runaway fails with MemoryError
-    instead of taking the machine), killed after ``timeout`` s (returncode −9). Its peak
-    memory is its own ``ru_maxrss`` (``os.wait4``), not that of other children."""
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+    instead of taking the machine), killed after ``timeout`` s (returncode −9, with its
+    process group). Its peak memory is its own ``ru_maxrss``, measured by a small launcher
+    (:data:`_LAUNCHER`), not inherited from this process nor shared with other children."""
+    import signal
+    import sys
 
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err, \
+            tempfile.NamedTemporaryFile("r", suffix=".maxrss") as peak:
         t0 = time.monotonic()
-        proc = subprocess.Popen(args, stdout=out, stderr=err, stdin=subprocess.DEVNULL, preexec_fn=limit,
-                                env=env, cwd=cwd)
-        timer = threading.Timer(timeout, proc.kill)
+        proc = subprocess.Popen([sys.executable, "-c", _LAUNCHER, str(memory), peak.name, *args], stdout=out,
+                                stderr=err, stdin=subprocess.DEVNULL, env=env, cwd=cwd, start_new_session=True)
+
+        def kill() -> None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+
+        timer = threading.Timer(timeout, kill)
         timer.start()
         try:
-            _, status, usage = os.wait4(proc.pid, 0)
+            proc.wait()
         finally:
             timer.cancel()
-        proc.returncode = os.waitstatus_to_exitcode(status)
         seconds = time.monotonic() - t0
         out.seek(0)
         err.seek(0)
+        text = peak.read().strip()
         return Capped(proc.returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"),
-                      usage.ru_maxrss * 1024, seconds)
+                      int(text) * 1024 if text else 0, seconds)

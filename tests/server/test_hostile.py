@@ -536,7 +536,8 @@ def test_metrics_export_at_most_max_series_and_an_aggregate(fresh_database_url, 
         mine = {r for r in runs if r.startswith(run_id)}
         assert mine == {f"{run_id}-{i}" for i in (2, 3, 4)}, runs
         other = {ln.split('verdict="')[1].split('"')[0]: float(ln.split()[-1]) for ln in lines if 'run="_other"' in ln}
-        assert other == {"consistent": 1.0, "inconsistent": 1.0, "incomplete": 0.0, "audit_error": 0.0}, other
+        assert other == {"consistent": 1.0, "inconsistent": 1.0, "incomplete": 0.0, "audit_error": 0.0,
+                         "unverified": 0.0}, other
     finally:
         s.stop()
 
