@@ -52,7 +52,7 @@ def render_report(report: dict[str, Any], console: Console, *, max_steps: int = 
         console.print(f"[red bold]{refused}[/]", highlight=False)
     if any(s.get("steps_unverified") for s in report.get("statistics") or []):
         console.print(f"[magenta bold]unverified:[/] {statuses.unverified_line(report)}", highlight=False)
-    if any(s.get("steps_incomplete") for s in report.get("statistics") or []) and (
+    if statuses.reports_missing(report) and (
             statuses.status_of(report) in ("incomplete", "unverified")):
         console.print(f"[yellow bold]incomplete:[/] {statuses.incomplete_line(report)}", highlight=False)
     if not statistics:

@@ -116,7 +116,7 @@ def incomplete_line(report: Mapping[str, Any]) -> str:
     parts, missing = [], set()
     total, cut = 0, False
     for s in report.get("statistics") or []:
-        n = int(s.get("steps_incomplete") or 0)
+        n = lost_steps(s)
         if not n:
             continue
         total += n
@@ -131,6 +131,19 @@ def incomplete_line(report: Mapping[str, Any]) -> str:
         "the missing ranks are listed in the report's bad steps")
     return (f"{total} step(s) audited with reports missing ({', '.join(parts)}); {who}: their values were "
             "never checked")
+
+
+def lost_steps(statistic: Mapping[str, Any]) -> int:
+    """Steps of a statistic audited with reports missing: the incomplete ones, or more when
+    steps of another verdict (``unverified``, ``inconsistent``) also had reports missing
+    (one ``missing_report`` fault per such step)."""
+    return max(int(statistic.get("steps_incomplete") or 0),
+               int((statistic.get("faults") or {}).get("missing_report") or 0))
+
+
+def reports_missing(report: Mapping[str, Any]) -> bool:
+    """Whether some step of the report was audited with reports missing (:func:`lost_steps`)."""
+    return any(lost_steps(s) for s in report.get("statistics") or [])
 
 
 def refused_line(report: Mapping[str, Any]) -> str | None:
@@ -199,7 +212,7 @@ def check(report: Mapping[str, Any], *, allow_incomplete: bool = False, allow_re
             for s in bad)
         lines.append(f"{run_id}: INCONSISTENT — {detail}")
         passed = False
-        if any(s.get("steps_incomplete") for s in stats):
+        if any(lost_steps(s) for s in stats):
             lines.append(f"{run_id}: also incomplete — {incomplete_line(report)}")
         if any(s.get("steps_unverified") for s in stats):
             lines.append(f"{run_id}: also unverified — {unverified_line(report)}")
@@ -211,7 +224,7 @@ def check(report: Mapping[str, Any], *, allow_incomplete: bool = False, allow_re
             lines.append(f"{run_id}: UNVERIFIED — {unverified_line(report)}; pass --allow-unverified to accept a "
                          "run checked only against the groups its ranks reduced over")
             passed = False
-    if state in ("unverified", "incomplete") and any(s.get("steps_incomplete") for s in stats):
+    if state in ("unverified", "incomplete") and any(lost_steps(s) for s in stats):
         if allow_incomplete:
             lines.append(f"{run_id}: incomplete, allowed by --allow-incomplete ({audited} step(s) audited) — "
                          f"{incomplete_line(report)}")

@@ -23,7 +23,7 @@ on their own (docs/DESIGN.md §5.2 "What the auditor can conclude without a topo
    layout with the world along one reduced dim — ``consistent`` when every rank applied the
    world's statistic, the full diagnosis (``wrong_group``: "reduced local only") when not.
    Ranks with an empty mask (count 0, a sum of 0) contribute nothing to any group and are
-   left out of the comparison.
+   left out of the comparison (one rank holding data among empty ones is enough).
 
 What cannot be concluded without a layout, and so stays ``unverified``: whether ranks with
 equal local data are replicas (TP peers, or pipeline stages) or distinct ranks whose data
@@ -80,9 +80,7 @@ def world_group_proven(reports: Sequence[RankReport], spec: Spec, kind: str, num
         return False
     cols = np.array([[getattr(r, name) for name in fields] for r in reports], dtype=np.float64)
     cols = cols[cols[:, 0] != 0]  # empty ranks (count 0, sum 0: no extremes) change no group's statistic
-    if not np.isfinite(cols).all():  # NaN is stored as NULL (None → nan): nothing proven
-        return False
-    if len(cols) < 2:
+    if not len(cols) or not np.isfinite(cols).all():  # NaN is stored as NULL (None → nan): nothing proven
         return False
     key = cols[:, 1] if kind == "moments" else cols[:, 0]
     cols = cols[np.argsort(key, kind="stable")]

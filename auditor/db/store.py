@@ -1317,12 +1317,14 @@ class Store:
 
     def bad_steps(self, conn: sa.Connection, series_id: int, limit: int) -> list[Mapping]:
         """Up to ``limit`` step rows of a series judged inconsistent or audit_error (first) or
-        incomplete, by step."""
+        audited with reports missing (incomplete, or unverified while incomplete), by step."""
+        v = step_audits.c.verdict
         return conn.execute(
             sa.select(step_audits)
             .where(step_audits.c.series_id == series_id,
-                   step_audits.c.verdict.in_(("inconsistent", "audit_error", "incomplete")))
-            .order_by((step_audits.c.verdict == "incomplete"), step_audits.c.step).limit(limit)
+                   sa.or_(v.in_(("inconsistent", "audit_error", "incomplete")),
+                          sa.and_(v == "unverified", step_audits.c.complete_at_audit.is_(False))))
+            .order_by(v.in_(("incomplete", "unverified")), step_audits.c.step).limit(limit)
         ).mappings().all()
 
     def step_rows(self, conn: sa.Connection, series_id: int, *, start: int | None = None, stop: int | None = None,

@@ -122,8 +122,9 @@ def mpu_topology(rank: int, world: int) -> dict | None:
     the members of ``get_data_parallel_group(with_context_parallel=False)`` (its size, and the
     rank's position in it) when the dp accessors are missing. A dim no accessor states is 1
     only when the stated sizes already multiply to the world (then nothing else can be
-    > 1); otherwise the layout is partial: ``{"topology": "unknown", "topology_source":
-    "megatron.core.mpu (partial: ...)"}`` names what was stated and what was not — the
+    > 1); otherwise (or when an accessor gives a size without a usable rank) the layout is
+    partial: ``{"topology": "unknown", "topology_source": "megatron.core.mpu (partial: ...)"}``
+    names what was stated and what was not — the
     service judges such ranks against the groups they reduced over (``unverified`` unless
     the values settle it), never a guessed layout."""
     mpu = _mpu_module()
@@ -131,10 +132,13 @@ def mpu_topology(rank: int, world: int) -> dict | None:
         return None
     sizes: dict[str, int] = {}
     coords: dict[str, int] = {}
+    odd: list[str] = []  # what an accessor stated that cannot be used
     for dim, (size_fn, rank_fn) in _MPU_ACCESSORS.items():
         n, r = _call(mpu, size_fn), _call(mpu, rank_fn)
         if isinstance(n, int) and isinstance(r, int) and 0 <= r < n:
             sizes[dim], coords[dim] = n, r
+        elif n is not None or r is not None:
+            odd.append(f"{dim} size {n!r}, rank {r!r}")
     if "dp" not in sizes:
         group = _call(mpu, "get_data_parallel_group", with_context_parallel=False)
         if group is None and "cp" not in sizes:
@@ -145,19 +149,19 @@ def mpu_topology(rank: int, world: int) -> dict | None:
             members = None
         if members and rank in members:
             sizes["dp"], coords["dp"] = len(members), members.index(rank)
-    if not sizes:
+    if not sizes and not odd:
         return None
-    stated = ", ".join(f"{d}={sizes[d]}" for d in ("dp", "cp", "tp", "pp") if d in sizes)
+    stated = ", ".join(f"{d}={sizes[d]}" for d in ("dp", "cp", "tp", "pp") if d in sizes) or "none"
     missing = [d for d in ("dp", "cp", "tp", "pp") if d not in sizes]
-    if math.prod(sizes.values()) == world:
+    if not odd and math.prod(sizes.values()) == world:
         full = {d: sizes.get(d, 1) for d in ("dp", "cp", "tp", "pp")}
         at = {d: coords.get(d, 0) for d in ("dp", "cp", "tp", "pp")}
         why = f"megatron.core.mpu accessors ({stated}" + (
             f"; {', '.join(missing)} = 1: the stated sizes fill the world)" if missing else ")")
         return {"coords": at, "sizes": full, "topology_source": why}
-    return {"topology": "unknown",
-            "topology_source": f"megatron.core.mpu (partial: {stated} of a world of {world}; "
-                               f"{', '.join(missing) or 'no dim'} not stated)"}
+    why = f"megatron.core.mpu (partial: {stated}, world {world}; {', '.join(missing) or 'no dim'} not stated"
+    why += f"; {'; '.join(odd)})" if odd else ")"
+    return {"topology": "unknown", "topology_source": why.encode("ascii", "replace").decode()[:96]}
 
 
 def args_topology(rank: int, world: int) -> dict | None:

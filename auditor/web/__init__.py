@@ -54,6 +54,7 @@ def environment() -> jinja2.Environment:
     env.globals["refused_line"] = statuses.refused_line
     env.globals["incomplete_line"] = statuses.incomplete_line
     env.globals["unverified_line"] = statuses.unverified_line
+    env.globals["reports_missing"] = statuses.reports_missing
     env.globals["how_to_verify"] = statuses.HOW_TO_VERIFY
     return env
 

@@ -168,3 +168,15 @@ def test_covers_data():
     assert layoutless.covers_data(core.Spec(reduce_over=("tp", "pp"), replicas=("dp", "cp")))
     assert not layoutless.covers_data(core.Spec(reduce_over=("dp",)))
     assert not layoutless.covers_data(core.Spec(reduce_over=("edp",), replicas=("etp",)))
+
+
+def test_one_rank_with_data_among_empty_ones_is_proven():
+    """Rank 0's mask is empty, rank 1 holds the data: replicas or not, the world's statistic
+    is rank 1's, so both applying it is consistent and rank 0 applying its own zeros is not."""
+    loc = local_moments(1)
+    empty = core.RankReport(rank=0, microbatch=0, dp=0, cp=0, tp=0, pp=0, dtype="float32", local_count=0.0,
+                            local_sum=0.0, local_sum_sq=0.0, applied_count=loc["count"], applied_sum=loc["sum"],
+                            applied_sum_sq=loc["sum_sq"], applied_mean=applied(loc)["mean"],
+                            applied_var=applied(loc)["var"], group_ranks=(0, 1))
+    v = audit([empty, rep(1, loc, applied(loc), (0, 1))])
+    assert v.verdict == "consistent" and v.groups[0].count == 85

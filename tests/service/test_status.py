@@ -216,10 +216,17 @@ def test_unknown_topology_is_unverified_everywhere_unless_the_values_prove_the_g
     rep = service.report(blind)
     assert (rep["status"], rep["statistics"][0]["steps_unverified"]) == ("unverified", 2)
     assert status.check(rep, allow_incomplete=True)[0] is False
+    # a lost rank needs its own flag too, and is named: --allow-unverified alone does not pass it
+    passed, lines = status.check(rep, allow_unverified=True)
+    assert passed is False and lines[1] == (
+        f"{blind}: INCOMPLETE — 1 step(s) audited with reports missing (s 1 of 2); rank 1 never reported: their "
+        "values were never checked; pass --allow-incomplete for a run known to lose ranks")
+    assert status.check(rep, allow_unverified=True, allow_incomplete=True)[0] is True
 
     # a fault outranks it: ranks with equal counts dividing by different denominators
     service.ingest(unknown(blind, (2.0, 2.0), (4.0, 2.0), step=2))
     rep = service.report(blind)
     assert rep["status"] == "inconsistent" and rep["statistics"][0]["faults"]["group_mismatch"] >= 1
     passed, lines = status.check(rep)
-    assert passed is False and lines[1].startswith(f"{blind}: also unverified")
+    assert passed is False and [x.split(" — ")[0] for x in lines[1:]] == [f"{blind}: also incomplete",
+                                                                       f"{blind}: also unverified"]

@@ -77,9 +77,14 @@ def test_a_stubbed_mpu_states_what_it_states_and_nothing_more(monkeypatch):
                                     "world)"}
     assert megatron.mpu_topology(3, 8) == {
         "topology": "unknown",
-        "topology_source": "megatron.core.mpu (partial: dp=2, cp=2 of a world of 8; tp, pp not stated)"}
+        "topology_source": "megatron.core.mpu (partial: dp=2, cp=2, world 8; tp, pp not stated)"}
     mpu.get_context_parallel_rank = lambda: 2  # a rank outside its size states nothing
-    assert megatron.mpu_topology(3, 4)["topology_source"].startswith("megatron.core.mpu (partial: dp=2 of")
+    assert megatron.mpu_topology(3, 4)["topology_source"].startswith("megatron.core.mpu (partial: dp=2, world 4;")
+    half = types.ModuleType("megatron.core.mpu")
+    half.get_context_parallel_world_size = lambda: 2  # a size without its rank: partial, said so
+    monkeypatch.setitem(sys.modules, "megatron.core.mpu", half)
+    assert megatron.mpu_topology(0, 4)["topology_source"] == (
+        "megatron.core.mpu (partial: none, world 4; dp, cp, tp, pp not stated; cp size 2, rank None)")
     monkeypatch.setitem(sys.modules, "megatron.core.mpu", types.ModuleType("megatron.core.mpu"))
     assert megatron.mpu_topology(0, 4) is None
 
