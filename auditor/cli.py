@@ -724,7 +724,7 @@ def _which_run(run_id: str | None, url: str | None, database_url: str | None, to
         return runs[0]["run_id"]
     if not runs:
         raise UsageError("no runs stored yet: nothing to check")
-    names = ", ".join(r["run_id"] for r in runs[:5]) + (f", … ({len(runs)} runs)" if len(runs) > 5 else "")
+    names = ", ".join(r["run_id"] for r in runs[:5]) + (f", … and {len(runs) - 5} more" if len(runs) > 5 else "")
     raise UsageError(f"which run? {len(runs)} runs are stored ({names}); pass RUN_ID or set AUDITOR_RUN_ID")
 
 

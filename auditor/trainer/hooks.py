@@ -163,8 +163,9 @@ def distributed_masked_whiten(
         As in slime.
     client:
         An :class:`auditor.client.AuditorClient`; when given, one report is enqueued for
-        (``run_id``, ``statistic``, ``step``, this rank, ``microbatch``). ``run_id`` is then
-        required.
+        (``run_id``, ``statistic``, ``step``, this rank, ``microbatch``). ``run_id`` defaults
+        to ``AUDITOR_RUN_ID`` (or ``TORCHELASTIC_RUN_ID``), else one id the job's ranks agree on
+        (:func:`auditor.trainer.runid.resolve_run_id`; rank 0 logs it).
 
     Returns
     -------
