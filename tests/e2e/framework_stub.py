@@ -46,14 +46,15 @@ def install_stub_mpu(stub: str, cp: int = 2):
     return mpu
 
 
-def advantage_step(rank: int, world: int, port: int, url: str, run_id: str, stub: str, with_cp: bool) -> list:
-    """One rank of the framework's test: whiten its CP slices of the reference sequences
-    through the framework's own code, the auditor hooked in by one import; returns the
-    whitened values of its response tokens (rounded to 6 decimals)."""
+def advantage_step(rank: int, world: int, port: int, url: str, runs: list[tuple[str, bool]], stub: str) -> dict:
+    """One rank of the framework's test: for each ``(run_id, with_cp)`` of ``runs``, whiten its
+    CP slices of the reference sequences through the framework's own code, the auditor hooked
+    in by one import; returns per run id the whitened values of its response tokens (rounded
+    to 6 decimals)."""
     import torch
     import torch.distributed as dist
 
-    os.environ.update(AUDITOR_URL=url, AUDITOR_RUN_ID=run_id)
+    os.environ.update(AUDITOR_URL=url)
     os.environ.pop("AUDITOR_TOPOLOGY", None)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -66,11 +67,15 @@ def advantage_step(rank: int, world: int, port: int, url: str, run_id: str, stub
         from auditor.trainer.wrap import env_client
 
         assert hook.PATCHED
-        hook.set_step(0)
         batch = local_batch(REFERENCE_SAMPLES, 1, 2, 0, rank % 2)
         mask = torch.from_numpy(batch.mask)
-        out = ppo_utils.whiten_advantages(torch.from_numpy(batch.values), mask, with_context_parallel=with_cp)
+        out = {}
+        for run_id, with_cp in runs:
+            os.environ["AUDITOR_RUN_ID"] = run_id
+            hook.set_step(0)
+            w = ppo_utils.whiten_advantages(torch.from_numpy(batch.values), mask, with_context_parallel=with_cp)
+            out[run_id] = [round(float(x), 6) for x, m in zip(w.tolist(), mask.tolist()) if m]
         env_client().close()  # flush (also done at exit)
-        return [round(float(x), 6) for x, m in zip(out.tolist(), mask.tolist()) if m]
+        return out
     finally:
         dist.destroy_process_group()

@@ -20,7 +20,7 @@ from auditor.testing.world import spawn_world  # noqa: E402
 @pytest.mark.audited
 @pytest.mark.parametrize("with_cp", [False, True], ids=["buggy", "fixed"])
 def test_whitening(audited, with_cp):
-    spawn_world(advantage_step, 2, (audited.url, f"stub-{'fixed' if with_cp else 'buggy'}", "full", with_cp),
+    spawn_world(advantage_step, 2, (audited.url, [(f"stub-{'fixed' if with_cp else 'buggy'}", with_cp)], "full"),
                 timeout=120)
 
 
