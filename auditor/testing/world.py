@@ -19,7 +19,10 @@ def spawn_world(body: Callable[..., Any], world: int, args: tuple, timeout: floa
     pickled); ``master_port`` is a free TCP port for ``init_process_group``.
 
     The join is bounded: a rank blocked in a collective another rank skipped fails the call
-    instead of hanging it.
+    instead of hanging it. The port is free when chosen but not held (the ranks bind it), so
+    another process may take it first (parallel test workers): a world whose rendezvous store
+    failed to listen (``EADDRINUSE``, before any collective ran) is started again on a new port,
+    at most ``ADDRESS_IN_USE_TRIES`` times in all.
 
     Raises
     ------
@@ -28,6 +31,19 @@ def spawn_world(body: Callable[..., Any], world: int, args: tuple, timeout: floa
     TimeoutError
         Not every rank finished within ``timeout`` seconds; all ranks are killed first.
     """
+    for attempt in range(1, ADDRESS_IN_USE_TRIES + 1):
+        try:
+            return _run_world(body, world, args, timeout)
+        except RuntimeError as e:
+            if attempt == ADDRESS_IN_USE_TRIES or "EADDRINUSE" not in str(e):
+                raise
+    raise AssertionError("unreachable")
+
+
+ADDRESS_IN_USE_TRIES = 3
+
+
+def _run_world(body: Callable[..., Any], world: int, args: tuple, timeout: float) -> list:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
