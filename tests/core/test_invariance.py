@@ -281,9 +281,9 @@ def test_normalisation_per_microbatch(workload, correct):
 
 # ---------------------------------------------------------------- C. the rules
 
-def _moments(run_id, mean, count=1000.0, steps=3, applied_mean=None):
+def _moments(run_id, mean, count=1000.0, steps=3, applied_mean=None, ranks=2.0):
     k = np.arange(steps)
-    return inv.MomentSeries(run_id, "adv", k, np.full(steps, count), np.full(steps, mean), np.ones(steps), 2.0,
+    return inv.MomentSeries(run_id, "adv", k, np.full(steps, count), np.full(steps, mean), np.ones(steps), ranks,
                             applied_mean=None if applied_mean is None else np.full(steps, applied_mean))
 
 
@@ -351,3 +351,16 @@ def test_100k_steps_compare_in_well_under_a_second():
     elapsed = time.perf_counter() - t
     assert _summary(findings) == [("adv", "d", "count", "tokens_dropped", 500, k - 500)]
     assert elapsed < 1.0, elapsed
+
+
+def test_two_run_bound_of_the_docs_example():
+    """docs/tolerance.md §6's example: float32, N = 10⁷, rms² = 1 + 10⁴, world 1 against
+    P = 8 — γ₁ = 1.609·10⁻⁶, γ₈ = 2.556·10⁻⁶, mean 8.3·10⁻⁴, variance 0.29, count 0."""
+    one, eight = inv.RunLayout("one", 1), inv.RunLayout("eight", 8, {"dp": 8})
+    a = inv.series_tolerance(one, _moments("one", 100.0, count=1e7, steps=1, ranks=1.0))
+    b = inv.series_tolerance(eight, _moments("eight", 100.0, count=1e7, steps=1, ranks=8.0))
+    assert stats.reduction_gamma("float32", 1e7, 1) == pytest.approx(1.609325e-6, abs=1e-12)
+    assert stats.reduction_gamma("float32", 1e7, 8) == pytest.approx(2.555520e-6, abs=1e-12)
+    assert a["count"][0] == b["count"][0] == 0.0
+    assert float(a["mean"][0] + b["mean"][0]) == pytest.approx(0.000833, abs=1e-6)
+    assert float(a["var"][0] + b["var"][0]) == pytest.approx(0.291568, abs=1e-6)
