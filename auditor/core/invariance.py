@@ -13,9 +13,10 @@ Input: each run's :class:`RunLayout` and, per statistic, a series over steps of 
 *correct* global statistic as the auditor recomputed it (:class:`MomentSeries`,
 :class:`SumSeries`), optionally with the value the run applied. :func:`compare_workload`
 picks a reference run per statistic (:func:`pick_reference`), compares every other run with
-it step by step within the two-run bound (:func:`series_tolerance`; docs/tolerance.md
+it step by step within the two-run bound (:func:`series_tolerance`; docs/tolerance.md §6
 "Two runs of one workload") and returns one :class:`InvarianceFinding` per (statistic, run,
-moment) that differs, diagnosed (:data:`LAYOUT_VARIANCE`).
+moment) that differs, diagnosed (:data:`LAYOUT_VARIANCE`); :func:`compare_workload_detail`
+also returns each statistic's :class:`Reference` and the steps each run shares with it.
 
 Everything is vectorised over steps: 4 runs of 100,000 steps compare in ~0.1 s.
 """
@@ -188,21 +189,24 @@ class InvarianceFinding:
 
 # ---------------------------------------------------------------- tolerances
 
-def _f64(x, k: int) -> np.ndarray:
-    """``x`` as a float64 array of shape (k,): None → NaN, a scalar broadcast."""
+def _f64(x, k: int, name: str) -> np.ndarray:
+    """``x`` as a float64 array of shape (k,): None → NaN, a scalar broadcast. Raises
+    ValueError naming ``name`` for an array of another shape."""
     if x is None:
         return np.full(k, np.nan)
-    return np.broadcast_to(np.asarray(x, dtype=np.float64), (k,))
+    a = np.asarray(x, dtype=np.float64)
+    if a.ndim and a.shape != (k,):
+        raise ValueError(f"{name} holds {a.shape[0] if a.ndim == 1 else a.shape} values for {k} steps")
+    return np.broadcast_to(a, (k,))
 
 
 def series_values(series: Series) -> dict[str, np.ndarray]:
-    """The compared values of a series, by moment name: float64 arrays (k,)."""
+    """The compared values of a series, by moment name: float64 arrays (k,). Raises
+    ValueError for an array whose length is not the number of steps."""
     k = len(series.step)
     if isinstance(series, MomentSeries):
-        return {"count": _f64(series.count, k), "mean": _f64(series.mean, k), "var": _f64(series.var, k),
-                "applied_count": _f64(series.applied_count, k), "applied_mean": _f64(series.applied_mean, k),
-                "applied_var": _f64(series.applied_var, k)}
-    return {series.kind: _f64(series.value, k), f"applied_{series.kind}": _f64(series.applied, k)}
+        return {name: _f64(getattr(series, name), k, name) for name in MOMENTS_ORDER + APPLIED_ORDER}
+    return {series.kind: _f64(series.value, k, "value"), f"applied_{series.kind}": _f64(series.applied, k, "applied")}
 
 
 def series_tolerance(layout: RunLayout, series: Series) -> dict[str, np.ndarray]:
@@ -224,9 +228,9 @@ def series_tolerance(layout: RunLayout, series: Series) -> dict[str, np.ndarray]
     u = stats.UNIT_ROUNDOFF[layout.dtype]
     s = stats.SUBNORMAL_SPACING[layout.dtype]
     k = len(series.step)
-    ranks = _f64(series.ranks, k)
+    ranks = _f64(series.ranks, k, "ranks")
     if isinstance(series, MomentSeries):
-        count, mean, var = _f64(series.count, k), _f64(series.mean, k), _f64(series.var, k)
+        count, mean, var = (_f64(getattr(series, n), k, n) for n in MOMENTS_ORDER)
         with np.errstate(invalid="ignore"):
             gamma = stats.reduction_gamma_array(np.float64(u), count, ranks)
             whole = np.where(count == np.floor(count), np.abs(count), np.inf)
@@ -238,9 +242,9 @@ def series_tolerance(layout: RunLayout, series: Series) -> dict[str, np.ndarray]
             t_applied_var = t_var * bessel if series.variance == "sample" else t_var
         return {"count": t_count, "mean": t_mean, "var": t_var,
                 "applied_count": t_count, "applied_mean": t_mean, "applied_var": t_applied_var}
-    value = _f64(series.value, k)
-    abs_terms = np.abs(value) if series.abs_terms is None else _f64(series.abs_terms, k)
-    terms = ranks * DEFAULT_TERMS_PER_RANK if series.terms is None else _f64(series.terms, k)
+    value = _f64(series.value, k, "value")
+    abs_terms = np.abs(value) if series.abs_terms is None else _f64(series.abs_terms, k, "abs_terms")
+    terms = ranks * DEFAULT_TERMS_PER_RANK if series.terms is None else _f64(series.terms, k, "terms")
     gamma = stats.reduction_gamma_array(np.float64(u), terms, ranks)
     tol = stats.sum_tolerance(gamma, abs_terms, spacing=s, ranks=ranks)
     return {series.kind: tol, f"applied_{series.kind}": tol}
@@ -261,17 +265,19 @@ def _prepare(layout: RunLayout, series: Series) -> _Run:
     step = np.asarray(series.step, dtype=np.int64)
     if step.ndim != 1:
         raise ValueError(f"run {series.run_id!r}, statistic {series.statistic!r}: step must be one-dimensional")
-    values, tol = series_values(series), series_tolerance(layout, series)
-    for name, a in itertools.chain(values.items(), tol.items()):
-        if a.shape != step.shape:
-            raise ValueError(f"run {series.run_id!r}, statistic {series.statistic!r}: {name} holds {a.shape[0]} "
-                             f"values for {step.shape[0]} steps")
-    order = np.argsort(step, kind="stable")
-    step = step[order]
-    dup = np.flatnonzero(step[1:] == step[:-1])
-    if len(dup):
-        raise ValueError(f"run {series.run_id!r}, statistic {series.statistic!r}: step {int(step[dup[0]])} given twice")
-    return _Run(layout, series, step, {k: v[order] for k, v in values.items()}, {k: v[order] for k, v in tol.items()})
+    try:
+        values, tol = series_values(series), series_tolerance(layout, series)
+    except ValueError as e:
+        raise ValueError(f"run {series.run_id!r}, statistic {series.statistic!r}: {e}") from None
+    if not np.all(step[1:] > step[:-1]):
+        order = np.argsort(step, kind="stable")
+        step = step[order]
+        dup = np.flatnonzero(step[1:] == step[:-1])
+        if len(dup):
+            raise ValueError(f"run {series.run_id!r}, statistic {series.statistic!r}: step {int(step[dup[0]])} "
+                             f"given twice")
+        values, tol = {k: v[order] for k, v in values.items()}, {k: v[order] for k, v in tol.items()}
+    return _Run(layout, series, step, values, tol)
 
 
 def _common(a: _Run, b: _Run) -> tuple[np.ndarray, np.ndarray | slice, np.ndarray | slice]:
@@ -298,10 +304,10 @@ def _applied_names(run: _Run) -> tuple[str, ...]:
     return APPLIED_ORDER if isinstance(run.series, MomentSeries) else (f"applied_{run.series.kind}",)
 
 
-def _disagree(a: _Run, b: _Run) -> bool:
-    """True when the correct values of ``a`` and ``b`` differ at some common step."""
-    _, ia, ib = _common(a, b)
-    return any(_differs(a, b, ia, ib, n).any() for n in _correct_names(a))
+def _agree(a: _Run, b: _Run) -> bool:
+    """True when ``a`` and ``b`` share a step and their correct values agree at every one."""
+    steps, ia, ib = _common(a, b)
+    return len(steps) > 0 and not any(_differs(a, b, ia, ib, n).any() for n in _correct_names(a))
 
 
 def _tie_key(run: _Run) -> tuple:
@@ -310,7 +316,8 @@ def _tie_key(run: _Run) -> tuple:
 
 def pick_reference(statistic: str, runs: Sequence[_Run]) -> Reference:
     """The reference of one statistic: the world-size-1 run when there is one, else the run
-    whose correct values agree (at every common step) with the most runs — the majority.
+    whose correct values agree with the most runs (at every common step, sharing one at
+    least) — the majority. ``runs``: the prepared runs of ``statistic`` (at least one).
     Among several world-size-1 runs, or runs agreeing with as many, the one with the
     smallest world size, then fewest micro-batches, then the smallest run id; the tie is
     recorded (:attr:`Reference.tied_with`) and said in every finding's message."""
@@ -320,14 +327,31 @@ def pick_reference(statistic: str, runs: Sequence[_Run]) -> Reference:
     candidates = ones or list(runs)
     if len(candidates) == 1:
         return Reference(statistic, candidates[0].layout.run_id, "world size 1", None, len(runs))
-    agree = {id(c): 1 + sum(not _disagree(c, r) for r in runs if r is not c) for c in candidates}
+    agree = {id(c): 1 + sum(_agree(c, r) for r in runs if r is not c) for c in candidates}
     best = max(agree.values())
     tied = sorted((c for c in candidates if agree[id(c)] == best), key=_tie_key)
     return Reference(statistic, tied[0].layout.run_id, "world size 1" if ones else "majority", best, len(runs),
                      tuple(c.layout.run_id for c in tied[1:]))
 
 
+@dataclass(frozen=True, slots=True)
+class WorkloadComparison:
+    """What :func:`compare_workload_detail` found: the findings, the reference of each
+    statistic that two or more runs audited, and, per (statistic, run), the steps it shares
+    with its reference (the reference itself: its own steps)."""
+
+    findings: list[InvarianceFinding]
+    references: dict[str, Reference]
+    compared: dict[tuple[str, str], int]
+
+
 def compare_workload(layouts: Sequence[RunLayout], series: Sequence[Series]) -> list[InvarianceFinding]:
+    """The findings of :func:`compare_workload_detail`: none when every run of the workload
+    agrees with its reference at every step both audited."""
+    return compare_workload_detail(layouts, series).findings
+
+
+def compare_workload_detail(layouts: Sequence[RunLayout], series: Sequence[Series]) -> WorkloadComparison:
     """Compare the runs of one workload statistic by statistic and step by step.
 
     ``layouts``: one :class:`RunLayout` per run; ``series``: at most one series per (run,
@@ -337,16 +361,22 @@ def compare_workload(layouts: Sequence[RunLayout], series: Sequence[Series]) -> 
     bounds (:func:`series_tolerance`). A step is attributed to its first differing moment
     (count, mean, var; or the sum/norm), and, where every correct moment agrees, to the
     first differing applied value; NaN/Inf values are not compared (the step audit reports
-    them). Returns one finding per (statistic, run, moment), sorted so; none when every run
-    agrees. Raises ValueError for a series of an unknown run, a (run, statistic) given
-    twice, a statistic given as two kinds, a step given twice, arrays of other lengths;
-    KeyError for an unknown dtype.
+    them). Findings: one per (statistic, run, moment), sorted so. Raises ValueError for a run
+    id given two layouts, a series of an unknown run, a (run, statistic) given twice, a
+    statistic given as two kinds, a kind other than moments/sum/norm, a step given twice,
+    arrays of other lengths; KeyError for an unknown dtype.
     """
-    by_run = {lay.run_id: lay for lay in layouts}
+    by_run: dict[str, RunLayout] = {}
+    for lay in layouts:
+        if lay.run_id in by_run:
+            raise ValueError(f"run {lay.run_id!r} given two layouts")
+        by_run[lay.run_id] = lay
     per_stat: dict[str, list[_Run]] = {}
     for s in series:
         if s.run_id not in by_run:
             raise ValueError(f"statistic {s.statistic!r}: run {s.run_id!r} has no layout")
+        if s.kind not in ("moments", "sum", "norm"):
+            raise ValueError(f"statistic {s.statistic!r}: kind {s.kind!r} is not moments, sum or norm")
         runs = per_stat.setdefault(s.statistic, [])
         if any(r.series.run_id == s.run_id for r in runs):
             raise ValueError(f"statistic {s.statistic!r}: run {s.run_id!r} given twice")
@@ -355,20 +385,25 @@ def compare_workload(layouts: Sequence[RunLayout], series: Sequence[Series]) -> 
                              f"{runs[0].series.run_id!r} and {s.kind!r} in run {s.run_id!r}")
         runs.append(_prepare(by_run[s.run_id], s))
     out: list[InvarianceFinding] = []
+    references: dict[str, Reference] = {}
+    compared: dict[tuple[str, str], int] = {}
     for statistic in sorted(per_stat):
         runs = per_stat[statistic]
         if len(runs) < 2:
             continue
-        ref = pick_reference(statistic, runs)
+        ref = references[statistic] = pick_reference(statistic, runs)
         r = next(x for x in runs if x.layout.run_id == ref.run_id)
+        compared[(statistic, r.layout.run_id)] = len(r.step)
         for a in sorted(runs, key=lambda x: x.layout.run_id):
             if a is not r:
-                out.extend(_compare(ref, r, a))
-    return out
+                found, compared[(statistic, a.layout.run_id)] = _compare(ref, r, a)
+                out.extend(found)
+    return WorkloadComparison(out, references, compared)
 
 
-def _compare(ref: Reference, r: _Run, a: _Run) -> list[InvarianceFinding]:
-    """The findings of run ``a`` against the reference run ``r`` of one statistic."""
+def _compare(ref: Reference, r: _Run, a: _Run) -> tuple[list[InvarianceFinding], int]:
+    """The findings of run ``a`` against the reference run ``r`` of one statistic, and the
+    number of steps both audited."""
     steps, ia, ib = _common(a, r)
     names = _correct_names(a) + _applied_names(a)
     lead = np.full(len(steps), -1, dtype=np.int64)
@@ -381,7 +416,7 @@ def _compare(ref: Reference, r: _Run, a: _Run) -> list[InvarianceFinding]:
         sel = np.flatnonzero(lead == j)
         if len(sel):
             out.append(_diagnose(ref, r, a, name, steps[sel], ia[sel], ib[sel], len(steps)))
-    return out
+    return out, len(steps)
 
 
 # ---------------------------------------------------------------- diagnosis

@@ -302,6 +302,24 @@ def test_majority_reference_without_a_world_size_1_run():
     assert "tied with 'a', chosen by smallest world size, then fewest micro-batches, then run id" in tie[0].message
 
 
+def test_common_steps_and_the_detail():
+    """Runs compare at the steps both audited (here 3 of 5), in any order given; the detail
+    names each statistic's reference and the steps each run shares with it. A run that
+    shares no step with another does not count as agreeing with it."""
+    lays = [inv.RunLayout("one", 1), inv.RunLayout("two", 2, {"dp": 2})]
+    late = inv.MomentSeries("two", "adv", np.array([6, 5, 4, 3, 2]), np.array([1000.0, 1000, 1000, 999, 1000]),
+                            np.zeros(5), np.ones(5), 2.0)
+    detail = inv.compare_workload_detail(lays, [_moments("one", 0.0, steps=5), late])
+    assert _summary(detail.findings) == [("adv", "two", "count", "tokens_dropped", 3, 1)]
+    assert detail.findings[0].compared == 3 and detail.findings[0].evidence["tokens"] == -1
+    assert detail.references["adv"].run_id == "one" and detail.references["adv"].rule == "world size 1"
+    assert detail.compared == {("adv", "one"): 5, ("adv", "two"): 3}
+    apart = [_moments("a", 0.0, steps=2), inv.MomentSeries("b", "adv", np.array([7, 8]), np.full(2, 1000.0),
+                                                           np.zeros(2), np.ones(2), 2.0)]
+    ref = inv.compare_workload_detail([inv.RunLayout("a", 2), inv.RunLayout("b", 4)], apart).references["adv"]
+    assert (ref.run_id, ref.agreeing, ref.tied_with) == ("a", 1, ("b",))
+
+
 def test_applied_value_differs_where_data_agree():
     """Correct statistics agree, the applied mean does not: ``applied_mean``."""
     lays = [inv.RunLayout("one", 1), inv.RunLayout("two", 2, {"dp": 2})]
@@ -329,6 +347,13 @@ def test_input_errors():
         inv.compare_workload(lay, [bad])
     with pytest.raises(ValueError, match="given twice"):
         inv.compare_workload(lay, [_moments("a", 0.0), _moments("a", 0.0)])
+    with pytest.raises(ValueError, match="run 'a' given two layouts"):
+        inv.compare_workload(lay + lay, [])
+    with pytest.raises(ValueError, match="is 'moments' in run 'a' and 'sum' in run 'b'"):
+        inv.compare_workload(lay + [inv.RunLayout("b", 2)],
+                             [_moments("a", 0.0), inv.SumSeries("b", "adv", np.arange(3), np.ones(3), 2.0)])
+    with pytest.raises(ValueError, match="run .a., statistic .adv.: mean holds 2 values for 3 steps"):
+        inv.compare_workload(lay, [inv.MomentSeries("a", "adv", np.arange(3), np.ones(3), np.zeros(2), np.ones(3), 1.0)])
 
 
 def test_100k_steps_compare_in_well_under_a_second():
