@@ -12,7 +12,7 @@ mean, variance or sum.
 Input: each run's :class:`RunLayout` and, per statistic, a series over steps of the run's
 *correct* global statistic as the auditor recomputed it (:class:`MomentSeries`,
 :class:`SumSeries`), optionally with the value the run applied. :func:`compare_workload`
-picks a reference run per statistic (:func:`pick_reference`), compares every other run with
+picks a reference run per statistic (:class:`Reference`), compares every other run with
 it step by step within the two-run bound (:func:`series_tolerance`; docs/tolerance.md §6
 "Two runs of one workload") and returns one :class:`InvarianceFinding` per (statistic, run,
 moment) that differs, diagnosed (:data:`LAYOUT_VARIANCE`); :func:`compare_workload_detail`
@@ -151,7 +151,7 @@ class Reference:
         """How the reference was chosen, for messages."""
         if self.rule == "world size 1":
             how = "the world-size-1 run"
-            if self.tied_with:
+            if self.agreeing is not None:  # one of several
                 how += f" agreeing with {self.agreeing} of {self.runs} runs"
         else:
             how = f"agreeing with {self.agreeing} of {self.runs} runs"
@@ -314,7 +314,7 @@ def _tie_key(run: _Run) -> tuple:
     return (run.layout.world_size, run.layout.microbatches, run.layout.run_id)
 
 
-def pick_reference(statistic: str, runs: Sequence[_Run]) -> Reference:
+def _pick_reference(statistic: str, runs: Sequence[_Run]) -> Reference:
     """The reference of one statistic: the world-size-1 run when there is one, else the run
     whose correct values agree with the most runs (at every common step, sharing one at
     least) — the majority. ``runs``: the prepared runs of ``statistic`` (at least one).
@@ -356,8 +356,9 @@ def compare_workload_detail(layouts: Sequence[RunLayout], series: Sequence[Serie
 
     ``layouts``: one :class:`RunLayout` per run; ``series``: at most one series per (run,
     statistic), every series of a statistic of one kind. For each statistic that two or
-    more runs audited, the reference (:func:`pick_reference`) is compared with every other
-    run at their common steps: a value differs when |a − b| exceeds the sum of the two runs'
+    more runs audited, the reference (the world-size-1 run, else the majority;
+    :class:`Reference`) is compared with every other run at their common steps: a value
+    differs when |a − b| exceeds the sum of the two runs'
     bounds (:func:`series_tolerance`). A step is attributed to its first differing moment
     (count, mean, var; or the sum/norm), and, where every correct moment agrees, to the
     first differing applied value; NaN/Inf values are not compared (the step audit reports
@@ -391,7 +392,7 @@ def compare_workload_detail(layouts: Sequence[RunLayout], series: Sequence[Serie
         runs = per_stat[statistic]
         if len(runs) < 2:
             continue
-        ref = references[statistic] = pick_reference(statistic, runs)
+        ref = references[statistic] = _pick_reference(statistic, runs)
         r = next(x for x in runs if x.layout.run_id == ref.run_id)
         compared[(statistic, r.layout.run_id)] = len(r.step)
         for a in sorted(runs, key=lambda x: x.layout.run_id):

@@ -300,6 +300,11 @@ def test_majority_reference_without_a_world_size_1_run():
     assert [(f.reference, f.run) for f in tie] == [("b", "a")]
     assert tie[0].evidence["reference_tied_with"] == ["a"]
     assert "tied with 'a', chosen by smallest world size, then fewest micro-batches, then run id" in tie[0].message
+    # two world-size-1 runs: the one the others agree with
+    ones = [inv.RunLayout("w1-bad", 1), inv.RunLayout("w1-good", 1), inv.RunLayout("b", 2, {"dp": 2})]
+    findings = inv.compare_workload(ones, [_moments("w1-bad", 0.5), _moments("w1-good", 0.0), _moments("b", 0.0)])
+    assert [(f.reference, f.run) for f in findings] == [("w1-good", "w1-bad")]
+    assert "(world 1: float32; the world-size-1 run agreeing with 2 of 3 runs)" in findings[0].message
 
 
 def test_common_steps_and_the_detail():
