@@ -21,6 +21,7 @@ kind                     function                                           find
 ``reduction_op``         :func:`auditor.core.diagnose.reduction_op`         another op over the expected group
 ``wrong_group``          :func:`auditor.core.checks.group_agreement`        unknown topology: peers disagree
 ``cp_disagreement``      :func:`auditor.core.checks.cp_disagreement`        CP peers applied different values
+``layout_variance``      :func:`auditor.core.invariance.compare_workload`   runs of one workload disagree
 ``missing_report``       :func:`auditor.core.verdict.audit_step`            expected reports never arrived
 ``audit_error``          :meth:`auditor.service.Service._judge`             the engine raised on the step
 =======================  =================================================  ===================================
@@ -31,7 +32,9 @@ gap, rounding tolerance), :mod:`~auditor.core.step` (a step's columns and the gr
 each candidate reduction), :mod:`~auditor.core.findings` (``Findings.flag``: each finding
 recorded once), :mod:`~auditor.core.checks`, :mod:`~auditor.core.diagnose`,
 :mod:`~auditor.core.verdict` (``audit_step``), :mod:`~auditor.core.batch` (``audit_clean``:
-the clean steps of a series in one array pass, the same verdicts).
+the clean steps of a series in one array pass, the same verdicts), :mod:`~auditor.core.invariance`
+(``compare_workload``: runs of one workload at different layouts, compared step by step;
+``layout_variance`` concerns two runs, so it is not a :class:`FaultKind` of a step).
 """
 
 from auditor.core.checks import PRECISION_LOSS_THRESHOLD
@@ -42,12 +45,14 @@ from auditor.core.types import (
     compress_ranks, compress_ranks_shared, expand_ranks, placed_count,
 )
 from auditor.core.verdict import audit_step
-from auditor.core import batch
+from auditor.core import batch, invariance
 from auditor.core.batch import audit_clean
+from auditor.core.invariance import LAYOUT_VARIANCE, compare_workload
 
 __all__ = [
-    "DIMS", "EXPERT_DIMS", "KINDS", "REPLACEABLE", "VERDICTS", "Coord", "Fault", "FaultKind", "GroupStat", "PRECISION_LOSS_THRESHOLD",
-    "RankReport", "RankRow", "STALE_LOOKBACK", "Spec", "StepVerdict", "audit_clean", "audit_step", "batch",
+    "DIMS", "EXPERT_DIMS", "KINDS", "LAYOUT_VARIANCE", "REPLACEABLE", "VERDICTS", "Coord", "Fault", "FaultKind", "GroupStat",
+    "PRECISION_LOSS_THRESHOLD", "RankReport", "RankRow", "STALE_LOOKBACK", "Spec", "StepVerdict", "audit_clean", "audit_step",
+    "batch", "compare_workload", "invariance",
     "compress_ranks", "compress_ranks_shared",
     "expand_ranks", "placed_count", "ranks_text",
 ]
