@@ -49,6 +49,8 @@ K = 8
 CHUNK = 1 << 16
 #: Elements converted to float64 at a time (a multiple of :data:`CHUNK`): 64 MiB of float64.
 BLOCK = 1 << 23
+#: Chunk numbers reserved for each member of a bucket (2^40 chunks of 2^16 elements).
+MEMBER_CHUNKS = 1 << 40
 #: Digest modulus 2^31: products of a 16-bit word and a 31-bit multiplier summed over
 #: :data:`CHUNK` words stay below 2^63 (no int64 overflow anywhere).
 _M31 = (1 << 31) - 1
@@ -123,7 +125,7 @@ def _chunk_multipliers(device: torch.device, seed: int, first: int, n: int) -> t
     return torch.stack([(_mix(c ^ _key(seed, h, 5)) & _M31) | 1 for h in (0, 1)])
 
 
-def _one(t: torch.Tensor, k: int, seed: int, exact: bool) -> torch.Tensor:
+def _one(t: torch.Tensor, k: int, seed: int, exact: bool, first_chunk: int = 0) -> torch.Tensor:
     if not (t.is_floating_point()):
         raise TypeError(f"fingerprint takes floating tensors, got {t.dtype}")
     x = t.detach().reshape(-1)
@@ -140,7 +142,7 @@ def _one(t: torch.Tensor, k: int, seed: int, exact: bool) -> torch.Tensor:
         parts_sq.append(torch.dot(xb, xb))
         if k:
             full = m - m % CHUNK
-            c0 = lo // CHUNK
+            c0 = first_chunk + lo // CHUNK
             p = torch.zeros(k, dtype=f64, device=dev)
             if full:
                 rows = full // CHUNK
@@ -155,11 +157,11 @@ def _one(t: torch.Tensor, k: int, seed: int, exact: bool) -> torch.Tensor:
         if k:
             acc[PROJ:PROJ + k] = torch.stack(parts_p).sum(dim=0)
         if exact:
-            acc[PROJ + k:] = _digests(x, seed).to(f64)
+            acc[PROJ + k:] = _digests(x, seed, first_chunk).to(f64)
     return acc
 
 
-def _digests(x: torch.Tensor, seed: int) -> torch.Tensor:
+def _digests(x: torch.Tensor, seed: int, first_chunk: int = 0) -> torch.Tensor:
     """The two byte digests (int64, shape (2,)) of a flat tensor: Σ_c M_c·(Σ_i w_ci·m_i mod
     2^31) mod 2^31 over its chunks c of CHUNK 16-bit words w_ci, m_i the cached in-chunk
     multipliers and M_c the chunk's (both odd and < 2^31: every word's multiplier M_c·m_i
@@ -171,7 +173,7 @@ def _digests(x: torch.Tensor, seed: int) -> torch.Tensor:
     for lo in range(0, n, BLOCK):
         w = words[lo:lo + BLOCK].to(torch.int64) & 0xFFFF
         m = w.numel()
-        c0, full = lo // CHUNK, m - m % CHUNK
+        c0, full = first_chunk + lo // CHUNK, m - m % CHUNK
         if full:
             rows = full // CHUNK
             wv = w[:full].view(rows, CHUNK)
@@ -193,10 +195,12 @@ def fingerprint(tensor: torch.Tensor | Sequence[torch.Tensor], k: int = K, seed:
     module docstring says. Nothing is read on the host (``auditor.testing.no_host_sync``
     holds); every rank that passes the same ``seed`` and ``k`` projects on the same vector.
 
-    A bucket's fingerprint is the sum of its members' fingerprints, member i projected and
-    digested with the seed hashed from (``seed``, i): numel, Σx and Σx² are those of the
-    concatenation, the projections are those of the concatenation on a ±1 vector, and the
-    digests still change with any one word (mod 2^31 sums of per-member digests).
+    A bucket's fingerprint is the sum of its members' fingerprints, member i's chunks
+    numbered from i·:data:`MEMBER_CHUNKS` (as if each member started a new region of one long
+    tensor; the cached blocks are shared): numel, Σx and Σx² are those of the
+    concatenation, the projections those of the concatenation on a ±1 vector, and the
+    digests still change with any one word (mod 2^31 sums of per-member digests). A bucket
+    of one tensor has that tensor's fingerprint.
 
     Raises TypeError for a non-floating tensor, ValueError for k < 0, a negative seed or
     an empty bucket.
@@ -210,7 +214,7 @@ def fingerprint(tensor: torch.Tensor | Sequence[torch.Tensor], k: int = K, seed:
         raise ValueError("an empty bucket has no fingerprint")
     total = None
     for i, t in enumerate(members):
-        f = _one(t, k, _key(seed, i, 4) if len(members) > 1 else seed, exact)
+        f = _one(t, k, seed, exact, i * MEMBER_CHUNKS)
         total = f if total is None else total + f.to(total.device)
     if exact:
         total[PROJ + k:] = torch.remainder(total[PROJ + k:], float(1 << 31))  # exact: integers < 2^53
