@@ -381,7 +381,8 @@ def _gaps(ctx: _Ctx, pairs: list[tuple[int, int]], step_index: int) -> tuple[flo
     a = ctx.fp[[ctx.row[r] for r, _ in pairs]]
     b = ctx.fp[[ctx.row[q] for _, q in pairs]]
     g = gap(a, b, ctx.k)  # (pairs, S)
-    g = np.where(np.isnan(g), -np.inf, g)
+    missing = np.isnan(a[..., NUMEL]) | np.isnan(b[..., NUMEL])
+    g = np.where(missing, -np.inf, np.where(np.isnan(g), np.inf, g))  # a non-finite tensor is infinitely far
     return float(g[:, step_index].max()), float(g.max())
 
 

@@ -231,6 +231,19 @@ def test_two_odd_ranks_without_a_dim_are_scattered_and_missing_reports_are_not_j
                          replicate_over=("dp",)) == []
 
 
+def test_a_non_finite_replica_is_out_of_line():
+    """Rank 3 of four holds a NaN from step 2 (bitwise and rounding agreement alike): an
+    isolated finding with an infinite gap."""
+    tensors, _ = _ddp_run(4, 4, None, 0)
+    for s in (2, 3):
+        tensors[3][s][5] = float("nan")
+    fp = _fingerprints(tensors)
+    for agreement in ("bitwise", "rounding"):
+        found = replica_drift("w", fp, ranks=range(4), steps=range(4), coords=[{"dp": r} for r in range(4)],
+                              dtype="float32", replicate_over=("dp",), agreement=agreement)
+        assert [(f.attribution, f.ranks, f.first_step, f.gap) for f in found] == [("isolated", (3,), 2, math.inf)]
+
+
 def test_input_errors():
     """Shapes, the group arguments, bitwise agreement without digests and unknown dtypes
     are refused with a message naming the problem."""
