@@ -41,8 +41,8 @@ def _ddp_run(world: int, steps: int, flip_rank: int | None, flip_step: int, n: i
     (Adam-free SGD); at ``flip_step`` one bit of ``flip_rank``'s copy flips (after its
     update). Returns tensors[rank][step] and the flipped element's change."""
     g = torch.Generator().manual_seed(11)
-    w = [torch.randn(n, generator=g).to(dtype) for _ in range(1)] * world
-    w = [w[0].clone() for _ in range(world)]
+    w0 = torch.randn(n, generator=g).to(dtype)
+    w = [w0.clone() for _ in range(world)]
     out: list[list[torch.Tensor]] = [[] for _ in range(world)]
     delta = 0.0
     for s in range(steps):

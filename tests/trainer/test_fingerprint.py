@@ -142,7 +142,7 @@ def _rank_fingerprint(rank: int, world: int, port: int):
     x = torch.randn(CHUNK + 1000, generator=torch.Generator().manual_seed(9))
     e = torch.zeros(3 * CHUNK)
     e[CHUNK + 11] = 1.0
-    return fingerprint(x, seed=5, exact=True).tolist(), fingerprint(e, seed=5).tolist(), torch.get_num_threads()
+    return fingerprint(x, seed=5, exact=True).tolist(), fingerprint(e, seed=5).tolist()
 
 
 @pytest.mark.multiprocess
