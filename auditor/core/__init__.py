@@ -10,6 +10,7 @@ kind                     function                                           find
 ``non_finite``           :func:`auditor.core.checks.overflow`               float64 overflow of a group's merge
 ``skipped_collective``   :func:`auditor.core.checks.skipped_collective`     local values, no all-reduce result
 ``replica_divergence``   :func:`auditor.core.checks.replica_divergence`     replicas report different data
+``replica_divergence``   :func:`auditor.core.replicas.replica_drift`        a tensor's replicas drift apart
 ``empty_global``         :func:`auditor.core.checks.empty_global`           the expected group holds nothing
 ``precision_loss``       :func:`auditor.core.checks.precision_loss`         the one-pass variance is noise
 ``group_mismatch``       :func:`auditor.core.checks.group_mismatch`         applied ≠ the expected group's
