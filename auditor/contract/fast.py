@@ -150,12 +150,15 @@ _SPECS = TextCache(256, 4 << 20)
 
 
 def spec_of(raw: msgspec.Raw) -> tuple[StatisticSpec | None, Spec | None]:
-    """The :class:`StatisticSpec` (validated by pydantic, strict, as in a :class:`Report`)
+    """The :class:`StatisticSpec` (validated by pydantic, strict, as in a
+    :class:`~auditor.contract.models.Report`)
     and its engine spec of a report's raw ``spec`` JSON; ``(None, None)`` for ``null``."""
     return _SPECS.get(bytes(raw), _make_spec)
 
 
-_RANKS_LIST = msgspec.json.Decoder(_fast_type(dataclasses.replace(F.BLOCK_FIELDS["Report"]["group_ranks"], raw=False), {}))
+#: ``group_ranks`` as the table declares it (not raw): null or a bounded list of ranks.
+_RANKS_LIST = msgspec.json.Decoder(_fast_type(dataclasses.replace(F.BLOCK_FIELDS["Report"]["group_ranks"], raw=False),
+                                              {}))
 
 
 def _make_ranks(text: bytes) -> tuple[list[int] | None, tuple[bool, int] | None]:
@@ -172,6 +175,7 @@ def ranks_of(raw: msgspec.Raw) -> tuple[list[int] | None, tuple[bool, int] | Non
     not to be changed) and :func:`ranks_facts`; ``(None, None)`` for ``null``. Raises
     msgspec.ValidationError for anything but null or a list of ranks."""
     return _RANKS.get(bytes(raw), _make_ranks)
+
 
 class _FastBatch(_Fast, kw_only=True):
     reports: Annotated[list[FastReport], msgspec.Meta(min_length=1)]  # type: ignore[valid-type]
@@ -228,7 +232,8 @@ _get_spec, _get_group_ranks = operator.attrgetter("spec"), operator.attrgetter("
 _get_order = operator.attrgetter("order")
 #: Rows of tuples as one flat iterator (``np.fromiter`` reads None as NaN and bools as 0/1).
 _chain = itertools.chain.from_iterable
-_get_local, _get_applied, _get_kind = operator.attrgetter("local"), operator.attrgetter("applied"), operator.attrgetter("kind")
+_get_local, _get_applied = operator.attrgetter("local"), operator.attrgetter("applied")
+_get_kind = operator.attrgetter("kind")
 #: What :func:`~auditor.contract.rules.shape_rules` and :func:`~auditor.contract.rules.group_rules`
 #: read of a report, besides spec and group_ranks.
 _SHAPE = operator.attrgetter("world_size", "rank", "microbatch", "num_microbatches", "sizes", "coords", "order",

@@ -298,7 +298,8 @@ def registration_rules(reg) -> None:
     spec against it (:func:`registration_spec_rules`); RuleError naming the field."""
     if reg.topology == "unknown":
         if not reg.sizes.is_default or reg.order is not None:
-            raise RuleError("topology 'unknown': omit sizes and order", "sizes" if not reg.sizes.is_default else "order")
+            raise RuleError("topology 'unknown': omit sizes and order",
+                            "sizes" if not reg.sizes.is_default else "order")
         registration_spec_rules(reg)
         return
     if reg.sizes.world_size != reg.world_size:

@@ -32,10 +32,11 @@ _isfinite = math.isfinite
 
 
 def local_rules(loc) -> None:
-    """The rules of a ``local`` block (:class:`~auditor.contract.models.LocalStats` or its fast-decoder twin):
-    raises ValueError naming the field. A rule added here (or to :func:`applied_rules`,
-    :func:`auditor.contract.rules.report_rules`) must also be flagged by :func:`auditor.contract.fast.batch_holds`' array tests, or
-    the fast decoder accepts what it breaks."""
+    """The rules of a ``local`` block (:class:`~auditor.contract.models.LocalStats` or its
+    fast-decoder twin): raises :class:`RuleError` naming the field. A rule added here (or to
+    :func:`applied_rules`, :func:`auditor.contract.rules.report_rules`) must also be flagged
+    by the array tests of :func:`auditor.contract.fast.batch_holds`, or the fast decoder
+    accepts what it breaks."""
     # ``x < 0`` is False for NaN and +Inf; ``x != -inf`` leaves -Inf out: "finite and < 0"
     # without a call per value (this runs once per report on the ingest hot path).
     c = loc.count
@@ -100,7 +101,8 @@ def is_empty_identity(side: str, v: float, count) -> bool:
     infinity: the wire carries it as the ``Infinity``/``-Infinity`` tokens (Python's
     ``json.dumps``, the client's encoding) or a number beyond float range (``1e400``); msgspec
     reads neither, so such a body always takes the pydantic path (:func:`auditor.contract.parse.parse_report_batch`)
-    and a :class:`~auditor.contract.fast.FastLocal` never holds one (``auditor.contract.fast.FastReport.values_finite``).
+    and a :class:`~auditor.contract.fast.FastLocal` never holds one
+    (``auditor.contract.fast.FastReport.values_finite``).
 
     Each side on its own (a trainer may send only one). Not identities, and unchanged (stored,
     flagged ``non_finite`` by the audit): ``min = -inf`` or ``max = +inf`` with count 0 (the
