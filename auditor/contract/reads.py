@@ -44,7 +44,7 @@ from typing import Any, Mapping
 from auditor.status import check as check_report
 from auditor.status import status_of
 
-__all__ = ["ShapeError", "OMIT_NONE", "Run", "RunsPage", "Report", "StatisticReport", "Progress", "ProgressAt",
+__all__ = ["ShapeError", "OMIT_NONE", "declared", "Run", "RunsPage", "Report", "StatisticReport", "Progress", "ProgressAt",
            "StepSummary", "StepsPage", "StepDetail", "StepPage", "Fault", "RankRow", "DOCUMENTS"]
 
 #: ``field(metadata=OMIT_NONE)``: ``to_json`` leaves the field out when it is None.
@@ -91,6 +91,15 @@ def _objects(cls, values: Any) -> list:
     if not isinstance(values, list):
         raise ShapeError(f"{cls.__name__}: a JSON list was expected, got {type(values).__name__}")
     return [cls.from_json(v) for v in values]
+
+
+@functools.cache
+def declared(cls) -> dict[str, Any]:
+    """The declared fields of a read document class and their annotations (resolved), in
+    declaration order, ``extra`` left out: the keys the service may send. For a schema
+    builder (e.g. the routes' OpenAPI: drop ``extra``, which only holds undeclared keys)
+    and the test that the service sends no other key."""
+    return {name: hint for name, hint in typing.get_type_hints(cls).items() if name != "extra"}
 
 
 @functools.cache

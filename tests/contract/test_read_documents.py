@@ -89,10 +89,6 @@ def _documents(service, run_ids: list[str]):
                     yield reads.StepPage, {**out, "next_cursor": None if cursor is None else "c"}
 
 
-def _fields(cls) -> dict[str, typing.Any]:
-    return {name: hint for name, hint in typing.get_type_hints(cls).items() if name != "extra"}
-
-
 def _document_of(hint) -> type | None:
     """The document class a field holds (itself, in a list, or optional), else None."""
     for a in (hint, *typing.get_args(hint)):
@@ -104,7 +100,7 @@ def _document_of(hint) -> type | None:
 
 def _walk(cls, doc, where: str, seen: set, undeclared: list) -> None:
     """Every key of ``doc`` against ``cls``'s fields, nested documents too."""
-    fields = _fields(cls)
+    fields = reads.declared(cls)
     for key, value in doc.items():
         if key not in fields:
             undeclared.append(f"{where}.{key} ({cls.__name__})")
@@ -124,7 +120,7 @@ def test_every_emitted_key_is_declared_and_every_field_emitted(service, runs):
         count += 1
         _walk(cls, doc, cls.__name__, seen, undeclared)
     assert not undeclared, f"keys the service emits that contract/reads.py does not declare: {sorted(set(undeclared))}"
-    declared = {(cls.__name__, name) for cls in reads.DOCUMENTS for name in _fields(cls)}
+    declared = {(cls.__name__, name) for cls in reads.DOCUMENTS for name in reads.declared(cls)}
     assert declared - seen == set(), "declared fields the service never emitted"
     assert count > 40
 
