@@ -35,26 +35,22 @@ subclass) for 404. Depends on the standard library and httpx only.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import json
 import os
 import time
-import types
-import typing
-from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping
 from urllib.parse import quote
 
 import httpx
 
 from auditor import bounded_http
-
-from auditor.status import check as check_report
-from auditor.status import status_of
+# The read documents are declared once, in the contract (standard library only); they are
+# re-exported here: ``from auditor.reader import Report`` keeps working.
+from auditor.contract.reads import (Fault, Progress, ProgressAt, RankRow, Report, Run, ShapeError, StatisticReport,
+                                    StepDetail, StepPage, StepSummary)
 
 __all__ = ["Reader", "ReaderError", "NotFoundError", "Run", "Report", "StatisticReport", "StepSummary",
-           "StepDetail", "RankRow", "Fault"]
+           "StepDetail", "StepPage", "RankRow", "Fault", "Progress", "ProgressAt"]
 
 
 def header_safe(value: str) -> bool:
@@ -80,281 +76,6 @@ class ReaderError(Exception):
 
 class NotFoundError(ReaderError):
     """404: no such run, statistic or step."""
-
-
-def _raw(obj: Any) -> Any:
-    """A reader dataclass back to its JSON (``extra`` merged in)."""
-    if dataclasses.is_dataclass(obj):
-        out = {f.name: _raw(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.name != "extra"}
-        out.update(getattr(obj, "extra", {}) or {})
-        return out
-    if isinstance(obj, list):
-        return [_raw(x) for x in obj]
-    return obj
-
-
-class _Shape(TypeError):
-    """A JSON document that is not the one a dataclass reads (a field of the wrong type,
-    one missing, not an object)."""
-
-
-@functools.cache
-def _json_types(cls) -> dict[str, tuple[type, ...]]:
-    """The JSON types each field of ``cls`` accepts, from its annotation: ``int`` (not a
-    bool), ``float`` (an int too), ``str``, ``bool``, ``list``, ``dict``, None for
-    ``X | None``; ``Any`` anything."""
-    out = {}
-    for name, hint in typing.get_type_hints(cls).items():
-        args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
-            else (hint,)
-        accepted: list[type] = []
-        for a in args:
-            a = typing.get_origin(a) or a
-            if a is Any:
-                accepted = [object]
-                break
-            accepted += {float: [int, float], type(None): [type(None)]}.get(a, [a])
-        out[name] = tuple(accepted)
-    return out
-
-
-def _build(cls, data: Mapping[str, Any], **convert):
-    """``cls`` from a JSON object: known fields (converted by ``convert[name]``), the rest in
-    ``extra``. Missing optional fields take their defaults. Raises :class:`_Shape` when
-    ``data`` is not an object, a field is missing or of another JSON type than its
-    annotation says (a bool is no number)."""
-    if not isinstance(data, dict):
-        raise _Shape(f"{cls.__name__}: a JSON object was expected, got {type(data).__name__}")
-    accepted = _json_types(cls)
-    for name, value in data.items():
-        ok = accepted.get(name)
-        if ok is not None and not (isinstance(value, ok) and not (type(value) is bool and bool not in ok)):
-            raise _Shape(f"{cls.__name__}.{name}: {type(value).__name__} {str(value)[:80]!r} is not "
-                         f"{' or '.join(t.__name__ for t in ok)}")
-    names = set(accepted) - {"extra"}
-    kwargs = {k: (convert[k](v) if k in convert and v is not None else v) for k, v in data.items() if k in names}
-    try:
-        return cls(**kwargs, extra={k: v for k, v in data.items() if k not in names})
-    except TypeError as exc:  # a required field missing
-        raise _Shape(f"{cls.__name__}: {exc}") from None
-
-
-def _objects(cls, values: Any) -> list:
-    """``[cls.from_json(v) for v in values]``; :class:`_Shape` when ``values`` is no list."""
-    if not isinstance(values, list):
-        raise _Shape(f"{cls.__name__}: a JSON list was expected, got {type(values).__name__}")
-    return [cls.from_json(v) for v in values]
-
-
-@dataclass(frozen=True)
-class Run:
-    """One run (``GET /v1/runs``): topology, statistics, audit counts. Times: Unix seconds."""
-
-    run_id: str
-    world_size: int
-    sizes: dict[str, int]
-    created_at: float
-    last_activity: float
-    statistics: list[str]
-    steps_audited: int
-    steps_inconsistent: int
-    consistent: bool
-    #: ``inconsistent``, ``unverified``, ``incomplete``, ``consistent`` or ``pending``
-    #: (:mod:`auditor.status`); derived from the counts when an older service sends none
-    status: str = ""
-    steps_incomplete: int = 0
-    steps_unverified: int = 0
-    refused_reports: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "Run":
-        return _build(cls, {**data, "status": status_of(data)})
-
-
-@dataclass(frozen=True)
-class Fault:
-    """One finding of a step: fault ``kind`` (DESIGN.md §5), the ranks it concerns, the
-    diagnosis as text and its ``evidence`` (numbers behind it, e.g. ``factor``)."""
-
-    kind: str
-    message: str
-    ranks: list[int]
-    evidence: dict[str, Any] = field(default_factory=dict)
-    #: ranks the fault concerns in all; a report lists at most 1024 of them
-    #: (``ranks_truncated``), the step endpoint all
-    ranks_total: int | None = None
-    ranks_truncated: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "Fault":
-        return _build(cls, data)
-
-
-@dataclass(frozen=True)
-class RankRow:
-    """One rank (and microbatch) of a step. ``moments``: local count and mean, the applied
-    and the correct mean/std, ``error_sigma`` (gap of the applied whitening, in σ).
-    ``sum``/``norm``: the local, applied and correct value (sum, or squared norm) sit in the
-    ``*_mean`` fields and ``relative_error`` is |applied − correct| / |correct|."""
-
-    rank: int
-    microbatch: int
-    coords: dict[str, int]
-    local_count: float | None = None
-    local_mean: float | None = None
-    applied_mean: float | None = None
-    applied_std: float | None = None
-    correct_mean: float | None = None
-    correct_std: float | None = None
-    error_sigma: float | None = None
-    relative_error: float | None = None
-    faults: list[str] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "RankRow":
-        return _build(cls, data)
-
-
-@dataclass(frozen=True)
-class StepSummary:
-    """One audited (or pending) step of a statistic (``GET .../steps``): verdict
-    (``consistent``, ``inconsistent``, ``incomplete`` or ``pending``), reports received of
-    expected, the σ figures (``moments``) and the fault kinds found."""
-
-    step: int
-    verdict: str
-    reports: int
-    expected: int
-    cp_disagreement_sigma: float | None = None
-    applied_error_sigma: float | None = None
-    tolerance_sigma: float | None = None
-    fault_kinds: list[str] = field(default_factory=list)
-    audited_at: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "StepSummary":
-        return _build(cls, data)
-
-
-@dataclass(frozen=True)
-class StepDetail:
-    """One step with its faults and per-rank table (``GET .../steps/{step}``, every row:
-    :meth:`Reader.step` follows its pages; and each of a report's ``bad_steps``, at most
-    ``rank_rows`` rows, the faulted ranks first). ``ranks_total``: rows of the full table;
-    ``ranks_truncated``: ``ranks`` holds fewer."""
-
-    step: int
-    verdict: str | None
-    reports: int
-    expected: int
-    faults: list[Fault]
-    ranks: list[RankRow]
-    cp_disagreement_sigma: float | None = None
-    applied_error_sigma: float | None = None
-    audited_at: float | None = None
-    run_id: str | None = None
-    statistic: str | None = None
-    ranks_total: int | None = None
-    ranks_truncated: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "StepDetail":
-        return _build(cls, data, faults=functools.partial(_objects, Fault), ranks=functools.partial(_objects, RankRow))
-
-
-@dataclass(frozen=True)
-class StatisticReport:
-    """The report of one statistic of a run: verdict counts, first/last bad step, fault
-    counts by kind, the latest and the worst σ figures (with the steps of the worst), and
-    the details of up to ``bad_steps`` bad steps."""
-
-    statistic: str
-    kind: str
-    spec: dict[str, Any]
-    steps_audited: int
-    steps_consistent: int
-    steps_inconsistent: int
-    steps_incomplete: int
-    steps_pending: int
-    faults: dict[str, int]
-    bad_steps: list[StepDetail]
-    bad_steps_total: int
-    first_bad_step: int | None = None
-    last_bad_step: int | None = None
-    last_audited_step: int | None = None
-    cp_disagreement_sigma: float | None = None
-    applied_error_sigma: float | None = None
-    worst_cp_disagreement_sigma: float | None = None
-    worst_cp_disagreement_step: int | None = None
-    worst_applied_error_sigma: float | None = None
-    worst_applied_error_step: int | None = None
-    #: ``inconsistent``, ``unverified``, ``incomplete``, ``consistent`` or ``pending`` (:mod:`auditor.status`)
-    status: str = ""
-    steps_audit_error: int = 0
-    steps_unverified: int = 0
-    refused_reports: int = 0
-    refused_first_step: int | None = None
-    refused_last_step: int | None = None
-    refused_at: float | None = None
-    refused_kind: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "StatisticReport":
-        return _build(cls, {**data, "status": status_of(data)},
-                      bad_steps=functools.partial(_objects, StepDetail))
-
-
-@dataclass(frozen=True)
-class Report:
-    """A run's consistency report (``GET /v1/runs/{run_id}/report``)."""
-
-    run_id: str
-    world_size: int
-    sizes: dict[str, int]
-    consistent: bool
-    statistics: list[StatisticReport]
-    created_at: float | None = None
-    last_activity: float | None = None
-    page: str | None = None
-    #: ``inconsistent``, ``unverified``, ``incomplete``, ``consistent`` or ``pending`` (:mod:`auditor.status`)
-    status: str = ""
-    #: reports refused (409) for contradicting the run's stored ones (a reused run id)
-    refused_reports: int = 0
-    topology: str | None = None
-    #: where the ranks' layout came from (``megatron``, ``megatron.core.mpu``, ``device_mesh``, ...)
-    topology_source: str | None = None
-    steps_unverified: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> "Report":
-        return _build(cls, {**data, "status": status_of(data)},
-                      statistics=functools.partial(_objects, StatisticReport))
-
-    def check(self, *, allow_incomplete: bool = False, allow_refused: bool = False,
-              min_steps: int = 0, allow_pending: bool = False, allow_unverified: bool = False) -> tuple[bool, list[str]]:
-        """``auditor check`` of this report: ``(passed, lines)`` (:func:`auditor.status.check`)."""
-        return check_report(self.raw, allow_incomplete=allow_incomplete, allow_refused=allow_refused,
-                            min_steps=min_steps, allow_pending=allow_pending, allow_unverified=allow_unverified)
-
-    @property
-    def raw(self) -> dict[str, Any]:
-        """The report as JSON again (known fields and ``extra``)."""
-        return _raw(self)
-
-    def statistic(self, name: str) -> StatisticReport:
-        """The report of statistic ``name``; ``KeyError`` if the run has none by that name."""
-        for s in self.statistics:
-            if s.statistic == name:
-                return s
-        raise KeyError(f"run {self.run_id!r} has no statistic {name!r}; it has "
-                       f"{[s.statistic for s in self.statistics]}")
 
 
 def _seg(part: str | int) -> str:
@@ -538,10 +259,10 @@ class Reader:
                 for s in self.steps_json(run_id, statistic, start=start, stop=stop, verdict=verdict,
                                          page_size=page_size))
 
-    def step(self, run_id: str, statistic: str, step: int, *, page_size: int = 10_000) -> StepDetail:
+    def step(self, run_id: str, statistic: str, step: int, *, page_size: int = 10_000) -> StepPage:
         """One step's verdict, faults and its whole per-rank table (following the step
         endpoint's pages of ``page_size`` rows)."""
-        return StepDetail.from_json(self.step_json(run_id, statistic, step, page_size=page_size))
+        return StepPage.from_json(self.step_json(run_id, statistic, step, page_size=page_size))
 
     def step_json(self, run_id: str, statistic: str, step: int, *, page_size: int = 10_000,
                   limit: int | None = None, after: tuple[int, int] | None = None) -> dict:
@@ -558,14 +279,14 @@ class Reader:
 
         size = page_size if limit is None else max(1, min(page_size, limit))
         budget, seen = _Budget(self.deadline), set()
-        out = self._document(StepDetail, path, {"limit": size}, budget)[1]
+        out = self._document(StepPage, path, {"limit": size}, budget)[1]
         out["ranks"] = keep(out["ranks"])
         while out.get("next_cursor") and (limit is None or len(out["ranks"]) <= limit):
             if out["next_cursor"] in seen:
                 raise ReaderError(200, None, self.url + path, f"next_cursor {str(out['next_cursor'])[:60]!r} was "
                                                                "given before: the pages loop; stopped")
             seen.add(out["next_cursor"])
-            page = self._document(StepDetail, path, {"limit": size, "cursor": out["next_cursor"]}, budget)[1]
+            page = self._document(StepPage, path, {"limit": size, "cursor": out["next_cursor"]}, budget)[1]
             out["ranks"] += keep(page["ranks"])
             out["next_cursor"] = page.get("next_cursor")
         more = limit is not None and (len(out["ranks"]) > limit or bool(out.get("next_cursor")))
@@ -616,5 +337,5 @@ def _typed(cls, doc: Any, where: str):
     object) is a :class:`ReaderError` naming ``where`` and the field."""
     try:
         return cls.from_json(doc)
-    except (_Shape, TypeError, KeyError, ValueError, AttributeError, IndexError) as exc:
+    except (ShapeError, TypeError, KeyError, ValueError, AttributeError, IndexError) as exc:
         raise ReaderError(200, None, where, f"not a {cls.__name__} document: {exc}") from None

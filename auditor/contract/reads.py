@@ -1,0 +1,439 @@
+"""The read documents of the auditor service: every JSON document its read endpoints answer,
+declared once as a frozen standard-library dataclass.
+
+=====================  ==========================================================
+:class:`Run`           a run's summary (``GET /v1/runs/{run_id}``, each of ``GET /v1/runs``)
+:class:`RunsPage`      a page of ``GET /v1/runs``
+:class:`Report`        a run's consistency report (``GET /v1/runs/{run_id}/report``)
+:class:`StatisticReport`  one statistic of a report
+:class:`Progress`      hang localisation of a statistic (which ranks reached which step)
+:class:`ProgressAt`    one step of :class:`Progress` and the ranks at it
+:class:`StepSummary`   one step of ``GET .../statistics/{statistic}/steps``
+:class:`StepsPage`     a page of that listing
+:class:`StepDetail`    one step with its faults and per-rank table (a report's bad step)
+:class:`StepPage`      a page of ``GET .../statistics/{statistic}/steps/{step}``
+:class:`Fault`         one finding of a step
+:class:`RankRow`       one rank (and microbatch) of a step's per-rank table
+=====================  ==========================================================
+
+Each has ``from_json(data)`` (a JSON object, as :func:`json.loads` gives it, to the
+dataclass) and ``to_json()`` (the dataclass to a JSON object: what the service answers).
+``from_json`` checks every declared field's JSON type against its annotation (``int`` is
+no bool, ``float`` takes an int, a nested document is an object, a list of documents a
+list) and raises :class:`ShapeError` (a TypeError) naming the document and the field for a
+wrong type, a missing required field or a document that is no object; keys not declared
+(added by a newer service) land in ``extra`` and ``to_json`` puts them back. Fields
+marked :data:`OMIT_NONE` are left out of ``to_json`` when None (the service sends them only
+when set: a run's ``order``, ``topology``). ``status`` is the service's, or derived from
+the counts for documents of services older than that field (:func:`auditor.status.status_of`).
+
+Units: times are Unix seconds (float), σ figures are standard deviations of the correct
+statistic, ranks are global rank numbers. Standard library only (and :mod:`auditor.status`,
+itself standard library only): the Reader (stdlib + httpx) decodes with these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from auditor.status import check as check_report
+from auditor.status import status_of
+
+__all__ = ["ShapeError", "OMIT_NONE", "declared", "Run", "RunsPage", "Report", "StatisticReport", "Progress", "ProgressAt",
+           "StepSummary", "StepsPage", "StepDetail", "StepPage", "Fault", "RankRow", "DOCUMENTS"]
+
+#: ``field(metadata=OMIT_NONE)``: ``to_json`` leaves the field out when it is None.
+OMIT_NONE: Mapping[str, bool] = types.MappingProxyType({"omit_none": True})
+
+
+class ShapeError(TypeError):
+    """A JSON document that is not the one a dataclass reads (a field of the wrong type,
+    one missing, not an object)."""
+
+
+class _Document:
+    """Base of the read documents: :meth:`from_json` and :meth:`to_json` from the dataclass
+    fields' annotations."""
+
+    @classmethod
+    def from_json(cls, data: Any):
+        """The document of a JSON object (see the module docstring); :class:`ShapeError`
+        when ``data`` is not one."""
+        return _build(cls, data)
+
+    def to_json(self) -> dict[str, Any]:
+        """The document as a JSON object: every field (nested documents too; an
+        :data:`OMIT_NONE` field only when set), then ``extra``."""
+        return _to_json(self)
+
+
+def _to_json(obj: Any) -> Any:
+    if isinstance(obj, _Document):
+        out = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            if f.name != "extra" and not (value is None and f.metadata.get("omit_none")):
+                out[f.name] = _to_json(value)
+        out.update(getattr(obj, "extra", None) or {})
+        return out
+    if isinstance(obj, list):
+        return [_to_json(x) for x in obj]
+    return obj
+
+
+def _objects(cls, values: Any) -> list:
+    """``[cls.from_json(v) for v in values]``; :class:`ShapeError` when ``values`` is no list."""
+    if not isinstance(values, list):
+        raise ShapeError(f"{cls.__name__}: a JSON list was expected, got {type(values).__name__}")
+    return [cls.from_json(v) for v in values]
+
+
+@functools.cache
+def declared(cls) -> dict[str, Any]:
+    """The declared fields of a read document class and their annotations (resolved), in
+    declaration order, ``extra`` left out: the keys the service may send. For a schema
+    builder (e.g. the routes' OpenAPI: drop ``extra``, which only holds undeclared keys)
+    and the test that the service sends no other key."""
+    return {name: hint for name, hint in typing.get_type_hints(cls).items() if name != "extra"}
+
+
+@functools.cache
+def _json_fields(cls) -> dict[str, tuple[tuple[type, ...], Any]]:
+    """Per field of ``cls``: the JSON types it accepts, from its annotation (``int``, not a
+    bool; ``float``, an int too; ``str``, ``bool``, ``list``, ``dict``; None for
+    ``X | None``; ``Any`` anything; a document an object, a list of documents a list), and
+    the converter of a nested document (its ``from_json``, or :func:`_objects`) or None."""
+    out = {}
+    for name, hint in typing.get_type_hints(cls).items():
+        args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
+            else (hint,)
+        accepted: list[type] = []
+        convert = None
+        for a in args:
+            inner = typing.get_args(a)
+            a = typing.get_origin(a) or a
+            if a is Any:
+                accepted = [object]
+                break
+            if isinstance(a, type) and issubclass(a, _Document):
+                accepted.append(dict)
+                convert = a.from_json
+            else:
+                if a is list and inner and isinstance(inner[0], type) and issubclass(inner[0], _Document):
+                    convert = functools.partial(_objects, inner[0])
+                accepted += {float: [int, float], type(None): [type(None)]}.get(a, [a])
+        out[name] = (tuple(accepted), convert)
+    return out
+
+
+def _build(cls, data: Any):
+    """``cls`` from a JSON object: known fields (nested documents decoded), the rest in
+    ``extra``. Missing optional fields take their defaults. Raises :class:`ShapeError` when
+    ``data`` is not an object, a field is missing or of another JSON type than its
+    annotation says (a bool is no number)."""
+    if not isinstance(data, dict):
+        raise ShapeError(f"{cls.__name__}: a JSON object was expected, got {type(data).__name__}")
+    known = _json_fields(cls)
+    for name, value in data.items():
+        ok = known.get(name)
+        if ok is not None and not (isinstance(value, ok[0]) and not (type(value) is bool and bool not in ok[0])):
+            raise ShapeError(f"{cls.__name__}.{name}: {type(value).__name__} {str(value)[:80]!r} is not "
+                             f"{' or '.join(t.__name__ for t in ok[0])}")
+    kwargs = {k: (known[k][1](v) if known[k][1] is not None and v is not None else v)
+              for k, v in data.items() if k in known and k != "extra"}
+    try:
+        return cls(**kwargs, extra={k: v for k, v in data.items() if k not in known or k == "extra"})
+    except TypeError as exc:  # a required field missing
+        raise ShapeError(f"{cls.__name__}: {exc}") from None
+
+
+def _with_status(data: Any) -> Any:
+    """``data`` with its ``status`` (:func:`auditor.status.status_of`: the service's, else
+    derived from its counts); ``data`` itself when it is no object."""
+    return {**data, "status": status_of(data)} if isinstance(data, dict) else data
+
+
+@dataclass(frozen=True)
+class Run(_Document):
+    """One run's summary (``GET /v1/runs/{run_id}``, each of ``GET /v1/runs``): topology,
+    statistics, audit counts. Times: Unix seconds."""
+
+    run_id: str
+    world_size: int
+    #: every dim's size (dp, cp, tp, pp; edp, ep, etp with the expert factorisation)
+    sizes: dict[str, int]
+    created_at: float
+    last_activity: float
+    #: the run's statistic names, sorted
+    statistics: list[str]
+    steps_audited: int
+    steps_inconsistent: int
+    consistent: bool
+    #: ``inconsistent``, ``unverified``, ``incomplete``, ``consistent`` or ``pending``
+    #: (:mod:`auditor.status`); derived from the counts when an older service sends none
+    status: str = ""
+    steps_incomplete: int = 0
+    steps_unverified: int = 0
+    refused_reports: int = 0
+    steps_audit_error: int = 0
+    #: Megatron's rank order, when registered or reported
+    order: str | None = field(default=None, metadata=OMIT_NONE)
+    #: ``unknown`` when the ranks do not know their coordinates (judged from group_ranks)
+    topology: str | None = field(default=None, metadata=OMIT_NONE)
+    #: where the ranks' layout came from (``megatron``, ``megatron.core.mpu``, ``device_mesh``, ...)
+    topology_source: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Run":
+        return _build(cls, _with_status(data))
+
+
+@dataclass(frozen=True)
+class RunsPage(_Document):
+    """A page of ``GET /v1/runs``, newest first; ``next_cursor``: pass it back as ``cursor``
+    for the next page (None on the last)."""
+
+    runs: list[Run]
+    next_cursor: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Fault(_Document):
+    """One finding of a step: fault ``kind`` (DESIGN.md §5), the ranks it concerns, the
+    diagnosis as text and its ``evidence`` (numbers behind it, e.g. ``factor``)."""
+
+    kind: str
+    message: str
+    ranks: list[int]
+    evidence: dict[str, Any] = field(default_factory=dict)
+    #: ranks the fault concerns in all; a report lists at most 1024 of them
+    #: (``ranks_truncated``), the step endpoint all
+    ranks_total: int | None = None
+    ranks_truncated: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RankRow(_Document):
+    """One rank (and microbatch) of a step. ``moments``: local count and mean, the applied
+    and the correct mean/std, ``error_sigma`` (gap of the applied whitening, in σ).
+    ``sum``/``norm``: the local, applied and correct value (sum, or squared norm) sit in the
+    ``*_mean`` fields and ``relative_error`` is |applied − correct| / |correct|."""
+
+    rank: int
+    microbatch: int
+    coords: dict[str, int]
+    local_count: float | None = None
+    local_mean: float | None = None
+    applied_mean: float | None = None
+    applied_std: float | None = None
+    correct_mean: float | None = None
+    correct_std: float | None = None
+    error_sigma: float | None = None
+    relative_error: float | None = None
+    #: the fault kinds of this row
+    faults: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepSummary(_Document):
+    """One audited (or pending) step of a statistic (``GET .../steps``): verdict
+    (``consistent``, ``inconsistent``, ``incomplete``, ``audit_error``, ``unverified`` or
+    ``pending``), reports received of expected, the σ figures (``moments``), the rounding
+    tolerance (σ of the correct statistic) and the fault kinds found."""
+
+    step: int
+    verdict: str
+    reports: int
+    expected: int
+    cp_disagreement_sigma: float | None = None
+    applied_error_sigma: float | None = None
+    tolerance_sigma: float | None = None
+    fault_kinds: list[str] = field(default_factory=list)
+    audited_at: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepsPage(_Document):
+    """A page of ``GET .../statistics/{statistic}/steps``, in step order; ``next_cursor``:
+    pass it back as ``cursor`` for the next page (None on the last)."""
+
+    run_id: str
+    statistic: str
+    kind: str
+    steps: list[StepSummary]
+    next_cursor: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepDetail(_Document):
+    """One step with its faults and per-rank table: each of a report's ``bad_steps`` (at
+    most ``rank_rows`` rows, the faulted ranks first), and the step endpoint's pages
+    (:class:`StepPage`). ``verdict``: None while the step is open; ``previous_verdict``,
+    ``verdict_changed_at``: the verdict a late report replaced, and when.
+    ``ranks_total``: rows of the full table; ``ranks_truncated``: ``ranks`` holds fewer."""
+
+    step: int
+    verdict: str | None
+    reports: int
+    expected: int
+    faults: list[Fault]
+    ranks: list[RankRow]
+    cp_disagreement_sigma: float | None = None
+    applied_error_sigma: float | None = None
+    audited_at: float | None = None
+    ranks_total: int | None = None
+    ranks_truncated: bool = False
+    previous_verdict: str | None = None
+    verdict_changed_at: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepPage(StepDetail):
+    """A page of ``GET .../statistics/{statistic}/steps/{step}``: the step (``run_id`` and
+    ``statistic`` set) with the rows of this page in (rank, microbatch) order;
+    ``next_cursor``: pass it back as ``cursor`` for the rows that follow (None on the last
+    page)."""
+
+    run_id: str | None = None
+    statistic: str | None = None
+    next_cursor: str | None = None
+
+
+@dataclass(frozen=True)
+class ProgressAt(_Document):
+    """One step of :class:`Progress`: ``ranks`` (compact text, ``"0,2-3"``) whose newest
+    report is of ``step``; ``step`` None for ranks that sent nothing in the window."""
+
+    step: int | None
+    ranks: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Progress(_Document):
+    """Hang localisation of a statistic (set while its latest audited step misses reports):
+    which ranks reached which step among the newest steps. ``summary``, e.g. "ranks 0,2-3
+    stopped at step 39; rank 1 at 41"."""
+
+    newest_step: int | None
+    ranks_behind: int
+    at: list[ProgressAt]
+    summary: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StatisticReport(_Document):
+    """The report of one statistic of a run: verdict counts, first/last bad step, fault
+    counts by kind, the latest and the worst σ figures (with the steps of the worst), the
+    details of up to ``bad_steps`` bad steps (``bad_steps_shown`` of ``bad_steps_total``),
+    the reports refused (409) for contradicting its stored ones, and where its ranks are
+    (``progress``, ``ranks_behind``) when reports are missing."""
+
+    statistic: str
+    kind: str
+    spec: dict[str, Any]
+    steps_audited: int
+    steps_consistent: int
+    steps_inconsistent: int
+    steps_incomplete: int
+    steps_pending: int
+    #: fault kind → steps it was found in
+    faults: dict[str, int]
+    bad_steps: list[StepDetail]
+    bad_steps_total: int
+    first_bad_step: int | None = None
+    last_bad_step: int | None = None
+    last_audited_step: int | None = None
+    cp_disagreement_sigma: float | None = None
+    applied_error_sigma: float | None = None
+    worst_cp_disagreement_sigma: float | None = None
+    worst_cp_disagreement_step: int | None = None
+    worst_applied_error_sigma: float | None = None
+    worst_applied_error_step: int | None = None
+    #: ``inconsistent``, ``unverified``, ``incomplete``, ``consistent`` or ``pending`` (:mod:`auditor.status`)
+    status: str = ""
+    steps_audit_error: int = 0
+    steps_unverified: int = 0
+    #: verdicts a late report replaced (each such step's ``previous_verdict`` says which)
+    steps_reaudited: int = 0
+    bad_steps_shown: int = 0
+    ranks_behind: int | None = None
+    progress: Progress | None = None
+    refused_reports: int = 0
+    refused_first_step: int | None = None
+    refused_last_step: int | None = None
+    refused_at: float | None = None
+    refused_kind: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Any) -> "StatisticReport":
+        return _build(cls, _with_status(data))
+
+
+@dataclass(frozen=True)
+class Report(_Document):
+    """A run's consistency report (``GET /v1/runs/{run_id}/report``): the run's topology,
+    one :class:`StatisticReport` per statistic, and the run's status and totals."""
+
+    run_id: str
+    world_size: int
+    sizes: dict[str, int]
+    consistent: bool
+    statistics: list[StatisticReport]
+    created_at: float | None = None
+    last_activity: float | None = None
+    #: the run page's URL
+    page: str | None = None
+    #: ``inconsistent``, ``unverified``, ``incomplete``, ``consistent`` or ``pending`` (:mod:`auditor.status`)
+    status: str = ""
+    #: reports refused (409) for contradicting the run's stored ones (a reused run id)
+    refused_reports: int = 0
+    topology: str | None = field(default=None, metadata=OMIT_NONE)
+    #: where the ranks' layout came from (``megatron``, ``megatron.core.mpu``, ``device_mesh``, ...)
+    topology_source: str | None = None
+    steps_unverified: int = 0
+    steps_incomplete: int = 0
+    order: str | None = field(default=None, metadata=OMIT_NONE)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Report":
+        return _build(cls, _with_status(data))
+
+    def check(self, *, allow_incomplete: bool = False, allow_refused: bool = False,
+              min_steps: int = 0, allow_pending: bool = False, allow_unverified: bool = False) -> tuple[bool, list[str]]:
+        """``auditor check`` of this report: ``(passed, lines)`` (:func:`auditor.status.check`)."""
+        return check_report(self.raw, allow_incomplete=allow_incomplete, allow_refused=allow_refused,
+                            min_steps=min_steps, allow_pending=allow_pending, allow_unverified=allow_unverified)
+
+    @property
+    def raw(self) -> dict[str, Any]:
+        """The report as JSON again (known fields and ``extra``): :meth:`to_json`."""
+        return self.to_json()
+
+    def statistic(self, name: str) -> StatisticReport:
+        """The report of statistic ``name``; ``KeyError`` if the run has none by that name."""
+        for s in self.statistics:
+            if s.statistic == name:
+                return s
+        raise KeyError(f"run {self.run_id!r} has no statistic {name!r}; it has "
+                       f"{[s.statistic for s in self.statistics]}")
+
+
+#: Every read document.
+DOCUMENTS = (Run, RunsPage, Report, StatisticReport, Progress, ProgressAt, StepSummary, StepsPage, StepDetail,
+             StepPage, Fault, RankRow)
