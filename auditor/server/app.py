@@ -17,13 +17,20 @@ ReDoc from fastapi-offline, our CSS/JS — is served by this process (``/static`
 ``/static-offline-docs``): no CDN, so air-gapped clusters see the pages and ``/docs``.
 
 What protects the service from its callers (docs/deploy.md "Limits and security"): a token
-check before any body is read (:class:`AuthMiddleware`), a cap on requests in progress
-(:class:`ConcurrencyMiddleware`), a budget of body bytes in flight taken before a body is
+check before any body is read (:class:`~auditor.server.auth.AuthMiddleware`), a cap on requests in progress
+(:class:`~auditor.server.limits.ConcurrencyMiddleware`), a budget of body bytes in flight taken before a body is
 read and held until it is decoded and stored (:mod:`auditor.server.budget`; 503 past it),
 bodies read while streaming up to ``max_body_bytes``
 (413 without reading the rest) with a timeout between chunks, JSON parsing, validation and
 rendering in worker threads (never on the event loop), ingest on a bounded number of
 threads, and 503 + Retry-After for every "try again later" condition of the database.
+
+Where each part lives: the routes in :mod:`auditor.server.routes` (one ``APIRouter`` per
+resource), the dependencies they declare in :mod:`~auditor.server.state`, every exception's
+problem in :mod:`~auditor.server.errors`, bodies in :mod:`~auditor.server.bodies`, the
+sweep and the readiness probe in :mod:`~auditor.server.background`, the OpenAPI additions in
+:mod:`~auditor.server.openapi`, the response-shaping middlewares in
+:mod:`~auditor.server.middleware`. This module builds the app from them.
 """
 
 from __future__ import annotations

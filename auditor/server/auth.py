@@ -95,9 +95,7 @@ class AuthMiddleware:
             headers={"WWW-Authenticate": 'Bearer realm="auditor"'}), scope)
 
 
-
 def local_path(target: str) -> str:
     """``target`` if it is a path of this site ("/runs/x?step=3"), else "/" (no open redirect
     to another host through ``next``)."""
     return target if target.startswith("/") and not target.startswith("//") and "\\" not in target else "/"
-

@@ -118,8 +118,8 @@ async def _probe_forever(svc: AppState) -> None:
             answer = loop.create_future()
             started = time.monotonic()
             write = svc.write_failure is not None
-            thread = threading.Thread(target=_probe_in_thread, args=(svc.engine, loop, answer, write), name=PROBE_THREAD,
-                                      daemon=True)
+            thread = threading.Thread(target=_probe_in_thread, args=(svc.engine, loop, answer, write),
+                                      name=PROBE_THREAD, daemon=True)
             thread.start()
             try:
                 with anyio.fail_after(timeout):

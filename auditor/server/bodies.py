@@ -92,7 +92,6 @@ async def read_body(request: Request, limit: int, chunk_timeout: float, deadline
     return b"".join(chunks)
 
 
-
 def json_media_type_error(content_type: str | None) -> str | None:
     """None when ``content_type`` is JSON (``application/json`` or any ``…/…+json``, with
     parameters such as ``charset``), else the message of the 415. Every endpoint that
@@ -224,4 +223,3 @@ def parse_run(body: bytes, settings: Settings) -> RunRegistration | list[dict]:
                  "msg": f"world_size ({reg.world_size}) is above the limit {settings.max_world_size} "
                         "(AUDITOR_MAX_WORLD_SIZE)"}]
     return reg
-

@@ -74,4 +74,3 @@ def decode_cursor(cursor: str | None, parse) -> Any:
         raise RequestValidationError([{"loc": ("query", "cursor"), "type": "value_error", "input": cursor,
                                        "msg": "not a cursor of this listing: pass back the next_cursor of the "
                                               "previous page unchanged"}]) from None
-

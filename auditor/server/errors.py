@@ -10,7 +10,7 @@ one table, :data:`PROBLEMS`, installed on the app by :func:`install`.
     HTTPException (routing)            its     not_found, method_not_allowed (Allow: every method), ...
     DatabaseError (SQLAlchemy)         503     unavailable               cannot store writes / unavailable or busy
                                        500     internal                  anything else
-    a driver's error (sqlite3, psycopg)503/500 as DatabaseError, storage only
+    a driver's error (sqlite3, psycopg) 503/500 as DatabaseError (storage failures only)
     ClientDisconnect                   400     (no body)                 one INFO line
     Exception                          500     internal                  the type; the log has the trace
 

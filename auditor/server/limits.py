@@ -74,7 +74,6 @@ class FailureThrottle:
         self._failures.pop(client, None)
 
 
-
 #: Paths with a concurrency budget of their own (``max_concurrent_probes``): a load
 #: balancer's readiness probe and Prometheus's scrape must answer while ingest is saturated.
 PROBE_PATHS = frozenset({"/readyz", "/metrics"})

@@ -131,4 +131,3 @@ class HtmlErrorsMiddleware:
             await send({"type": "http.response.body", "body": b"" if scope["method"] == "HEAD" else html})
 
         await self.app(scope, receive, convert)
-

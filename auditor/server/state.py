@@ -45,17 +45,18 @@ class AppState:
         self.ingest_limiter = anyio.CapacityLimiter(settings.ingest_concurrency)
         #: Run pages rendering at once (AUDITOR_MAX_CONCURRENT_PAGES): past it a 503.
         self.page_slots = threading.BoundedSemaphore(settings.max_concurrent_pages)
-        #: Request-body bytes in flight (AUDITOR_MAX_BODY_BYTES_IN_FLIGHT): :func:`read_body`
-        #: takes them, the endpoint that read the body gives them back when it is done.
+        #: Request-body bytes in flight (AUDITOR_MAX_BODY_BYTES_IN_FLIGHT):
+        #: :func:`~auditor.server.bodies.read_body` takes them, the endpoint that read the body
+        #: gives them back when it is done.
         self.body_budget = BodyBudget(settings.body_budget_bytes, on_change=self.metrics.body_bytes.set)
         self.metrics.body_bytes.set(0)
         #: Wrong tokens per client address at POST /login (AUDITOR_LOGIN_MAX_FAILURES).
         self.login_failures = FailureThrottle(settings.login_max_failures, settings.login_failure_window_seconds)
-        #: Last database probe (:func:`_probe_forever`): (ok, message, monotonic time).
+        #: Last database probe (:mod:`auditor.server.background`): (ok, message, monotonic time).
         self.database: tuple[bool, str, float] = (True, "ok", time.monotonic())
         #: Since when writes fail because the database cannot store them (disk full, I/O
-        #: error, read-only; :func:`storage_failure`): (message, monotonic time), None while
-        #: they succeed. ``/readyz`` is 503 meanwhile; the next write that succeeds (a
+        #: error, read-only; :func:`auditor.db.errors.storage_failure`): (message, monotonic
+        #: time), None while they succeed. ``/readyz`` is 503 meanwhile; the next write that succeeds (a
         #: request's, or the probe's own, which it tries while this is set) clears it.
         self.write_failure: tuple[str, float] | None = None
 

@@ -68,9 +68,10 @@ async def login(request: Request, state: StateDep, settings: SettingsDep, client
     authorised with, and go back to the page asked for (303). Wrong token: the form again, 401.
     After ``login_max_failures`` wrong tokens from one client address within
     ``login_failure_window_seconds``, every sign-in of that address is the form again with a
-    429 and Retry-After until the window ends (the token is not even compared). A body over ``LOGIN_BODY_BYTES`` (8 KiB) + 3 bytes per character of the longest token is
-    a 413 ``too_large`` as soon as it is declared or received (the rest is never read); a
-    body that stalls is a 408, as on the write endpoints."""
+    429 and Retry-After until the window ends (the token is not even compared). A body over
+    ``LOGIN_BODY_BYTES`` (8 KiB) + 3 bytes per character of the longest token is a 413
+    ``too_large`` as soon as it is declared or received (the rest is never read); a body
+    that stalls is a 408, as on the write endpoints."""
     limit = LOGIN_BODY_BYTES + 3 * max((len(t) for t in (settings.read_token, settings.token) if t), default=0)
     throttle = state.login_failures
     wait = throttle.blocked(client)
