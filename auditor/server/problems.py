@@ -25,6 +25,8 @@ from starlette.responses import Response
 
 MEDIA_TYPE = "application/problem+json"
 TYPE_PREFIX = "urn:auditor:problem:"
+#: Seconds a client is asked to wait (Retry-After) after a 503.
+RETRY_AFTER = "1"
 
 #: Problem codes and their titles (the part of ``type`` after the prefix).
 TITLES: dict[str, str] = {
@@ -84,6 +86,17 @@ def problem(status: int, code: str, detail: str, instance: str | None = None,
     body.update({k: v for k, v in extensions.items() if v is not None})
     return Response(json.dumps(body, default=str).encode(), status_code=status, media_type=MEDIA_TYPE,
                     headers=headers)
+
+
+async def send_problem(send, response: Response, scope=None) -> None:
+    """Send ``response`` from an ASGI middleware, before the app read the request body: the
+    connection is then closed (``Connection: close``) when a body may follow, so its unread
+    bytes are never taken for the next request."""
+    headers = list(response.raw_headers)
+    if scope is not None and scope["method"] not in ("GET", "HEAD", "OPTIONS"):
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": response.status_code, "headers": headers})
+    await send({"type": "http.response.body", "body": response.body})
 
 
 def field_name(loc: tuple | list) -> str:

@@ -86,7 +86,7 @@ class AuditorHttp(HttpToolsProtocol):
         self._idle_since = self.loop.time()  # opened, or its last response completed
         self._probe_only = False  # accepted past the cap: one request, to a probe path
         if full:
-            from auditor.server.app import throttled
+            from auditor.server.limits import throttled
 
             victim = self._idle_victim()
             if victim is not None:
@@ -144,7 +144,7 @@ class AuditorHttp(HttpToolsProtocol):
         self._header_timer = None
         if self.transport.is_closing() or (self.cycle is not None and not self.cycle.response_complete):
             return
-        from auditor.server.app import throttled
+        from auditor.server.limits import throttled
 
         throttled.warning("header-timeout", "closed a connection that sent no complete request headers within "
                                             "%.0f s (AUDITOR_HEADER_TIMEOUT_SECONDS)",

@@ -172,7 +172,8 @@ def test_a_browser_gets_errors_of_pages_as_pages_and_head_answers_every_get(tmp_
 def test_docs_group_every_operation_under_a_tag_with_a_written_summary(tmp_path):
     """`/docs` had every route under "default" with summaries made from function names
     ("Post Reports"): each operation now has one of the declared tags and its own summary."""
-    from auditor.server.app import OPENAPI_TAGS, create_app
+    from auditor.server.app import create_app
+    from auditor.server.openapi import OPENAPI_TAGS
 
     doc = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'a.db'}")).openapi()
     names = [t["name"] for t in doc["tags"]]

@@ -834,7 +834,7 @@ def test_a_request_body_is_freed_by_reference_counting_not_the_cycle_collector()
 
     from starlette.requests import Request
 
-    from auditor.server.app import read_body
+    from auditor.server.bodies import read_body
 
     async def bodies():
         for _ in range(20):

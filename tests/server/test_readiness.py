@@ -17,7 +17,7 @@ import sqlalchemy as sa
 
 from auditor.config import Settings
 from auditor.server import BackgroundServer
-from auditor.server.app import PROBE_THREAD
+from auditor.server.background import PROBE_THREAD
 from auditor.testing.postgres import create_database
 
 INTERVAL, TIMEOUT = 0.1, 0.3  # s: a probe every 0.1 s, abandoned after 0.3 s

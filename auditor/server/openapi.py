@@ -1,0 +1,83 @@
+"""The OpenAPI document (``/openapi.json``, ``/docs``, ``/redoc``): the tags that group the
+operations, and what FastAPI cannot see in the routes: the request bodies of the endpoints
+that read their body themselves, the problem-details error responses of every operation,
+and the bearer security scheme."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from auditor.config import Settings
+from auditor.schemas import ReportBatch, RunRegistration
+from auditor.server.auth import ALWAYS_OPEN, PUBLIC_PATHS
+from auditor.server.problems import MEDIA_TYPE, Problem
+
+#: The groups of ``/docs``, in this order.
+OPENAPI_TAGS = [
+    {"name": "ingest", "description": "What trainer ranks send: reports (wire contract v1) and run registrations."},
+    {"name": "runs", "description": "Runs and their consistency reports."},
+    {"name": "steps", "description": "Per-step history and detail of one statistic of a run."},
+    {"name": "operations", "description": "Probes and metrics for orchestrators and Prometheus."},
+]
+
+#: Error statuses each operation declares (besides 401/403 when a token is configured).
+_ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
+    ("post", "/v1/reports"): (408, 409, 413, 415, 422, 503),
+    ("put", "/v1/runs/{run_id}"): (408, 409, 413, 415, 422, 503),
+    ("delete", "/v1/runs/{run_id}"): (404, 422, 503),
+    ("get", "/v1/runs"): (422, 503),
+    ("get", "/v1/runs/{run_id}"): (404, 422, 503),
+    ("get", "/v1/runs/{run_id}/report"): (404, 422, 503),
+    ("get", "/v1/runs/{run_id}/statistics/{statistic}/steps"): (404, 422, 503),
+    ("get", "/v1/runs/{run_id}/statistics/{statistic}/steps/{step}"): (404, 422, 503),
+    ("get", "/readyz"): (503,),
+    ("get", "/metrics"): (503,),
+}
+_BODIES = {("post", "/v1/reports"): ReportBatch, ("put", "/v1/runs/{run_id}"): RunRegistration}
+_STATUS_TEXT = {401: "Missing or wrong bearer token", 403: "Read-only token used for a write",
+                404: "Not found", 408: "Body not received in time", 409: "Conflicts with what is stored",
+                413: "Body or batch too large", 415: "Content-Type is not application/json",
+                422: "Validation failed (errors[] names each field)",
+                503: "Database unavailable/busy or too many requests in progress; see Retry-After"}
+
+
+def build_openapi(app: FastAPI, settings: Settings) -> dict:
+    """The OpenAPI document: request-body schemas of the endpoints that read their body
+    themselves (after the token check), problem-details error responses on every operation,
+    and the bearer security scheme."""
+    if app.openapi_schema:
+        return app.openapi_schema
+    doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes,
+                      tags=app.openapi_tags)
+    comps = doc.setdefault("components", {}).setdefault("schemas", {})
+    for name in ("HTTPValidationError", "ValidationError"):
+        comps.pop(name, None)
+    for model in (Problem, ReportBatch, RunRegistration):
+        js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        comps.update(js.pop("$defs", {}))
+        comps[model.__name__] = js
+    ref = {"schema": {"$ref": "#/components/schemas/Problem"}}
+    protected = bool(settings.token or settings.read_token)
+    doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    for path, ops in doc["paths"].items():
+        for method, op in ops.items():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            codes = list(_ERRORS.get((method, path), ()))
+            public = path in ALWAYS_OPEN or (settings.public_endpoints and path in PUBLIC_PATHS)
+            if protected and not public:
+                codes += [401] + ([403] if method not in ("get", "head") else [])
+                op["security"] = [{"bearer": []}]
+            for code in sorted(set(codes)):
+                responses[str(code)] = {"description": _STATUS_TEXT[code], "content": {MEDIA_TYPE: ref}}
+            if path == "/metrics":
+                responses["200"] = {"description": "Prometheus text exposition format 0.0.4",
+                                    "content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}
+            model = _BODIES.get((method, path))
+            if model is not None:
+                op["requestBody"] = {"required": True, "content": {"application/json": {
+                    "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    app.openapi_schema = doc
+    return doc
