@@ -1,4 +1,4 @@
-"""The CLI's edges a new user meets: `runs --status/--format json`, `serve` naming its
+"""What the commands print at their edges: `runs --status/--format json`, `serve` naming its
 database, database-URL mistakes shown their right form, a closed stdout."""
 
 from __future__ import annotations
