@@ -40,8 +40,8 @@ class Source:
     :class:`UsageError`. Subclasses say how to reach their reader, how an unknown run is
     worded, and how a run is deleted."""
 
-    #: What the reader raises for an unknown run.
-    not_found: type[Exception] = Exception
+    #: What the reader raises for an unknown run (each source sets its own).
+    not_found: type[Exception] | tuple[type[Exception], ...] = ()
     #: Where the documents come from, as messages name it (a URL).
     where: str = ""
 
