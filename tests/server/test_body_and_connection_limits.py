@@ -1,8 +1,7 @@
 """The limits on what one client may hold of the service: body size (413 before reading),
 bodies parsed off the event loop and freed at once, bytes in flight under a memory cap,
 idle connections closed and capped, header size. Real `auditor serve` processes over
-real sockets.
-"""
+real sockets."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Bounded cardinality: statistics per run capped at registration, the metrics' series
-capped with an aggregate of the rest.
-"""
+capped with an aggregate of the rest."""
 
 from __future__ import annotations
 

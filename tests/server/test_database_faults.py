@@ -1,6 +1,5 @@
 """A database that cannot take a write now (a lock held, a pool exhausted) is a 503 with
-Retry-After, never a 500, and liveness stays fast meanwhile.
-"""
+Retry-After, never a 500, and liveness stays fast meanwhile."""
 
 from __future__ import annotations
 

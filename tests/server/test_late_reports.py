@@ -1,6 +1,5 @@
 """A report arriving after its step was audited (past the grace period) re-audits the step
-exactly once, on one service and across two replicas of one database.
-"""
+exactly once, on one service and across two replicas of one database."""
 
 from __future__ import annotations
 

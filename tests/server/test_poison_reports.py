@@ -1,8 +1,7 @@
 """Reports built to hurt, sent to the memory-capped service (tests/conftest.py `server`) over
 real HTTP on SQLite and PostgreSQL: an expected-count bomb, non-finite values, two ranks
 claiming one coordinate. Each is refused with a problem naming the field, or stored and
-judged, in bounded memory; never a 500.
-"""
+judged, in bounded memory; never a 500."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Read parameters a client crafts: characters a database rejects in paths and queries, and
-forged cursors, are 422s naming the parameter; real cursors still page.
-"""
+forged cursors, are 422s naming the parameter; real cursors still page."""
 
 from __future__ import annotations
 

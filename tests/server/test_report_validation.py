@@ -1,8 +1,7 @@
 """What a report must say to be accepted, over real HTTP on SQLite and PostgreSQL: local
 moments consistent with each other (a weighted mask says so), correct float32 and bfloat16
 moments never tripping the range rules, statistic names with "/" read back, and every
-limit message naming the configured limit.
-"""
+limit message naming the configured limit."""
 
 from __future__ import annotations
 

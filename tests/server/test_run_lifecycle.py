@@ -1,6 +1,5 @@
 """A run's end of life: deleted in bounded chunks (other runs keep being ingested), or dropped
-with its reports once idle past the retention.
-"""
+with its reports once idle past the retention."""
 
 from __future__ import annotations
 

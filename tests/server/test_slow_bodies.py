@@ -1,8 +1,7 @@
 """Bodies as clients really send them, to the strict service (tests/conftest.py `capped`):
 stalled and trickling bodies cut by their deadlines while the probes keep answering, a
 client leaving mid-body logged in one line, non-JSON content types and compressed bodies
-refused naming what was sent.
-"""
+refused naming what was sent."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """Write and read tokens: checked before a body is read, reads need a token and a read token
-only reads, the sign-in form's body is capped.
-"""
+only reads, the sign-in form's body is capped."""
 
 from __future__ import annotations
 
