@@ -5,17 +5,15 @@ live service and straight against its database (SQLite and PostgreSQL)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from factory import world_reports
 
 from auditor import status
+from auditor.testing.cli import run_auditor
 from auditor.testing.wait import wait_until
 
 
-def auditor(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "auditor", *args], capture_output=True, text=True, timeout=120)
+auditor = run_auditor
 
 
 def incomplete_run(live_server, run_id: str, steps: int = 6) -> None:

@@ -1,7 +1,6 @@
 """`auditor runs delete`, `auditor audit` and `auditor import` of a poisoned spool, and
 `import`'s exit codes for a wrong URL, against the memory-capped service
-(tests/conftest.py `server`).
-"""
+(tests/conftest.py `server`)."""
 
 from __future__ import annotations
 
@@ -11,17 +10,13 @@ import time
 from factory import expected_count_bomb as bomb
 from factory import reference_reports
 
+from auditor.testing.cli import run_auditor
 from auditor.testing.http import only_series as series_of
 from auditor.testing.http import post_reports as post
 
 
 def _auditor(*args: str, env: dict | None = None):
-    import os
-    import subprocess
-    import sys
-
-    return subprocess.run([sys.executable, "-m", "auditor", *args], capture_output=True, text=True, timeout=180,
-                          env={**os.environ, **(env or {})})
+    return run_auditor(*args, extra_env=env, timeout=180)
 
 
 def test_runs_delete_command(server, run_id):

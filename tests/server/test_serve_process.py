@@ -1,25 +1,23 @@
 """`auditor serve` as a process: a taken port (the test harness moves on, the command exits 2
-at once naming it) and SIGTERM ending it in bounded time while a request waits on a lock.
-"""
+at once naming it) and SIGTERM ending it in bounded time while a request waits on a lock."""
 
 from __future__ import annotations
 
+import functools
 import signal
 import socket
 import sqlite3
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 from factory import reference_reports
 
+from auditor.testing.cli import run_auditor
 from auditor.testing.server import ServerProcess
 
 
-def auditor(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "auditor", *args], capture_output=True, text=True, timeout=timeout)
+auditor = functools.partial(run_auditor, timeout=60)
 
 
 def test_the_test_harness_moves_to_another_port_when_its_port_was_taken(tmp_path):
