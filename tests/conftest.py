@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from auditor.testing.postgres import PG_ADMIN_URL, create_database
-from auditor.testing.server import ServerProcess  # noqa: F401 - tests import it from here
+from auditor.testing.server import ServerProcess, capped_server, strict_server
 
 # The `audited` fixture (multi-process tests). Also auto-loaded through its entry point;
 # named here so the suite needs it even with PYTEST_DISABLE_PLUGIN_AUTOLOAD set.
@@ -25,6 +25,22 @@ def _pg_database(tmp_name: str):
         return create_database(f"auditor_test_{tmp_name}")
     except psycopg.OperationalError as e:
         pytest.fail(f"PostgreSQL at {PG_ADMIN_URL} is required (.ci/run starts it): {e}")
+
+
+@pytest.fixture
+def pg_databases():
+    """Factory of throw-away PostgreSQL databases (``pg_databases(tag)`` -> URL), all dropped
+    at the end of the test."""
+    drops = []
+
+    def make(tag: str) -> str:
+        url, drop = _pg_database(tag)
+        drops.append(drop)
+        return url
+
+    yield make
+    for drop in drops:
+        drop()
 
 
 @pytest.fixture(scope="session", params=["sqlite", "postgresql"])
@@ -78,6 +94,26 @@ def live_server(live_database_url, tmp_path_factory):
     ).start()
     yield server
     server.stop()
+
+
+@pytest.fixture(scope="session")
+def server(database_url, tmp_path_factory):
+    """One memory-capped service per backend for hostile input
+    (:func:`auditor.testing.server.capped_server`), shared by the modules that send it; a
+    module with a ``server`` fixture of its own uses that one."""
+    s = capped_server(database_url, tmp_path_factory.mktemp("capped") / "server.log").start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def capped(database_url, tmp_path_factory):
+    """One strict service per backend (:func:`auditor.testing.server.strict_server`: 20
+    requests in progress, body deadlines, log level info), shared by the modules that test
+    slow bodies and report validation over HTTP."""
+    s = strict_server(database_url, tmp_path_factory.mktemp("strict") / "server.log").start()
+    yield s
+    s.stop()
 
 
 @pytest.fixture

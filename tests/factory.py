@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import json
 import math
+import re
 import tracemalloc
 
 from auditor.core import stats
@@ -91,3 +93,40 @@ def traced_peak(fn):
     finally:
         tracemalloc.stop()
     return out, peak
+
+
+def expected_count_bomb(run_id: str, world: int, nmb: int, rank: int = 0) -> dict:
+    """One report of a step of ``world`` ranks × ``nmb`` microbatches each (the expected
+    count is their product: the issue-9 bomb when it is huge)."""
+    return {"run_id": run_id, "statistic": "advantages", "step": 0, "rank": rank, "world_size": world,
+            "sizes": {"dp": world}, "coords": {"dp": rank}, "num_microbatches": nmb, "microbatch": 0,
+            "local": {"count": 1.0, "sum": 1.0, "sum_sq": 1.0},
+            "applied": {"count": 1.0, "sum": 1.0, "sum_sq": 1.0}}
+
+
+def page_report(topology: str | None = None, first_bad: int | None = 0, last_bad: int | None = 0) -> dict:
+    """A run report as the run page takes it: 4 ranks, one inconsistent step with
+    non-finite and huge figures in its rank rows (``topology``: e.g. ``unknown``)."""
+    run = {"run_id": "r", "world_size": 4, "sizes": {"dp": 1, "cp": 1, "tp": 1, "pp": 1}, "consistent": False,
+           "created_at": 0, "last_activity": 0}
+    if topology:
+        run["topology"] = topology
+    detail = {"step": 0, "verdict": "inconsistent", "reports": 2, "expected": 2, "cp_disagreement_sigma": 0.4,
+              "applied_error_sigma": float("inf"), "faults": [],
+              "ranks": [{"rank": 0, "microbatch": 0, "coords": {}, "local_count": 5.0, "local_mean": 0.1,
+                         "error_sigma": None, "applied_mean": float("nan"), "correct_mean": 0.1,
+                         "applied_std": float("inf"), "correct_std": 1.0, "faults": []},
+                        {"rank": 1, "microbatch": 0, "coords": {}, "local_count": 5.0, "local_mean": 0.1,
+                         "error_sigma": 1e300, "applied_mean": 1e300, "correct_mean": 0.1,
+                         "applied_std": 1.0, "correct_std": 1.0, "faults": []}]}
+    run["statistics"] = [{"statistic": "advantages", "kind": "moments", "steps_audited": 3, "steps_consistent": 2,
+                          "steps_inconsistent": 1, "steps_incomplete": 0, "steps_pending": 0,
+                          "first_bad_step": first_bad, "last_bad_step": last_bad, "faults": {"cp_disagreement": 1},
+                          "cp_disagreement_sigma": 0.4, "applied_error_sigma": 7.8e299,
+                          "bad_steps_total": 1, "bad_steps": [detail]}]
+    return run
+
+
+def page_figures(html: str) -> dict:
+    """The figure JSON a rendered run page carries (``<script id="page-figures">``)."""
+    return json.loads(re.search(r'<script type="application/json" id="page-figures">(.*?)</script>', html, re.S)[1])

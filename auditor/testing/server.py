@@ -101,3 +101,43 @@ class ServerProcess:
 
     def put(self, path: str, **kw) -> httpx.Response:
         return httpx.put(self.url + path, timeout=30, **kw)
+
+
+#: RLIMIT_DATA of the capped service (:func:`capped_server`): past it the service fails
+#: instead of the machine.
+CAPPED_MEMORY_LIMIT = 1536 * 2**20
+#: What the tests assert the capped service's peak RSS stays under (docs/deploy.md "Limits
+#: and security": the largest accepted body and a step at the expected-count limit).
+CAPPED_RSS_BOUND = 1024 * 2**20
+#: The capped service's header timeout, seconds.
+CAPPED_HEADER_TIMEOUT = 5.0
+
+
+def capped_server(database_url: str, log_path: Path) -> ServerProcess:
+    """A memory-capped service (not started) for hostile input: grace 1 s, sweep every 0.2 s,
+    header timeout :data:`CAPPED_HEADER_TIMEOUT` (1 s closed the connections of the very test
+    process when a loaded machine did not schedule it for a second between connecting and
+    sending: a flake), body chunk timeout 2 s, 100 connections, 50 statistics per run,
+    delete chunks of 7 reports, database lock timeout 2 s."""
+    return ServerProcess(
+        database_url, log_path, memory_limit=CAPPED_MEMORY_LIMIT,
+        AUDITOR_GRACE_SECONDS="1", AUDITOR_SWEEP_INTERVAL_SECONDS="0.2",
+        AUDITOR_HEADER_TIMEOUT_SECONDS=str(CAPPED_HEADER_TIMEOUT), AUDITOR_BODY_TIMEOUT_SECONDS="2",
+        AUDITOR_MAX_CONNECTIONS="100", AUDITOR_MAX_STATISTICS_PER_RUN="50", AUDITOR_DELETE_CHUNK_ROWS="7",
+        AUDITOR_DB_LOCK_TIMEOUT_SECONDS="2",
+    )
+
+
+#: Requests in progress the strict service (:func:`strict_server`) allows.
+STRICT_REQUEST_CAP = 20
+
+
+def strict_server(database_url: str, log_path: Path) -> ServerProcess:
+    """A memory-capped service (not started) at log level info with strict request limits:
+    :data:`STRICT_REQUEST_CAP` requests in progress, body chunk timeout 2 s, whole-body
+    deadline 4 s, world size limit 4,096."""
+    return ServerProcess(
+        database_url, log_path, args=("--log-level", "info"), memory_limit=CAPPED_MEMORY_LIMIT,
+        AUDITOR_MAX_CONCURRENT_REQUESTS=str(STRICT_REQUEST_CAP), AUDITOR_BODY_TIMEOUT_SECONDS="2",
+        AUDITOR_BODY_DEADLINE_SECONDS="4", AUDITOR_MAX_WORLD_SIZE="4096",
+    )

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from factory import reference_reports
 
 from auditor import core
 from auditor.core import DIMS, Spec, stats
+from auditor.testing.steps import dp_only_step
 
 SIZES = (2, 2, 2, 1)  # dp, cp, tp, pp
 
@@ -384,32 +384,15 @@ def test_norm_correct_replicated_overcount_and_not_reduced():
 # ------------------------------------------------------------------------- scale
 
 
-def test_4096_rank_step_fully_wrong_is_diagnosed_in_under_a_second():
+def test_4096_rank_step_fully_wrong_is_diagnosed():
     """4,096 ranks (dp=512, cp=2, tp=4): every rank reduced over dp only (float64 sums).
     One wrong_group fault (found ['dp']) covering all 4,096 ranks, plus group_mismatch and
-    cp_disagreement; audit_step takes < 1 s."""
+    cp_disagreement. How long audit_step takes on it: benchmarks/audit_step.py."""
     sizes = (512, 2, 4, 1)
-    rng = np.random.default_rng(0)
-    n = rng.integers(0, 50, size=(512, 2)).astype(float)
-    s = n * rng.normal(0.1, 1, size=(512, 2))
-    ss = s * s / np.maximum(n, 1) + n * 0.9
-    dp_tot = (n.sum(0), s.sum(0), ss.sum(0))  # reduced over dp, per cp
-    reps = []
-    for c in all_coords(sizes):
-        d, cpi = c[0], c[1]
-        N, S, SS = (t[cpi] for t in dp_tot)
-        mean, var = stats.one_pass_mean_var(N, S, SS)
-        reps.append(core.RankReport(
-            rank=rank_of(c, sizes), microbatch=0, dp=d, cp=cpi, tp=c[2], pp=0, dtype="float32",
-            local_count=n[d, cpi], local_sum=s[d, cpi], local_sum_sq=ss[d, cpi],
-            applied_count=N, applied_sum=S, applied_sum_sq=SS, applied_mean=mean, applied_var=var))
-    t0 = time.perf_counter()
-    v = core.audit_step(reps, sizes, Spec())
-    elapsed = time.perf_counter() - t0
+    v = core.audit_step(dp_only_step(sizes), sizes, Spec())
     f = by_kind(v)
     assert set(f) == {"wrong_group", "group_mismatch", "cp_disagreement"}
     assert f["wrong_group"].ranks == list(range(4096)) and f["wrong_group"].evidence["found"] == ["dp"]
-    assert elapsed < 1.0, elapsed
 
 
 def test_gamma_formula_numbers():

@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from factory import reference_reports
 
 from auditor.testing.server import ServerProcess
+from auditor.testing.wait import wait_until as wait_for
 from auditor.trainer.client import AuditorClient
 
 pytestmark = pytest.mark.multiprocess
@@ -58,15 +59,6 @@ def stored_rows(database_url: str, run_id: str) -> tuple[int, int]:
         return int(rows[0]), int(rows[1])
     finally:
         engine.dispose()
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
 
 
 @pytest.fixture

@@ -9,11 +9,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+
+from auditor.testing.tools import require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM_DIR = ROOT / "deploy" / "prometheus"
@@ -64,9 +65,7 @@ def exported_metrics() -> set[str]:
 
 
 def run_tool(*args: str, cwd: Path = ROOT, timeout: float = 120) -> subprocess.CompletedProcess:
-    exe = shutil.which(args[0])
-    if exe is None:
-        pytest.fail(f"{args[0]} not found on PATH: install the Debian package 'prometheus'")
+    exe = require_tool(args[0], "prometheus")
     proc = subprocess.run(
         [exe, *args[1:]], cwd=cwd, capture_output=True, text=True, timeout=timeout
     )
@@ -361,9 +360,7 @@ def test_grafana_provisioning_matches_dashboard_and_compose():
 
 
 def test_docker_compose_config(tmp_path):
-    exe = shutil.which("docker-compose")
-    if exe is None:
-        pytest.skip("docker-compose binary not installed (Debian package docker-compose)")
+    exe = require_tool("docker-compose", "docker-compose")
     clean = {"PATH": os.environ["PATH"]}
     # the example's values are empty: compose refuses it as it is, naming the first secret
     example = ROOT / "deploy" / "env.example"

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import re
-import shutil
 import subprocess
 import time
 import uuid
@@ -23,12 +22,12 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from conftest import _pg_database
 from rich.console import Console
 
 from auditor.demo import run_demo
 from auditor.server import free_port
 from auditor.testing.server import ServerProcess
+from auditor.testing.tools import require_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 PROM_CONFIG = ROOT / "deploy" / "prometheus" / "prometheus.yml"
@@ -38,8 +37,14 @@ ALERT = "AuditorCPDisagreement"
 pytestmark = [
     pytest.mark.multiprocess,
     pytest.mark.timeout(240),
-    pytest.mark.skipif(shutil.which("prometheus") is None, reason="Debian's prometheus package is not installed"),
+    pytest.mark.usefixtures("prometheus"),
 ]
+
+
+@pytest.fixture
+def prometheus() -> str:
+    """Debian's prometheus (scripts/setup.sh --test installs it): missing, the test fails."""
+    return require_tool("prometheus", "prometheus")
 
 
 def prometheus_config(auditor_port: int, prometheus_port: int) -> dict:
@@ -136,10 +141,8 @@ class Prometheus:
 
 
 @pytest.fixture
-def pg_url():
-    url, drop = _pg_database("prom")
-    yield url
-    drop()
+def pg_url(pg_databases):
+    return pg_databases("prom")
 
 
 def test_buggy_demo_fires_cp_disagreement_alert_fixed_run_does_not(pg_url, tmp_path):

@@ -20,7 +20,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import sqlalchemy as sa
-from conftest import _pg_database
 
 from auditor.core import stats
 from auditor.db.engine import head_revision, make_engine
@@ -157,21 +156,6 @@ def metric_lines(url: str, run_id: str) -> dict[str, float]:
     text = httpx.get(f"{url}/metrics", timeout=30).text
     return {ln.rsplit(" ", 1)[0]: float(ln.rsplit(" ", 1)[1]) for ln in text.splitlines()
             if f'run="{run_id}"' in ln and not ln.startswith("#")}
-
-
-@pytest.fixture
-def pg_databases():
-    """Factory of throw-away PostgreSQL databases, all dropped at the end."""
-    drops = []
-
-    def make(tag: str) -> str:
-        url, drop = _pg_database(tag)
-        drops.append(drop)
-        return url
-
-    yield make
-    for drop in drops:
-        drop()
 
 
 @pytest.fixture

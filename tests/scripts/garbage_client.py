@@ -1,4 +1,4 @@
-"""Child of tests/server/test_garbage_answers.py: one AuditorClient per URL given (argv[2:]),
+"""Child of tests/cli/test_non_auditor_answers.py: one AuditorClient per URL given (argv[2:]),
 each fed 50 reports, given 3 s and closed; prints {url: stats} as JSON. argv[1]: the
 spool directory."""
 

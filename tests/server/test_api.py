@@ -8,19 +8,15 @@ import time
 
 import pytest
 from factory import local_moments, reference_reports
-from auditor.db.engine import head_revision
 
 from auditor.db.engine import head_revision
+from auditor.testing.http import post_reports as post
 
 
 def report_of(server, run_id: str) -> dict:
     r = server.get(f"/v1/runs/{run_id}/report")
     assert r.status_code == 200, r.text
     return r.json()
-
-
-def post(server, reports: list[dict]):
-    return server.post("/v1/reports", json={"reports": reports})
 
 
 def test_reference_bug_is_flagged_with_the_reference_numbers(live_server, run_id):

@@ -1,7 +1,7 @@
 """The budget of request-body bytes in flight (auditor.server.budget): first come, first
 served, and nothing leaks when a waiter times out or is cancelled, even in the same loop
 iteration its bytes were granted. The HTTP side (every outcome leaves the gauge at 0, a
-1 GiB-capped server under concurrent 16 MB bodies) is in test_hostile.py section 12."""
+1 GiB-capped server under concurrent 16 MB bodies) is in test_body_and_connection_limits.py."""
 
 from __future__ import annotations
 

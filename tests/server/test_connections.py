@@ -12,7 +12,8 @@ import time
 
 import httpx
 import pytest
-from conftest import ServerProcess
+
+from auditor.testing.server import ServerProcess
 
 MEMORY_LIMIT = 1024 * 2**20
 TOKEN = "s3cret-token"

@@ -12,11 +12,12 @@ import time
 import httpx
 import pytest
 from pydantic import ValidationError
-from conftest import ServerProcess
 from factory import reference_reports
 
 from auditor.config import Settings
 from auditor.server import BackgroundServer
+from auditor.testing.server import ServerProcess
+from auditor.testing.wait import wait_until
 
 TOKEN = "s3cret-token"
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}
@@ -70,14 +71,6 @@ def server(tmp_path):
     s.stop()
 
 
-def _wait(fn, what: str, bound: float = 30.0):
-    deadline = time.monotonic() + bound
-    while not (out := fn()):
-        assert time.monotonic() < deadline, f"no {what} within {bound:g} s"
-        time.sleep(0.1)
-    return out
-
-
 def test_readiness_is_503_while_writes_fail_and_200_once_they_succeed(server, run_id):
     """The server process may no longer grow a file (RLIMIT_FSIZE of 1 byte: every write of
     SQLite's log fails, as on a full disk). A batch is a 503 with Retry-After (nothing
@@ -102,7 +95,7 @@ def test_readiness_is_503_while_writes_fail_and_200_once_they_succeed(server, ru
         assert server.get("/readyz").status_code == 503
     finally:
         resource.prlimit(pid, resource.RLIMIT_FSIZE, (hard, hard))
-    _wait(lambda: server.get("/readyz").status_code == 200, "ready service once writes succeed")
+    wait_until(lambda: server.get("/readyz").status_code == 200, 30, "ready service once writes succeed")
     r = server.post("/v1/reports", json={"reports": reference_reports(run_id, buggy=False, step=1)})
     assert r.status_code == 200 and r.json()["accepted"] == 2, r.text
     steps = server.get(f"/v1/runs/{run_id}/statistics/advantages/steps").json()["steps"]
@@ -215,14 +208,14 @@ def test_readiness_on_postgresql_follows_a_read_only_database(tmp_path, run_id):
         flip(True)
         batch = {"reports": reference_reports(run_id, buggy=False, step=1)}
         # the first write may meet a session ended under it (a 503 too); then read-only ones
-        _wait(lambda: s.post("/v1/reports", json=batch).status_code == 503 and s.get("/readyz").status_code == 503,
-              "write refusal and readiness 503")
+        wait_until(lambda: s.post("/v1/reports", json=batch).status_code == 503 and s.get("/readyz").status_code == 503,
+                   30, "write refusal and readiness 503")
         detail = s.get("/readyz").json()["detail"]
         assert detail.startswith("database: writes fail (for ") and "read-only" in detail, detail
         assert s.get("/healthz").status_code == 200
         flip(False)
-        _wait(lambda: s.get("/readyz").status_code == 200, "ready service once writes succeed")
-        _wait(lambda: s.post("/v1/reports", json=batch).status_code == 200, "batch stored")
+        wait_until(lambda: s.get("/readyz").status_code == 200, 30, "ready service once writes succeed")
+        wait_until(lambda: s.post("/v1/reports", json=batch).status_code == 200, 30, "batch stored")
         assert [x["step"] for x in s.get(f"/v1/runs/{run_id}/statistics/advantages/steps").json()["steps"]] == [0, 1]
     finally:
         s.stop()

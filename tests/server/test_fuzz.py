@@ -17,7 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ServerProcess
+
+from auditor.testing.server import ServerProcess
 
 #: Test cases generated per operation and phase (coverage, fuzzing, stateful).
 EXAMPLES = 300

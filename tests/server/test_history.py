@@ -5,15 +5,11 @@ from __future__ import annotations
 import pytest
 from factory import reference_reports
 
+from auditor.testing.http import post_reports_ok as post
+
 #: Steps of the history run: the bug at steps 2, 5 and 6, correct reductions elsewhere.
 BAD_STEPS = (2, 5, 6)
 N_STEPS = 9
-
-
-def post(server, reports):
-    r = server.post("/v1/reports", json={"reports": reports})
-    assert r.status_code == 200, r.text
-    return r.json()
 
 
 def history_run(server, run_id: str, n: int = N_STEPS, bad=BAD_STEPS) -> None:

@@ -19,6 +19,7 @@ from auditor.config import Settings
 from auditor.server import BackgroundServer
 from auditor.server.background import PROBE_THREAD
 from auditor.testing.postgres import create_database
+from auditor.testing.wait import wait_until
 
 INTERVAL, TIMEOUT = 0.1, 0.3  # s: a probe every 0.1 s, abandoned after 0.3 s
 
@@ -32,15 +33,6 @@ def _probe_threads(ignore: frozenset = frozenset()) -> int:
 
 def _probe_thread_set() -> frozenset:
     return frozenset(t for t in threading.enumerate() if t.name == PROBE_THREAD)
-
-
-def _wait_for(fn, what: str, bound: float = 60.0):
-    """Poll ``fn`` until truthy; fail (not hang) after ``bound`` s."""
-    deadline = time.monotonic() + bound
-    while not (out := fn()):
-        assert time.monotonic() < deadline, f"no {what} within {bound:g} s"
-        time.sleep(0.05)
-    return out
 
 
 @pytest.fixture
@@ -63,12 +55,12 @@ def test_a_hung_database_holds_one_probe_thread_not_one_per_period(pg_url):
     holder = sa.create_engine(pg_url)
     earlier = _probe_thread_set()  # other servers' probes: not this server's
     with BackgroundServer(settings) as url, httpx.Client(base_url=url, timeout=30) as http:
-        _wait_for(lambda: http.get("/readyz").status_code == 200, "ready service")
+        wait_until(lambda: http.get("/readyz").status_code == 200, 60, "ready service")
         conn = holder.connect()
         tx = conn.begin()
         conn.execute(sa.text("LOCK TABLE alembic_version IN ACCESS EXCLUSIVE MODE"))
         try:
-            _wait_for(lambda: http.get("/readyz").status_code == 503, "503 from the first abandoned probe")
+            wait_until(lambda: http.get("/readyz").status_code == 503, 60, "503 from the first abandoned probe")
             samples = []
             t0 = time.monotonic()
             while time.monotonic() - t0 < 15 * TIMEOUT:
@@ -85,6 +77,6 @@ def test_a_hung_database_holds_one_probe_thread_not_one_per_period(pg_url):
             tx.rollback()
             conn.close()
             holder.dispose()
-        _wait_for(lambda: http.get("/readyz").status_code == 200, "ready service after the lock")
+        wait_until(lambda: http.get("/readyz").status_code == 200, 60, "ready service after the lock")
         assert http.get("/healthz").json()["database"] == "ok"
         assert _probe_threads(earlier) <= 1

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from auditor.testing.http import post_reports as _post
 
 
 def _sum_report(run, rank, step, world, *, applied=True, total=None, **extra):
@@ -16,10 +17,6 @@ def _sum_report(run, rank, step, world, *, applied=True, total=None, **extra):
             "applied": {"sum": total if total is not None else sum(10.0 + r for r in range(world))} if applied else None}
     body.update(extra)
     return body
-
-
-def _post(server, reports):
-    return server.post("/v1/reports", json={"reports": reports})
 
 
 def _series(server, run):

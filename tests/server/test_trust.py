@@ -11,10 +11,8 @@ import pytest
 import torch
 
 from auditor.offline import audit_offline
-
-
-def post(server, reports: list[dict]):
-    return server.post("/v1/reports", json={"reports": reports})
+from auditor.testing.http import post_reports as post
+from auditor.testing.http import post_reports_non_finite as post_json
 
 
 def step_of(server, run_id: str, statistic: str, step: int = 0) -> dict:
@@ -161,13 +159,6 @@ def test_an_empty_mask_reported_as_masked_moments_does_is_stored(live_server, ru
 
 
 INF = float("inf")
-
-
-def post_json(server, reports: list[dict]):
-    """POST with ``Infinity`` tokens, as the client encodes them (``json.dumps``; httpx's
-    ``json=`` refuses non-finite floats)."""
-    return server.post("/v1/reports", content=json.dumps({"reports": reports}).encode(),
-                       headers={"content-type": "application/json"})
 
 
 def stored_min_max(database_url: str, run_id: str, statistic: str) -> list[tuple]:

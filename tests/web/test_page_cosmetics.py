@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import re
 
-from test_newuser_pages import _figures, _report
+from factory import page_figures as _figures
+from factory import page_report as _report
 
 from auditor import web
 

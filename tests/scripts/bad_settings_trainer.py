@@ -4,7 +4,7 @@ environment), creates the client with `client_from_env()` from whatever AUDITOR_
 sets, whitens random advantages over WORLD with the audited hook for STEPS steps, and
 prints one JSON line per rank: the client's counters, its url, and the median step time.
 Warnings go to stderr through logging's last-resort handler, as in a trainer that
-configures no logging (tests/trainer/test_settings_newuser.py)."""
+configures no logging (tests/trainer/test_bad_settings_fall_back.py)."""
 
 import json
 import os

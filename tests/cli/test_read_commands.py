@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 from factory import reference_reports
 
+from auditor.testing.cli import run_auditor
 
-def auditor(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "auditor", *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+
+auditor = run_auditor
 
 
 def test_check_exit_codes_for_training_ci(live_server, run_id):

@@ -3,25 +3,21 @@ report: real services and real HTTP servers, the command as a user runs it."""
 
 from __future__ import annotations
 
+import functools
 import json
-import os
-import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from auditor.testing.cli import run_auditor
 from auditor.testing.server import ServerProcess
 from auditor.trainer.spool import destination, read_offset, read_offsets
 from factory import reference_reports
 
 
-def auditor(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUDITOR_")}
-    return subprocess.run([sys.executable, "-m", "auditor", *args], capture_output=True, text=True, timeout=120,
-                          env=env)
+auditor = functools.partial(run_auditor, clean=True)
 
 
 def _spool(tmp_path, run_id: str, steps: int = 5):

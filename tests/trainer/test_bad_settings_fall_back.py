@@ -17,7 +17,7 @@ from auditor.trainer.spool import default_spool_name, spool_files
 
 pytestmark = pytest.mark.multiprocess
 
-TRAINER = Path(__file__).parents[1] / "scripts" / "newuser_trainer.py"
+TRAINER = Path(__file__).parents[1] / "scripts" / "bad_settings_trainer.py"
 
 
 def _train(env: dict, steps: int = 10) -> tuple[list[dict], str]:

@@ -5,26 +5,15 @@ live service and straight against its database (SQLite and PostgreSQL)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 
 from factory import world_reports
 
 from auditor import status
+from auditor.testing.cli import run_auditor
+from auditor.testing.wait import wait_until
 
 
-def auditor(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "auditor", *args], capture_output=True, text=True, timeout=120)
-
-
-def wait_until(fn, timeout: float = 30.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if fn():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
+auditor = run_auditor
 
 
 def incomplete_run(live_server, run_id: str, steps: int = 6) -> None:

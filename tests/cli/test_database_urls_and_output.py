@@ -1,24 +1,22 @@
-"""The CLI's edges a new user meets: `runs --status/--format json`, `serve` naming its
+"""What the commands print at their edges: `runs --status/--format json`, `serve` naming its
 database, database-URL mistakes shown their right form, a closed stdout."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
-import time
 
 import pytest
 from factory import reference_reports
 
 from auditor.server.run import free_port
+from auditor.testing.cli import run_auditor
 
 
-def auditor(*args: str, cwd=None, **kw) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUDITOR_")}
-    return subprocess.run([sys.executable, "-m", "auditor", *args], capture_output=True, text=True, timeout=120,
-                          env=env, cwd=cwd, **kw)
+auditor = functools.partial(run_auditor, clean=True)
 
 
 @pytest.mark.parametrize("backend", ["sqlite"], indirect=True)

@@ -5,11 +5,10 @@ host that accepts connections and never answers — within a few seconds of --ti
 
 from __future__ import annotations
 
+import functools
 import json
-import os
 import socket
 import subprocess
-import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,15 +16,13 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from factory import reference_reports
 
+from auditor.testing.cli import run_auditor
 from auditor.testing.server import ServerProcess
 
 COMMANDS = [("runs",), ("report", "r"), ("check", "r")]
 
 
-def auditor(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AUDITOR_")}
-    return subprocess.run([sys.executable, "-m", "auditor", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env)
+auditor = functools.partial(run_auditor, clean=True)
 
 
 def one_line_error(out: subprocess.CompletedProcess) -> str:

@@ -1,4 +1,4 @@
-"""The `auditor` command as a new user meets it: one-line errors, exit 2, nothing created."""
+"""Usage errors of the `auditor` command: one line, exit 2, nothing created."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A fresh user's findings on the pages (issue 9): numbers that overflow the layout, NaN/Inf
+"""The pages' numbers and wording (issue 9): numbers that overflow the layout, NaN/Inf
 ticks, fractional step ticks, an unknown topology drawn as 1×1×1×1, a "bad steps: 0" card
 next to "1 inconsistent", and "rank 0 missed ranks 1"."""
 
@@ -8,6 +8,9 @@ import json
 import re
 
 import numpy as np
+
+from factory import page_figures as _figures
+from factory import page_report as _report
 
 from auditor import web
 from auditor.core.diagnose import ranks_text
@@ -25,35 +28,10 @@ def test_fixed_switches_to_scientific_notation_for_huge_and_tiny_values():
     assert web._sigma(7.8e299) == "7.8e+299" and web._sigma(0.433) == "0.433"
 
 
-def _report(topology: str | None = None, first_bad: int | None = 0, last_bad: int | None = 0) -> dict:
-    run = {"run_id": "r", "world_size": 4, "sizes": {"dp": 1, "cp": 1, "tp": 1, "pp": 1}, "consistent": False,
-           "created_at": 0, "last_activity": 0}
-    if topology:
-        run["topology"] = topology
-    detail = {"step": 0, "verdict": "inconsistent", "reports": 2, "expected": 2, "cp_disagreement_sigma": 0.4,
-              "applied_error_sigma": float("inf"), "faults": [],
-              "ranks": [{"rank": 0, "microbatch": 0, "coords": {}, "local_count": 5.0, "local_mean": 0.1,
-                         "error_sigma": None, "applied_mean": float("nan"), "correct_mean": 0.1,
-                         "applied_std": float("inf"), "correct_std": 1.0, "faults": []},
-                        {"rank": 1, "microbatch": 0, "coords": {}, "local_count": 5.0, "local_mean": 0.1,
-                         "error_sigma": 1e300, "applied_mean": 1e300, "correct_mean": 0.1,
-                         "applied_std": 1.0, "correct_std": 1.0, "faults": []}]}
-    run["statistics"] = [{"statistic": "advantages", "kind": "moments", "steps_audited": 3, "steps_consistent": 2,
-                          "steps_inconsistent": 1, "steps_incomplete": 0, "steps_pending": 0,
-                          "first_bad_step": first_bad, "last_bad_step": last_bad, "faults": {"cp_disagreement": 1},
-                          "cp_disagreement_sigma": 0.4, "applied_error_sigma": 7.8e299,
-                          "bad_steps_total": 1, "bad_steps": [detail]}]
-    return run
-
-
 def _steps() -> list[dict]:
     return [{"step": s, "verdict": "consistent", "cp_disagreement_sigma": v, "applied_error_sigma": v,
              "tolerance_sigma": 1e-6, "fault_kinds": []}
             for s, v in ((0, float("nan")), (1, float("inf")), (2, 0.2))]
-
-
-def _figures(html: str) -> dict:
-    return json.loads(re.search(r'<script type="application/json" id="page-figures">(.*?)</script>', html, re.S)[1])
 
 
 def test_plots_carry_no_non_finite_value_and_step_axes_have_whole_ticks():
