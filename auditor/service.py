@@ -1040,7 +1040,7 @@ class Service:
                 raise NotFound(run_id)
             sids = [s["id"] for s in store.series_rows(conn, run_id)]
         self._forget(run_id)
-        world = max(1, run["world_size"])
+        world = max(1, run.world_size)
         counts = {"run_id": run_id, "reports": 0, "steps": 0, "statistics": len(sids)}
         chunks = 0
         for sid in sids:
@@ -1105,12 +1105,12 @@ class Service:
             run_rows = self.store.runs(conn, None if limit is None else limit + 1, after, status)
             more = limit is not None and len(run_rows) > limit
             run_rows = run_rows[:limit] if limit is not None else run_rows
-            srows = self.store.series_rows(conn, [r["run_id"] for r in run_rows]) if run_rows else []
+            srows = self.store.series_rows(conn, [r.run_id for r in run_rows]) if run_rows else []
         by_run: dict[str, list] = defaultdict(list)
         for s in srows:
             by_run[s["run_id"]].append(s)
-        last = (run_rows[-1]["created_at"], run_rows[-1]["run_id"]) if more else None
-        return [_run_summary(r, by_run[r["run_id"]]) for r in run_rows], last
+        last = (run_rows[-1].created_at, run_rows[-1].run_id) if more else None
+        return [_run_summary(r, by_run[r.run_id]) for r in run_rows], last
 
     def get_run(self, run_id: str) -> dict:
         """One run's summary; raises :class:`NotFound`."""
@@ -1389,16 +1389,15 @@ def _cp_sigma(verdict: str | None, sigma: float | None) -> float | None:
     return None if verdict == "incomplete" else sigma
 
 
-def _run_summary(r, srows) -> dict:
+def _run_summary(r: RunRow, srows) -> dict:
     audited = sum(s[f"steps_{v}"] for s in srows for v in core.VERDICTS)
     bad = sum(s["steps_inconsistent"] for s in srows)
     errors = sum(s["steps_audit_error"] for s in srows)
     state = statuses.run_status(srows)
-    expert = (r["edp"], r["ep"], r["etp"], r["pp"]) if r["edp"] is not None else None
-    topo = Topology(r["world_size"], tuple(r[d] for d in DIMS), expert, r["rank_order"], r["topology"] != "unknown")
+    topo = Topology(r.world_size, r.sizes, r.expert, r.order, r.known)  # the order as stored
     return {
-        "run_id": r["run_id"], **topo.describe(), "topology_source": r["topology_source"], "created_at": r["created_at"],
-        "last_activity": max((s["updated_at"] for s in srows), default=r["created_at"]),
+        "run_id": r.run_id, **topo.describe(), "topology_source": r.source, "created_at": r.created_at,
+        "last_activity": max((s["updated_at"] for s in srows), default=r.created_at),
         "statistics": sorted(s["statistic"] for s in srows),
         "steps_audited": audited, "steps_inconsistent": bad, "steps_audit_error": errors,
         "steps_incomplete": sum(s["steps_incomplete"] for s in srows),
