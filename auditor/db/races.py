@@ -12,7 +12,7 @@ from __future__ import annotations
 class RowDeleted(Exception):
     """A run or series row an ``INSERT ... ON CONFLICT DO NOTHING`` found was gone by the
     next statement: a concurrent ``DELETE /v1/runs/{run_id}`` committed in between. The
-    caller's transaction is rolled back and tried again (``Service._ingest_retrying``)."""
+    caller's transaction is rolled back and tried again (``auditor.service.ingest.RETRY``)."""
 
 
 class ReportsExist(Exception):
@@ -25,4 +25,4 @@ class ReportsExist(Exception):
 class StepRowExists(Exception):
     """A step row :meth:`Store.record_verdicts` was to INSERT with its verdict (a ``fresh``
     item, :class:`CleanSteps`) existed after all: the caller's transaction is rolled back
-    and the batch ingested again the general way (``Service._ingest``)."""
+    and the batch ingested again the general way (``auditor.service.ingest.RETRY``)."""

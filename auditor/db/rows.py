@@ -107,7 +107,7 @@ class VerdictItem:
     complete: bool = True
     #: re-audit: the verdict recorded while reports were missing that this one replaces
     previous: str | None = None
-    #: hang localisation of a step audited with missing reports (``Service._progress``)
+    #: hang localisation of a step audited with missing reports (``auditor.service.progress.localise``)
     progress: dict | None = None
     #: the step has no row yet: INSERT it with the verdict, ``expected`` and ``received``
     #: (``first_seen`` = ``audited_at``), instead of UPDATEing the row
@@ -120,7 +120,7 @@ class VerdictItem:
 @dataclass(slots=True)
 class CleanSteps:
     """Consistent verdicts of steps of one series that have no step row yet (every report
-    of each was inserted by the recording transaction: ``Service._fresh_steps``), as
+    of each was inserted by the recording transaction: ``auditor.service.judge.Judge.fresh_steps``), as
     columns (one entry per step, steps ascending) from
     :func:`auditor.core.batch.clean_columns`: :meth:`Store.record_verdicts` INSERTs their
     step rows with ``received = expected``, no faults, no object per step."""

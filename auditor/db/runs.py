@@ -84,7 +84,7 @@ class RunStatements(Statements):
         row: what the foreign keys of ``reports`` and ``step_audits`` did per row on
         PostgreSQL (migration 0006), once per batch. A deletion (:meth:`delete_run_rows`)
         waits for the lock; a series deleted before it is missing from the count, and the
-        caller retries the batch (``Service._ingest``: a stale cache)."""
+        caller retries the batch (``auditor.service.ingest.RETRY``: a stale cache)."""
         ids = sorted(set(series_ids))
         if not ids:
             return 0

@@ -168,7 +168,7 @@ class StepStatements(Statements):
         CASE expressions then apply them in order).
 
         ``fresh`` items (a step whose every report this transaction inserted, see
-        ``Service._ingest``) have no step row yet: it is INSERTed with the verdict,
+        ``auditor.service.ingest``) have no step row yet: it is INSERTed with the verdict,
         ``expected``, ``received`` and ``first_seen = now`` (``ON CONFLICT DO NOTHING``: an
         existing row loses, nothing of it written); the row ends as :meth:`count_arrivals`
         followed by the verdict UPDATE would leave it. ``clean`` holds more such steps, all
@@ -333,7 +333,7 @@ class StepStatements(Statements):
         no array literals to build and parse, and a plain insert instead of a speculative
         one per row: 6.5-11.7 -> 3.1-4.4 µs per step row (5,000-row statements,
         docs/performance.md). A clean step's row cannot exist but in the cases
-        ``Service._fresh_steps`` names, so a failed COPY is as rare as a short INSERT count."""
+        ``auditor.service.judge.Judge.fresh_steps`` names, so a failed COPY is as rare as a short INSERT count."""
         rep = itertools.repeat
         rows = list(itertools.chain.from_iterable(
             zip(rep(c.series_id), c.steps, c.expected, c.expected, rep(now), rep("consistent"), rep(True),

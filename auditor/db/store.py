@@ -24,7 +24,7 @@ is written with ``UPDATE ... WHERE verdict IS NULL`` (:meth:`Store.record_verdic
 sweep (missing reports after the grace period) and an ingest can never both record a
 verdict. On SQLite, write transactions are ``BEGIN IMMEDIATE`` and simply queue.
 
-A step whose every report one ingest transaction inserted (``Service._fresh_steps``) skips
+A step whose every report one ingest transaction inserted (``auditor.service.judge.Judge.fresh_steps``) skips
 the upsert: no other transaction can have made its row, so it is audited with the rows in
 hand and its row INSERTed with the verdict (``ON CONFLICT DO NOTHING``; a row that exists
 after all sends the batch the general way). On PostgreSQL the step-row statements run once
