@@ -4,6 +4,7 @@ deletion of a run (whole steps, rank ranges of a large step, then the rows above
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Iterable, Sequence
 
 import sqlalchemy as sa
@@ -53,12 +54,11 @@ class RunStatements(Statements):
             ).on_conflict_do_nothing()
         )
         row = conn.execute(
-            sa.select(series.c.id, series.c.kind, series.c.spec)
-            .where(series.c.run_id == run_id, series.c.statistic == statistic)
+            sa.select(series).where(series.c.run_id == run_id, series.c.statistic == statistic)
         ).one_or_none()
         if row is None:
             raise RowDeleted(f"statistic {statistic!r} of run {run_id!r}")
-        return SeriesRow(row.id, run_id, statistic, row.kind, row.spec)
+        return SeriesRow(*row)
 
     def statistic_names(self, conn: sa.Connection, run_id: str, limit: int) -> list[str]:
         """Up to ``limit`` statistic names of a run."""
@@ -68,14 +68,12 @@ class RunStatements(Statements):
     def series_by_id(self, conn: sa.Connection, series_id: int) -> tuple[SeriesRow, RunRow] | None:
         """A series and its run; None if it was deleted."""
         row = conn.execute(
-            sa.select(series.c.id, series.c.run_id, series.c.statistic, series.c.kind, series.c.spec,
-                      runs.c.world_size, runs.c.dp, runs.c.cp, runs.c.tp, runs.c.pp, runs.c.created_at,
-                      runs.c.edp, runs.c.ep, runs.c.etp, runs.c.rank_order, runs.c.topology, runs.c.topology_source)
-            .join(runs, runs.c.run_id == series.c.run_id).where(series.c.id == series_id)
+            sa.select(series, *runs.c).join(runs, runs.c.run_id == series.c.run_id).where(series.c.id == series_id)
         ).one_or_none()
         if row is None:
             return None
-        return SeriesRow(row.id, row.run_id, row.statistic, row.kind, row.spec), RunRow.of(row)
+        n = len(series.columns)
+        return SeriesRow(*row[:n]), RunRow.of(SimpleNamespace(**dict(zip(runs.c.keys(), row[n:]))))
 
     def lock_series(self, conn: sa.Connection, series_ids: Iterable[int]) -> int:
         """Hold the rows of ``series_ids`` ``FOR KEY SHARE`` until the transaction ends

@@ -11,7 +11,7 @@ import sqlalchemy as sa
 
 from auditor.core import REPLACEABLE, VERDICTS
 from auditor.db.dialect import Statements
-from auditor.db.rows import RunRow
+from auditor.db.rows import RunRow, SeriesRow
 from auditor.db.tables import faults, runs, series, series_faults, step_audits
 from auditor.status import STATUSES
 
@@ -46,8 +46,8 @@ class ViewStatements(Statements):
         return None if row is None else RunRow.of(row)
 
     def series_rows(self, conn: sa.Connection, run_id: str | Sequence[str] | None = None,
-                    statistic: str | None = None, ordered: bool = False) -> list[Mapping]:
-        """``series`` rows (all, of one run or of several, or one statistic of a run); by
+                    statistic: str | None = None, ordered: bool = False) -> list[SeriesRow]:
+        """``series`` rows (:class:`SeriesRow`; all, of one run or of several, or one statistic of a run); by
         statistic if ``ordered``."""
         q = sa.select(series)
         if isinstance(run_id, str):
@@ -58,7 +58,7 @@ class ViewStatements(Statements):
             q = q.where(series.c.statistic == statistic)
         if ordered:
             q = q.order_by(series.c.statistic)
-        return conn.execute(q).mappings().all()
+        return [SeriesRow(*r) for r in conn.execute(q)]
 
     def fault_counts(self, conn: sa.Connection, series_id: int) -> dict[str, int]:
         """Faults found so far in a series, by kind (sorted)."""

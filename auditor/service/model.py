@@ -94,11 +94,6 @@ class SeriesInfo:
         spec = StatisticSpec(**row.spec)
         return cls(row.id, row.run_id, row.statistic, row.kind, spec, spec.to_core())
 
-    @classmethod
-    def of_mapping(cls, s) -> "SeriesInfo":
-        """From a ``series`` row as the read models get it (:meth:`auditor.db.store.Store.series_rows`)."""
-        return cls.of(SeriesRow(s["id"], s["run_id"], s["statistic"], s["kind"], s["spec"]))
-
 
 def stored_order(order: str | None) -> str | None:
     """A stored order in its canonical spelling; one that no longer parses as it was."""

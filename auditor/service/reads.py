@@ -141,7 +141,7 @@ class Reads:
         store = self.store
         fault_counts = store.fault_counts(conn, s["id"])
         pending = store.pending_steps(conn, s["id"])
-        info = SeriesInfo.of_mapping(s)
+        info = SeriesInfo.of(s)
         audited = sum(s[f"steps_{v}"] for v in core.VERDICTS)
         # a CP σ of steps audited with reports missing measures only the CP groups whose
         # peers all arrived: with no complete step, there is no CP figure to show
@@ -293,7 +293,7 @@ class Reads:
             row = self.store.step_row(conn, s["id"], step)
             if row is None:
                 raise NotFound(f"{run_id}/{statistic}/{step}")
-            info = SeriesInfo.of_mapping(s)
+            info = SeriesInfo.of(s)
             detail, last = self._step_detail(conn, info, topo, row, limit, after)
         return {"run_id": run_id, "statistic": statistic, **detail, "last": last}
 
