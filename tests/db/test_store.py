@@ -41,7 +41,7 @@ def test_runs_and_series_are_created_once_and_read_back(store, run_id):
     with store.read() as conn:
         srow, run = store.series_by_id(conn, s1.id)
         assert (srow, run) == (s1, first)
-        assert store.run(conn, run_id)["world_size"] == 2
+        assert store.run(conn, run_id).world_size == 2
         assert [s["statistic"] for s in store.series_rows(conn, run_id)] == ["adv"]
 
 

@@ -338,7 +338,7 @@ def test_a_run_deleted_between_finding_and_reading_its_row_is_created_anew(servi
             calls.append(1)
             raise RowDeleted(f"run {run_id!r}")
 
-        monkeypatch.setattr(service, "_ingest", deleted_every_time)
+        monkeypatch.setattr(service.ingestion, "attempt", deleted_every_time)
         with pytest.raises(Contended, match="deleted and created anew 3 times"):  # the API's 503
             service.ingest(batch(run_id, buggy=False, step=2))
         monkeypatch.undo()
