@@ -203,7 +203,7 @@ class LocalSource(Source):
 
     def __init__(self, database_url: str):
         from auditor.db.engine import current_revision, make_engine
-        from auditor.service import NotFound, Service
+        from auditor.service import LocalReader, NotFound, Service
 
         self.url, self.where = None, database_url
         self.not_found = NotFound
@@ -214,7 +214,7 @@ class LocalSource(Source):
             engine.dispose()
             raise UsageError(f"no auditor database at {where} (pass --database-url or --url)")
         self.service = Service.from_engine(engine)
-        self._reader = _LocalReader(self.service)  # auditor.service.LocalReader(self.service) once merged
+        self._reader = LocalReader(self.service)
 
     def close(self) -> None:
         self.service.close()
@@ -227,39 +227,6 @@ class LocalSource(Source):
 
     def _delete(self, run_id: str, chunk_rows: int) -> dict:
         return self.service.delete_run(run_id, chunk_rows=chunk_rows)
-
-
-class _LocalReader:
-    """The reads the commands make (:class:`auditor.reader.Reader`'s ``runs_json``,
-    ``report_json``, ``steps_json``, ``step_json``) from a :class:`auditor.service.Service`:
-    the same JSON documents as the endpoints. Stand-in for ``auditor.service.LocalReader``
-    (the whole read protocol, issue 23), which replaces it: one line in
-    :class:`LocalSource`."""
-
-    def __init__(self, service):
-        self.service = service
-
-    def runs_json(self, *, status: str | None = None, page_size: int = 100):
-        return iter(self.service.list_runs(status=status))
-
-    def report_json(self, run_id: str, *, bad_steps: int = 20, rank_rows: int | None = None) -> dict:
-        extra = {} if rank_rows is None else {"rank_rows": rank_rows}
-        return self.service.report(run_id, bad_steps_limit=bad_steps, **extra)
-
-    def steps_json(self, run_id: str, statistic: str, *, verdict: str | None = None, page_size: int = 1000):
-        after = None
-        while True:
-            page = self.service.steps(run_id, statistic, verdict=verdict, limit=page_size, after=after)
-            yield from page["steps"]
-            after = page["last"]
-            if after is None:
-                return
-
-    def step_json(self, run_id: str, statistic: str, step: int, *, limit: int | None = None,
-                  after: tuple[int, int] | None = None) -> dict:
-        out = self.service.step(run_id, statistic, step, limit=limit, after=after)
-        out.pop("last")
-        return out
 
 
 def reach(url: str, timeout: float) -> None:

@@ -15,6 +15,7 @@ import sqlalchemy as sa
 
 from auditor import core
 from auditor import status as statuses
+from auditor.contract.reads import Report, Run, StepPage, StepSummary
 from auditor.core import REPLACEABLE
 from auditor.db.store import RunRow, Store, json_safe
 from auditor.service.errors import NotFound
@@ -23,7 +24,6 @@ from auditor.status import STATUSES
 from auditor.web import PAGE_STEPS
 
 if TYPE_CHECKING:
-    from auditor import reader
     from auditor.service import Service
 
 log = logging.getLogger("auditor.service")
@@ -392,40 +392,30 @@ class LocalReader:
         return out
 
     # ------------------------------------------------------------------ typed reads
-    def runs(self, *, status: str | None = None, page_size: int = 100) -> Iterator["reader.Run"]:
-        """:meth:`runs_json` decoded (:class:`auditor.reader.Run`)."""
-        from auditor import reader
+    def runs(self, *, status: str | None = None, page_size: int = 100) -> Iterator[Run]:
+        """:meth:`runs_json` decoded (:class:`auditor.contract.reads.Run`)."""
+        return (Run.from_json(r) for r in self.runs_json(status=status, page_size=page_size))
 
-        return (reader.Run.from_json(r) for r in self.runs_json(status=status, page_size=page_size))
-
-    def run(self, run_id: str) -> "reader.Run":
+    def run(self, run_id: str) -> Run:
         """One run's summary (``GET /v1/runs/{run_id}``)."""
-        from auditor import reader
-
-        return reader.Run.from_json(self.service.get_run(run_id))
+        return Run.from_json(self.service.get_run(run_id))
 
     def report(self, run_id: str, *, statistic: str | None = None, bad_steps: int = 20,
-               rank_rows: int | None = None) -> "reader.Report":
+               rank_rows: int | None = None) -> Report:
         """The consistency report of ``run_id`` (optionally of one ``statistic``), decoded."""
-        from auditor import reader
-
-        return reader.Report.from_json(self.service.report(
+        return Report.from_json(self.service.report(
             run_id, bad_steps_limit=bad_steps, statistic=statistic,
             rank_rows=REPORT_RANK_ROWS if rank_rows is None else rank_rows))
 
     def steps(self, run_id: str, statistic: str, *, start: int | None = None, stop: int | None = None,
-              verdict: str | None = None, page_size: int = 1000) -> Iterator["reader.StepSummary"]:
+              verdict: str | None = None, page_size: int = 1000) -> Iterator[StepSummary]:
         """:meth:`steps_json` decoded."""
-        from auditor import reader
-
-        return (reader.StepSummary.from_json(s) for s in self.steps_json(
+        return (StepSummary.from_json(s) for s in self.steps_json(
             run_id, statistic, start=start, stop=stop, verdict=verdict, page_size=page_size))
 
-    def step(self, run_id: str, statistic: str, step: int, *, page_size: int = 10_000) -> "reader.StepDetail":
+    def step(self, run_id: str, statistic: str, step: int, *, page_size: int = 10_000) -> StepPage:
         """One step's verdict, faults and whole per-rank table, decoded."""
-        from auditor import reader
-
-        return reader.StepDetail.from_json(self.step_json(run_id, statistic, step, page_size=page_size))
+        return StepPage.from_json(self.step_json(run_id, statistic, step, page_size=page_size))
 
 
 class PageReads(LocalReader):
