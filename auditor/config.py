@@ -13,7 +13,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 DEFAULT_DATABASE_URL = "sqlite:///./auditor.db"
 #: The largest world_size, size of a dim or num_microbatches the wire schema admits at all
-#: (auditor.schemas); the deployment's own limits below may only be lower. Past the limit a
+#: (auditor.contract); the deployment's own limits below may only be lower. Past the limit a
 #: caller is told the configured value, never this one.
 WIRE_MAX_SIZE = 1 << 20
 #: Peak memory of decoding and ingesting a ``POST /v1/reports`` body, per byte of the body

@@ -6,7 +6,7 @@ Both stream the spool files through :class:`auditor.trainer.spool.SpoolReader`: 
 that the reports of a step travel together, and cut into batches between steps. A batch is
 then what one ``POST /v1/reports`` carries: uploads go through the trainer side's one
 delivery loop (:func:`auditor.trainer.delivery.deliver`), offline audits decode it as the
-service decodes a request body (:func:`auditor.schemas.parse_report_batch`) and store it with
+service decodes a request body (:func:`auditor.contract.parse.parse_report_batch`) and store it with
 :meth:`auditor.service.Service.ingest` on a local database, which audits every step the batch
 completes from the rows in hand. Memory is bounded by the batch size — one batch plus one
 line per file; two with the reader process of ``audit``, three with the read-ahead thread
@@ -32,7 +32,7 @@ import httpx
 
 from auditor import bounded_http
 from auditor.db.engine import ensure_schema, make_engine
-from auditor.schemas import parse_report_batch
+from auditor.contract.parse import parse_report_batch
 from auditor.service import ConflictError, LimitError, NotFound, Service
 from auditor.trainer.delivery import CONFIGURATION_ERRORS, DeliveryError, Outcome, deliver
 from auditor.offline_reader import BODY_HEAD, BODY_TAIL, Batch, SpoolError, local_batches, piped_batches
@@ -365,7 +365,7 @@ def audit_offline(paths: Iterable[str | os.PathLike], database_url: str | None =
     The files are merged so that the reports of a step come together
     (:class:`~auditor.trainer.spool.SpoolReader`), cut into batches of at most ``batch_size``
     reports between steps, each batch decoded and validated as the service decodes a request
-    body (:func:`auditor.schemas.parse_report_batch`; a batch with an invalid line is decoded
+    body (:func:`auditor.contract.parse.parse_report_batch`; a batch with an invalid line is decoded
     line by line, and the invalid lines are logged as ``FILE:LINE`` with the wire field and
     skipped) and stored with :meth:`auditor.service.Service.ingest` into ``database_url``
     (default: a temporary SQLite file, deleted afterwards), which audits every step the batch
@@ -527,7 +527,7 @@ def _unread_message(n: int, why: str) -> str:
 def invalid_reason(errors: list[dict]) -> str:
     """Why a spool line is not a report, naming the wire field (``local.count``,
     ``coords.cp``) as the service's 422 does: the first error, and how many more there are.
-    ``errors``: of :func:`auditor.schemas.parse_report_batch` for a body of that one line
+    ``errors``: of :func:`auditor.contract.parse.parse_report_batch` for a body of that one line
     (``loc`` ``("reports", 0, field...)``)."""
     if not errors:
         return "not a report"

@@ -1,6 +1,6 @@
 """Decode cost of ``POST /v1/reports`` bodies (issue 11 §2): µs per report of the pydantic
-models (:func:`auditor.schemas.validate_report_batch`, every body before the change) and of
-the msgspec fast path (:func:`auditor.schemas.decode_report_batch`), in this process, no
+models (:func:`auditor.contract.parse.validate_report_batch`, every body before the change) and of
+the msgspec fast path (:func:`auditor.contract.fast.decode_report_batch`), in this process, no
 HTTP, no database.
 
     python benchmarks/decode.py [--repeat 5] [--batches 1000,10000] [--shapes 2,1024]
@@ -27,7 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from _common import encode_batch, load, machine, report_stream  # noqa: E402
 
-from auditor.schemas import decode_report_batch, validate_report_batch  # noqa: E402
+from auditor.contract.fast import decode_report_batch  # noqa: E402
+from auditor.contract.parse import validate_report_batch  # noqa: E402
 
 
 def best_us(fn, body: bytes, n: int, repeat: int) -> float:

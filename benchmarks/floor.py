@@ -9,7 +9,7 @@ process-per-client driver, same HTTP stack), servers that do *less* than ``audit
   answers ``{"accepted": n, "steps_audited": 0}``, ``n`` counted by a byte search (no
   decoding);
 * ``http+decode``: the same route decoding the body with the service's msgspec decoder
-  (:func:`auditor.schemas.decode_report_batch`, every wire rule checked) in a worker
+  (:func:`auditor.contract.fast.decode_report_batch`, every wire rule checked) in a worker
   thread, as the service does;
 * ``auditor``: the real ``auditor serve`` on a SQLite file (decode, store, audit, verdicts);
 
@@ -63,7 +63,7 @@ _APP = textwrap.dedent('''
     from starlette.concurrency import run_in_threadpool
     from starlette.responses import Response
     from auditor.config import Settings
-    from auditor.schemas import decode_report_batch
+    from auditor.contract.fast import decode_report_batch
     from auditor.server.run import uvicorn_options
 
     mode, port = sys.argv[1], int(sys.argv[2])
@@ -99,7 +99,7 @@ def insert_us(bodies: list[bytes]) -> float:
     from auditor.db import tables
     from auditor.db.engine import make_engine, upgrade
     from auditor.db.store import Store, report_row
-    from auditor.schemas import decode_report_batch
+    from auditor.contract.fast import decode_report_batch
 
     with tempfile.TemporaryDirectory() as d:
         url = f"sqlite:///{d}/floor.sqlite"

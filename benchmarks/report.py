@@ -29,7 +29,7 @@ from _common import (  # noqa: E402
 
 from auditor.db.engine import ensure_schema, make_engine  # noqa: E402
 from auditor.db.store import Store  # noqa: E402
-from auditor.schemas import AppliedStats, Coords, LocalStats, Report, Sizes  # noqa: E402
+from auditor.contract.models import AppliedStats, Coords, LocalStats, Report, Sizes  # noqa: E402
 
 
 def construct(d: dict) -> Report:

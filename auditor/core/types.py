@@ -1,7 +1,7 @@
 """The engine's vocabulary: parallel dims, the statistic spec, fault kinds, reports and verdicts.
 
 Plain dataclasses and enums; nothing here validates input (the wire schema,
-:mod:`auditor.schemas`, does that and converts its spec into :class:`Spec`).
+:mod:`auditor.contract`, does that and converts its spec into :class:`Spec`).
 """
 
 from __future__ import annotations

@@ -225,7 +225,7 @@ _COORDS = operator.attrgetter("dp", "cp", "tp", "pp", "edp", "ep", "etp")
 
 def report_row(r, series_id: int, now: float) -> tuple:
     """Flatten one wire report (anything with the attributes of
-    :class:`auditor.schemas.Report`) into a ``reports`` row, a tuple in :data:`COLUMNS`
+    :class:`auditor.contract.models.Report`) into a ``reports`` row, a tuple in :data:`COLUMNS`
     order (the ingest hot path: no dict per report, the fields read by C-level getters).
     NaN becomes NULL (SQLite cannot store NaN) and the names of all non-finite fields go to
     ``non_finite``; a report whose class says ``values_finite`` (the fast decoder's: msgspec

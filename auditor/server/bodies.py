@@ -15,7 +15,8 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from auditor.config import Settings
-from auditor.schemas import RunRegistration, limit_errors, parse_report_batch
+from auditor.contract.models import RunRegistration
+from auditor.contract.parse import limit_errors, parse_report_batch
 from auditor.server.budget import Lease
 from auditor.server.limits import throttled
 from auditor.server.problems import RETRY_AFTER, problem
@@ -166,7 +167,7 @@ _LIMIT_OF_FIELD = {"world_size": ("max_world_size", "AUDITOR_MAX_WORLD_SIZE"),
 def name_limits(errors: list[dict], settings: Settings) -> list[dict]:
     """``errors`` with every breach of a static ceiling behind a configured limit (pydantic's
     ``less_than_equal`` / ``too_long`` on the fields of :data:`_LIMIT_OF_FIELD`) worded with
-    the configured limit (``limit_exceeded``), as :func:`auditor.schemas.limit_errors` words
+    the configured limit (``limit_exceeded``), as :func:`auditor.contract.parse.limit_errors` words
     the values between the two."""
     out = []
     for e in errors:
@@ -186,7 +187,7 @@ def parse_reports(body: bytes, settings: Settings) -> list | tuple[int, str, lis
     """Decode and validate a ``POST /v1/reports`` body (in a worker thread): the reports,
     or ``(status, code, field errors, number of reports)`` for a 413/422. A valid body is
     decoded by msgspec, any other validated by the pydantic models, whose errors are the 422
-    (:func:`auditor.schemas.parse_report_batch`); at most ``max_errors_listed`` are collected."""
+    (:func:`auditor.contract.parse.parse_report_batch`); at most ``max_errors_listed`` are collected."""
     reports, errs, n = parse_report_batch(body, settings.max_errors_listed)
     if reports is None:
         return 422, "validation", name_limits(errs, settings), n

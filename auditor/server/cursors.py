@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi.exceptions import RequestValidationError
 
-from auditor.schemas import RUN_ID_PATTERN
+from auditor.contract.names import RUN_ID_PATTERN
 
 
 def encode_cursor(value: Any) -> str:
@@ -22,7 +22,7 @@ def encode_cursor(value: Any) -> str:
     return base64.urlsafe_b64encode(json.dumps(value, separators=(",", ":")).encode()).decode().rstrip("=")
 
 
-#: The largest step (the wire's bound, auditor.schemas): a steps cursor holds a step.
+#: The largest step (the wire's bound, auditor.contract): a steps cursor holds a step.
 MAX_STEP = 2**62
 _RUN_ID_RE = re.compile(RUN_ID_PATTERN)
 

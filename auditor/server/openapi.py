@@ -10,7 +10,7 @@ from fastapi.openapi.utils import get_openapi
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from auditor.config import Settings
-from auditor.schemas import ReportBatch, RunRegistration
+from auditor.contract.models import ReportBatch, RunRegistration
 from auditor.server.auth import ALWAYS_OPEN, PUBLIC_PATHS
 from auditor.server.problems import MEDIA_TYPE, Problem
 

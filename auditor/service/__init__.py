@@ -29,7 +29,7 @@ from typing import Sequence
 import sqlalchemy as sa
 
 from auditor.db.store import Store
-from auditor.schemas import Report, RunRegistration
+from auditor.contract.models import Report, RunRegistration
 from auditor.service.caches import OPEN_STEP_ROWS, Caches, OpenStepRows, by_step
 from auditor.service.errors import (
     ConflictError, Contended, LimitError, NotFound, StaleCaches, check_placed, conflict, microbatch_conflict,
@@ -42,12 +42,12 @@ from auditor.service.model import SeriesInfo, Topology, stored_order
 from auditor.service.progress import PROGRESS_LOOKBACK_REPORTS, PROGRESS_WINDOW
 from auditor.service.reads import (
     REPORT_AUDIT_BUDGET, REPORT_FAULT_RANKS, REPORT_RANK_ROWS, REPORT_ROWS_BUDGET, STEP_RANK_ROWS,
-    STEP_RANK_ROWS_MAX, LocalReader, PageReads, Reads, _cp_sigma, _row_json, _run_summary,
+    STEP_RANK_ROWS_MAX, LocalReader, Reads, _cp_sigma, _row_json, _run_summary,
 )
 
 __all__ = [
     "ConflictError", "Contended", "IngestOutcome", "LimitError", "LocalReader", "NotFound", "OPEN_STEP_ROWS",
-    "PROGRESS_LOOKBACK_REPORTS", "PROGRESS_WINDOW", "PageReads", "REPORT_AUDIT_BUDGET", "REPORT_FAULT_RANKS",
+    "PROGRESS_LOOKBACK_REPORTS", "PROGRESS_WINDOW", "REPORT_AUDIT_BUDGET", "REPORT_FAULT_RANKS",
     "REPORT_RANK_ROWS", "REPORT_ROWS_BUDGET", "STEP_RANK_ROWS", "STEP_RANK_ROWS_MAX", "SeriesInfo", "Service",
     "Topology",
 ]

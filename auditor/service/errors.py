@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING, Sequence
 
 from auditor.core import DIMS
 from auditor.db.rows import COLUMNS, COMPARED
-from auditor.schemas import Report
+from auditor.contract.models import Report
 
 if TYPE_CHECKING:
-    from auditor.schemas import StatisticSpec
+    from auditor.contract.models import StatisticSpec
     from auditor.service.model import SeriesInfo, Topology
 
 

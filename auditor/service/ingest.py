@@ -33,7 +33,7 @@ import sqlalchemy as sa
 
 from auditor.core import DIMS, REPLACEABLE
 from auditor.db.store import ReportsExist, RowDeleted, StepRowExists, Store, report_row
-from auditor.schemas import DEFAULT_SPECS, Report, RunRegistration, StatisticSpec
+from auditor.contract.models import DEFAULT_SPECS, Report, RunRegistration, StatisticSpec
 from auditor.service import errors
 from auditor.service.caches import Caches, by_step
 from auditor.service.errors import StaleCaches

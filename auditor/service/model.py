@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from auditor import core, layout
 from auditor.core import DIMS, EXPERT_DIMS
 from auditor.db.rows import RunRow, SeriesRow
-from auditor.schemas import StatisticSpec
+from auditor.contract.models import StatisticSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +26,7 @@ class Topology:
 
     @classmethod
     def of(cls, world_size: int, sizes, order: str | None, topology: str, source: str | None = None) -> "Topology":
-        """From wire fields (a :class:`auditor.schemas.Sizes`; ``order`` validated, kept in
+        """From wire fields (a :class:`auditor.contract.models.Sizes`; ``order`` validated, kept in
         its canonical spelling, :func:`auditor.layout.canonical_order`); an unknown topology
         keeps the world size only."""
         if topology == "unknown":

@@ -21,7 +21,6 @@ from auditor.db.store import RunRow, Store, json_safe
 from auditor.service.errors import NotFound
 from auditor.service.model import SeriesInfo, Topology
 from auditor.status import STATUSES
-from auditor.web import PAGE_STEPS
 
 if TYPE_CHECKING:
     from auditor.service import Service
@@ -416,13 +415,3 @@ class LocalReader:
     def step(self, run_id: str, statistic: str, step: int, *, page_size: int = 10_000) -> StepPage:
         """One step's verdict, faults and whole per-rank table, decoded."""
         return StepPage.from_json(self.step_json(run_id, statistic, step, page_size=page_size))
-
-
-class PageReads(LocalReader):
-    """Deprecated name of :class:`LocalReader` (the reads of a run page,
-    :class:`auditor.web.PageSource`), which reads the step history :data:`auditor.web.PAGE_STEPS`
-    summaries at a time, as it did."""
-
-    def steps_json(self, run_id: str, statistic: str, *, start: int | None = None, stop: int | None = None,
-                   verdict: str | None = None, page_size: int = PAGE_STEPS) -> Iterator[dict]:
-        return super().steps_json(run_id, statistic, start=start, stop=stop, verdict=verdict, page_size=page_size)

@@ -72,8 +72,8 @@ def usable_run_id(run_id: str | None) -> str | None:
     return None if run_id.lower() in RUN_ID_PLACEHOLDERS else run_id
 
 
-#: The wire contract's run id (DESIGN.md §3; auditor.schemas.RUN_ID_PATTERN, 1..128 chars).
-#: The service also refuses one made of dots only (``.``, ``..``: auditor.schemas.addressable,
+#: The wire contract's run id (DESIGN.md §3; auditor.contract.names.RUN_ID_PATTERN, 1..128 chars).
+#: The service also refuses one made of dots only (``.``, ``..``: auditor.contract.names.addressable,
 #: a URL path segment clients and proxies resolve away; no ``/``, so that is its only part).
 _WIRE_RUN_ID = re.compile(r"(?=.*[^.])[A-Za-z0-9._:-]{1,128}")
 

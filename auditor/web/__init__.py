@@ -142,7 +142,7 @@ def _assets(inline: bool) -> dict[str, Any]:
 #: (``&from_rank=&from_mb=``); the step endpoint has every row.
 PAGE_RANK_ROWS = 2000
 #: Step summaries a page reads at a time (``GET .../steps`` pages, or the service's own
-#: reads, ``auditor.service.PageReads``): ~1 KB each as rows and dicts, so a page of them
+#: reads, ``auditor.service.LocalReader``): ~1 KB each as rows and dicts, so a page of them
 #: costs ~2 MB whatever the run's length.
 PAGE_STEPS = 2000
 
@@ -223,15 +223,15 @@ def render_run_page(report: Mapping[str, Any], steps: Mapping[str, "Iterable[dic
 
 class PageSource(Protocol):
     """Where a run page's documents come from: the service over HTTP
-    (:class:`auditor.reader.Reader`) or a database (``auditor.api.StoreSource``). Each
+    (:class:`auditor.reader.Reader`) or a database (:class:`auditor.service.LocalReader`). Each
     method returns the JSON of the endpoint it names and raises on an unknown run."""
 
     def report_json(self, run_id: str, *, bad_steps: int = 20) -> dict:
         """``GET /v1/runs/{run_id}/report``."""
 
-    def steps_json(self, run_id: str, statistic: str) -> Iterable[dict]:
+    def steps_json(self, run_id: str, statistic: str, *, page_size: int) -> Iterable[dict]:
         """Every item of ``GET /v1/runs/{run_id}/statistics/{statistic}/steps``, in step
-        order; best an iterator that reads page by page (the page never holds them all)."""
+        order, read ``page_size`` at a time (:data:`PAGE_STEPS`: the page never holds them all)."""
 
     def step_json(self, run_id: str, statistic: str, step: int, *, limit: int | None = None,
                   after: tuple[int, int] | None = None) -> dict:
@@ -258,7 +258,7 @@ def gather_run_page(source: PageSource, run_id: str, *, statistic: str | None = 
     Returns the keyword arguments of :func:`render_run_page` (without the rendering options).
     Raises what ``source`` raises for an unknown run, statistic or step."""
     report = source.report_json(run_id, bad_steps=bad_steps)
-    steps = {s["statistic"]: plots.StepHistory.of(source.steps_json(run_id, s["statistic"]))
+    steps = {s["statistic"]: plots.StepHistory.of(source.steps_json(run_id, s["statistic"], page_size=PAGE_STEPS))
              for s in report["statistics"]}
     details: dict[str, dict[int, dict]] = {}
     selected = None

@@ -141,7 +141,7 @@ def test_check_fails_while_a_step_holds_reports_but_no_verdict(fresh_database_ur
     (a check of a live run) passes with the line. Both name the ranks the step waits for
     (the service knows them; `check` hid them)."""
     from auditor.db.engine import ensure_schema, make_engine
-    from auditor.schemas import Report
+    from auditor.contract.models import Report
     from auditor.service import Service
 
     engine = make_engine(fresh_database_url)

@@ -19,7 +19,9 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from auditor import schemas
-from auditor.schemas import FastReport, Report, decode_report_batch, parse_report_batch, validate_report_batch
+from auditor.contract.fast import FastReport, decode_report_batch
+from auditor.contract.models import Report
+from auditor.contract.parse import parse_report_batch, validate_report_batch
 
 
 def canon(obj):

@@ -6,7 +6,7 @@ Hypothesis draws a kind, a spec (``reduce_over``, ``replicas`` or its default,
 trainer that reduced one way: correctly for the spec, over a strict subset of the expected
 dims, over a superset (a dim the spec neither reduces over nor replicates), or over the
 replicas too, summing them. The reports go through the real decoders
-(:func:`auditor.schemas.decode_report_batch` and :func:`~auditor.schemas.validate_report_batch`)
+(:func:`auditor.contract.fast.decode_report_batch` and :func:`~auditor.contract.parse.validate_report_batch`)
 and the store's row form (:func:`auditor.db.store.report_row`, :func:`~auditor.db.store.rank_report`)
 into :func:`auditor.core.audit_step`. The test's own statement of which specs can be judged
 (:func:`judgeable`) must agree with the wire, and every finding of an accepted spec must be
@@ -30,7 +30,9 @@ from hypothesis import strategies as st
 
 from auditor import core
 from auditor.db.store import rank_report, report_row
-from auditor.schemas import RunRegistration, decode_report_batch, validate_report_batch
+from auditor.contract.fast import decode_report_batch
+from auditor.contract.models import RunRegistration
+from auditor.contract.parse import validate_report_batch
 
 DIMS = ("dp", "cp", "tp", "pp")
 #: Small known topologies (dp, cp, tp, pp): every dim of size 1 and > 1 somewhere, a dim

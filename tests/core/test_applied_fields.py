@@ -17,7 +17,7 @@ import pytest
 
 from auditor import core
 from auditor.db.store import elements, rank_report, report_row
-from auditor.schemas import parse_report_batch
+from auditor.contract.parse import parse_report_batch
 
 SIZES = (1, 2, 1, 1)
 LOCAL = [{"count": 4.0, "sum": 3.0, "sum_sq": 9.0}, {"count": 4.0, "sum": 5.0, "sum_sq": 11.0}]

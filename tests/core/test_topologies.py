@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from auditor import core as audit, layout
-from auditor.schemas import Report, StatisticSpec as _WireSpec
+from auditor.contract.models import Report, StatisticSpec as _WireSpec
 
 
 def StatisticSpec(**kw):

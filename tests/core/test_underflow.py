@@ -23,7 +23,7 @@ import pytest
 from auditor import core
 from auditor.core import stats
 from auditor.db.store import elements, rank_report, report_row
-from auditor.schemas import parse_report_batch
+from auditor.contract.parse import parse_report_batch
 
 SIZES = (1, 2, 1, 1)
 DATA = (np.array([1.0, 3.0, -0.5]), np.array([2.0, 5.0]))

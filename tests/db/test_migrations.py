@@ -141,7 +141,7 @@ def test_0003_backfill_lets_old_late_completed_steps_be_re_audited(fresh_databas
     import time
 
     from auditor.db.store import COLUMNS, report_row
-    from auditor.schemas import Report
+    from auditor.contract.models import Report
     from auditor.service import Service
     from factory import reference_reports
 

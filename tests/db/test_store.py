@@ -14,7 +14,7 @@ from factory import reference_reports
 
 from auditor import core
 from auditor.db.store import COLUMNS, KEY, ReportsExist, Store, VerdictItem, rank_report, report_row
-from auditor.schemas import Report
+from auditor.contract.models import Report
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ import regenerate
 
 from auditor import core
 from auditor.db.store import elements, rank_report, report_row
-from auditor.schemas import parse_report_batch
+from auditor.contract.parse import parse_report_batch
 
 
 def _engine_input(case) -> tuple[core.Spec, list[list[core.RankReport]]]:

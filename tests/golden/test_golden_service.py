@@ -23,7 +23,7 @@ import regenerate
 from pydantic import ValidationError
 
 from auditor.db.engine import ensure_schema, make_engine
-from auditor.schemas import Report
+from auditor.contract.models import Report
 from auditor.service import Service
 
 #: Cases sent through the store (the first ones of the corpus), bounded for the suite's time;

@@ -71,7 +71,9 @@ def test_correct_float32_and_bfloat16_moments_never_trip_the_range_rules():
     import numpy as np
     import torch
 
-    from auditor.schemas import LocalStats, decode_report_batch, validate_report_batch
+    from auditor.contract.fast import decode_report_batch
+    from auditor.contract.models import LocalStats
+    from auditor.contract.parse import validate_report_batch
 
     def fast(loc: dict):
         """The fast decoder's local block of a one-report body (None: refused), checked to

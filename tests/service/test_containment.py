@@ -20,7 +20,7 @@ from pydantic import ValidationError
 from auditor import core
 from auditor.core import VERDICTS
 from auditor.db.engine import ensure_schema, make_engine
-from auditor.schemas import Report
+from auditor.contract.models import Report
 from auditor.service import ConflictError, Service
 from factory import reference_reports
 
@@ -87,7 +87,7 @@ def test_missing_reports_of_a_huge_step_are_ranges_not_pairs():
                              local_count=1.0, local_sum=1.0, local_sum_sq=1.0, applied_count=2.0,
                              applied_sum=2.0, applied_sum_sq=2.0)
             for r, mb in ((5, 0), (9, 3))]
-    from auditor.schemas import StatisticSpec
+    from auditor.contract.models import StatisticSpec
 
     t0 = time.perf_counter()
     v = core.audit_step(reps, (world, 1, 1, 1), StatisticSpec().to_core(), num_microbatches=nmb)

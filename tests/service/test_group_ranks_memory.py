@@ -13,7 +13,7 @@ from factory import traced_peak
 
 from auditor.db.engine import ensure_schema, make_engine
 from auditor.db.store import COLUMNS, rank_report
-from auditor.schemas import parse_report_batch
+from auditor.contract.parse import parse_report_batch
 from auditor.service import Service
 from auditor.testing.server import ServerProcess
 

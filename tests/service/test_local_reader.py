@@ -12,7 +12,7 @@ import pytest
 from factory import reference_reports, world_reports
 
 from auditor.reader import Reader, Report, Run, StepDetail, StepSummary
-from auditor.service import LocalReader, NotFound, PageReads, Service
+from auditor.service import LocalReader, NotFound, Service
 
 
 def _json(doc):
@@ -76,4 +76,3 @@ def test_local_reader_documents_equal_the_http_readers(live_server, local, run_i
             assert isinstance(detail, StepDetail) and detail == http.step(rid, "advantages", step, page_size=1)
     with pytest.raises(NotFound):
         local.report("never-ran")
-    assert issubclass(PageReads, LocalReader)  # the old name of the run page's reads

@@ -11,7 +11,7 @@ import pytest
 from factory import applied, total, world_reports
 
 from auditor.db.store import Store
-from auditor.schemas import Report
+from auditor.contract.models import Report
 from auditor.service import ConflictError, Service
 
 DP, CP = 4, 2  # 8 ranks per step

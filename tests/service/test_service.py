@@ -9,7 +9,7 @@ import pytest
 from factory import reference_reports
 
 from auditor.db.store import ReportsExist, RowDeleted
-from auditor.schemas import DEFAULT_SPECS, Report, RunRegistration
+from auditor.contract.models import DEFAULT_SPECS, Report, RunRegistration
 from auditor.service import ConflictError, Contended, NotFound
 
 

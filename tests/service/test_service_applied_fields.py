@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from auditor.schemas import Report
+from auditor.contract.models import Report
 
 LOCAL = [{"count": 4.0, "sum": 3.0, "sum_sq": 9.0}, {"count": 4.0, "sum": 5.0, "sum_sq": 11.0}]
 SUMS = {"count": 8.0, "sum": 8.0, "sum_sq": 20.0}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from auditor.schemas import Report
+from auditor.contract.models import Report
 from auditor.service import PROGRESS_WINDOW
 
 

@@ -13,7 +13,7 @@ import pytest
 from factory import world_reports
 
 from auditor import status
-from auditor.schemas import Report
+from auditor.contract.models import Report
 from auditor.service import ConflictError, NotFound
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from factory import reference_reports
 
-from auditor.schemas import Report
+from auditor.contract.models import Report
 
 
 @pytest.mark.parametrize(("source", "fix"), [
@@ -37,7 +37,8 @@ def test_a_source_the_wire_cannot_carry_is_refused_by_both_decoders_naming_it(so
     final newline) refuses what pydantic refuses, and the error names the field."""
     import json
 
-    from auditor.schemas import decode_report_batch, parse_report_batch
+    from auditor.contract.fast import decode_report_batch
+    from auditor.contract.parse import parse_report_batch
 
     good = reference_reports("x", buggy=True)
     assert decode_report_batch(json.dumps({"reports": good}).encode()) is not None

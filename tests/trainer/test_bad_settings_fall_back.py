@@ -116,7 +116,7 @@ def test_dot_run_ids_the_service_refuses_are_said_once_and_not_used(caplog):
     hold dots are kept. The trainer's rule and the service's agree on every case."""
     from pydantic import TypeAdapter, ValidationError
 
-    from auditor.schemas import RunId
+    from auditor.contract.names import RunId
     from auditor.trainer.settings import read_settings
 
     service = TypeAdapter(RunId)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from auditor.trainer.client import AuditorClient, client_from_env
-from auditor.schemas import Report
+from auditor.contract.models import Report
 from auditor.trainer.hooks import distributed_masked_whiten
 
 

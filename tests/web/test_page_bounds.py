@@ -20,8 +20,8 @@ from factory import applied, reference_reports, world_reports
 from auditor import web
 from auditor.db.engine import ensure_schema, make_engine
 from auditor.db.tables import series, series_faults, step_audits
-from auditor.schemas import Report
-from auditor.service import PageReads, Service
+from auditor.contract.models import Report
+from auditor.service import LocalReader, Service
 from auditor.testing.server import ServerProcess
 
 STEPS = 100_000
@@ -81,7 +81,7 @@ def test_a_100k_step_page_renders_in_memory_independent_of_its_steps(db):
     url, svc, bad = db
     tracemalloc.start()
     try:
-        page = web.gather_run_page(PageReads(svc), "long")
+        page = web.gather_run_page(LocalReader(svc), "long")
         html = web.render_run_page(**page)
         peak = tracemalloc.get_traced_memory()[1]
     finally:

@@ -16,7 +16,7 @@ from fastapi.staticfiles import StaticFiles
 from starlette.requests import ClientDisconnect
 
 from auditor import web
-from auditor.schemas import STATISTIC_PATTERN
+from auditor.contract.names import STATISTIC_PATTERN
 from auditor.server.auth import LOGIN_BODY_BYTES, TOKEN_COOKIE, local_path
 from auditor.server.bodies import BodyTimeout, BodyTooLarge, disconnected, read_body
 from auditor.server.cursors import decode_cursor, encode_cursor, runs_key
@@ -24,7 +24,7 @@ from auditor.server.limits import throttled
 from auditor.server.problems import RETRY_AFTER, problem
 from auditor.server.routes.params import RunIdPath
 from auditor.server.state import ClientDep, RootPathDep, SettingsDep, StateDep
-from auditor.service import PageReads
+from auditor.service import LocalReader
 
 router = APIRouter()
 
@@ -146,7 +146,7 @@ def run_page(
                                           "(AUDITOR_MAX_CONCURRENT_PAGES); retry later", request.url.path,
                        headers={"Retry-After": RETRY_AFTER})
     try:
-        page = web.gather_run_page(PageReads(state.service), run_id, statistic=statistic, step=step,
+        page = web.gather_run_page(LocalReader(state.service), run_id, statistic=statistic, step=step,
                                    from_row=(from_rank, from_mb) if (from_rank, from_mb) != (0, 0) else None)
         return HTMLResponse(web.render_run_page(**page, root_path=root))
     finally:

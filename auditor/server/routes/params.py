@@ -2,7 +2,7 @@
 
 from fastapi import Path
 
-from auditor.schemas import RUN_ID_PATTERN
+from auditor.contract.names import RUN_ID_PATTERN
 
 #: Every path and query parameter carries the wire pattern of what it names, so characters a
 #: database rejects (NUL, lone surrogates) are a 422 naming the parameter, never a query.

@@ -9,7 +9,7 @@ from typing import Literal
 
 from fastapi import APIRouter, Path, Query, Request
 
-from auditor.schemas import STATISTIC_PATTERN
+from auditor.contract.names import STATISTIC_PATTERN
 from auditor.server.cursors import decode_cursor, encode_cursor, rank_key, runs_key, step_key
 from auditor.server.routes.params import RunIdPath
 from auditor.server.state import StateDep

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
-from auditor.schemas import IngestResult
+from auditor.contract.models import IngestResult
 from auditor.server.bodies import parse_reports, parse_run, read_json_body
 from auditor.server.budget import Lease
 from auditor.server.problems import field_errors, problem, summary
@@ -69,7 +69,7 @@ async def post_reports(request: Request, state: StateDep):
 @router.put("/v1/runs/{run_id}", tags=["ingest"], summary="Register a run's topology and statistics")
 async def put_run(request: Request, state: StateDep, run_id: str = RunIdPath):
     """Register a run's topology (and statistic kinds/specs) before its first report.
-    Body: :class:`auditor.schemas.RunRegistration`. Idempotent; 409
+    Body: :class:`auditor.contract.models.RunRegistration`. Idempotent; 409
     ``topology_conflict``/``spec_conflict`` if it contradicts the stored one; 422 past
     ``max_statistics_per_run`` or ``max_world_size``."""
     lease = Lease(state.body_budget)
