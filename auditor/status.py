@@ -202,20 +202,31 @@ def check(report: Mapping[str, Any], *, allow_incomplete: bool = False, allow_re
     state = status_of(report)
     audited = sum(int(s.get("steps_audited") or 0) for s in stats)
     lines: list[str] = []
+    passed = _state_lines(report, state, audited, allow_incomplete, allow_unverified, lines)
+    passed &= _pending_lines(run_id, stats, allow_pending, lines)
+    refused = refused_line(report)
+    if refused is not None:
+        if allow_refused:
+            lines.append(f"{run_id}: {refused} (allowed by --allow-refused)")
+        else:
+            lines.append(f"{run_id}: REFUSED REPORTS — {refused}; pass --allow-refused to accept that")
+            passed = False
+    if audited < min_steps:
+        lines.append(f"{run_id}: only {audited} step(s) audited, fewer than --min-steps {min_steps}")
+        passed = False
+    return passed, lines
+
+
+def _state_lines(report: Mapping[str, Any], state: str, audited: int, allow_incomplete: bool,
+                 allow_unverified: bool, lines: list[str]) -> bool:
+    """Appends the lines of the run's status (inconsistent, unverified, incomplete, pending,
+    consistent); False when that status fails the check."""
+    run_id = report.get("run_id")
+    stats = report.get("statistics") or []
     passed = True
     if state == "inconsistent":
-        bad = [s for s in stats if s.get("steps_inconsistent") or s.get("steps_audit_error")]
-        detail = ", ".join(
-            f"{s['statistic']}: {s.get('steps_inconsistent') or 0} step(s) "
-            f"({', '.join(sorted(k for k in (s.get('faults') or {}) if k != 'missing_report'))})"
-            + (f", {s['steps_audit_error']} step(s) the engine could not audit" if s.get("steps_audit_error") else "")
-            for s in bad)
-        lines.append(f"{run_id}: INCONSISTENT — {detail}")
+        lines.extend(_inconsistent_lines(report))
         passed = False
-        if any(lost_steps(s) for s in stats):
-            lines.append(f"{run_id}: also incomplete — {incomplete_line(report)}")
-        if any(s.get("steps_unverified") for s in stats):
-            lines.append(f"{run_id}: also unverified — {unverified_line(report)}")
     elif state == "unverified":
         if allow_unverified:
             lines.append(f"{run_id}: unverified, allowed by --allow-unverified ({audited} step(s) audited) — "
@@ -236,25 +247,40 @@ def check(report: Mapping[str, Any], *, allow_incomplete: bool = False, allow_re
         lines.append(f"{run_id}: no step audited yet (0 step(s) audited)")
     elif state == "consistent":
         lines.append(f"{run_id}: consistent ({audited} step(s) audited)")
+    return passed
+
+
+def _inconsistent_lines(report: Mapping[str, Any]) -> list[str]:
+    """The lines of an inconsistent run: its faults per statistic, then whether it is also
+    incomplete or unverified."""
+    run_id = report.get("run_id")
+    stats = report.get("statistics") or []
+    bad = [s for s in stats if s.get("steps_inconsistent") or s.get("steps_audit_error")]
+    detail = ", ".join(
+        f"{s['statistic']}: {s.get('steps_inconsistent') or 0} step(s) "
+        f"({', '.join(sorted(k for k in (s.get('faults') or {}) if k != 'missing_report'))})"
+        + (f", {s['steps_audit_error']} step(s) the engine could not audit" if s.get("steps_audit_error") else "")
+        for s in bad)
+    lines = [f"{run_id}: INCONSISTENT — {detail}"]
+    if any(lost_steps(s) for s in stats):
+        lines.append(f"{run_id}: also incomplete — {incomplete_line(report)}")
+    if any(s.get("steps_unverified") for s in stats):
+        lines.append(f"{run_id}: also unverified — {unverified_line(report)}")
+    return lines
+
+
+def _pending_lines(run_id, stats: list, allow_pending: bool, lines: list[str]) -> bool:
+    """Appends the line of the steps that hold reports but no verdict yet, if any; False
+    when they fail the check (not ``allow_pending``)."""
     pending = {s["statistic"]: int(s.get("steps_pending") or 0) for s in stats if s.get("steps_pending")}
-    if pending:
-        what = ", ".join(f"{name}: {n} step(s)" for name, n in pending.items())
-        if allow_pending:
-            lines.append(f"{run_id}: not audited yet, allowed by --allow-pending — {what}")
-        else:
-            lines.append(f"{run_id}: NOT AUDITED YET — {what} hold reports but no verdict (a rank has not "
-                         "reported, or its reports are still arriving; the service audits a step once every "
-                         "rank reported, or after AUDITOR_GRACE_SECONDS); check again later, or pass "
-                         "--allow-pending to check a live run")
-            passed = False
-    refused = refused_line(report)
-    if refused is not None:
-        if allow_refused:
-            lines.append(f"{run_id}: {refused} (allowed by --allow-refused)")
-        else:
-            lines.append(f"{run_id}: REFUSED REPORTS — {refused}; pass --allow-refused to accept that")
-            passed = False
-    if audited < min_steps:
-        lines.append(f"{run_id}: only {audited} step(s) audited, fewer than --min-steps {min_steps}")
-        passed = False
-    return passed, lines
+    if not pending:
+        return True
+    what = ", ".join(f"{name}: {n} step(s)" for name, n in pending.items())
+    if allow_pending:
+        lines.append(f"{run_id}: not audited yet, allowed by --allow-pending — {what}")
+        return True
+    lines.append(f"{run_id}: NOT AUDITED YET — {what} hold reports but no verdict (a rank has not "
+                 "reported, or its reports are still arriving; the service audits a step once every "
+                 "rank reported, or after AUDITOR_GRACE_SECONDS); check again later, or pass "
+                 "--allow-pending to check a live run")
+    return False

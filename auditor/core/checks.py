@@ -386,40 +386,13 @@ def cp_disagreement(st: Step, exp: Part, e_vals, e_tol, judged, f: Findings) -> 
     # Peers must agree whether or not their group is complete: where the correct group
     # cannot be judged (a report is missing), bound the rounding by the applied values.
     tol = e_tol if judged.all() else [np.where(judged, t, a) for t, a in zip(e_tol, applied_tolerances(st, exp))]
-    # every pair (i, j) of peers with a known applied statistic, i before j in element order
-    order = np.argsort(peers.inv, kind="stable")
-    order = order[st.a_ok[order]]
-    gi = peers.inv[order]
-    I_, J_ = [], []
-    for d in range(1, int(peers.size.max()) if len(peers.size) else 0):
-        same = gi[:-d] == gi[d:]
-        if not same.any():
-            break
-        I_.append(order[:-d][same])
-        J_.append(order[d:][same])
+    pairs = _peer_pairs(st, peers)
     flagged: set[int] = set()
     ev = {}
-    if I_:
-        I, J = np.concatenate(I_), np.concatenate(J_)
+    if pairs is not None:
+        I, J = pairs
         with np.errstate(all="ignore"):
-            if st.kind == "moments":
-                e_mean, e_var = e_vals[1], e_vals[2]
-                lo_i, hi_i = stats.value_range(exp.vals["lo"][exp.inv[I]], exp.vals["hi"][exp.inv[I]], e_mean[I], e_var[I])
-                lo_j, hi_j = stats.value_range(exp.vals["lo"][exp.inv[J]], exp.vals["hi"][exp.inv[J]], e_mean[J], e_var[J])
-                gap = stats.transform_gap_array(st.a_mean[I], st.a_var[I], st.a_mean[J], st.a_var[J],
-                                                np.where(lo_j < lo_i, lo_j, lo_i), np.where(hi_j > hi_i, hi_j, hi_i))
-                fin = np.isfinite(gap)
-                if fin.any():
-                    worst = gap[fin].max()  # np.float64, as stats.transform_gap returns
-                differ = ((np.abs(st.a_mean[I] - st.a_mean[J]) > tol[1][I] + tol[1][J])
-                          | (np.abs(st.a_var[I] - st.a_var[J]) > tol[2][I] + tol[2][J]))
-                figure_key, figure = "max_gap_sigma", gap
-            else:
-                diff = np.abs(st.a_val[I] - st.a_val[J])
-                differ = diff > tol[0][I] + tol[0][J]
-                ai, aj = np.abs(st.a_val[I]), np.abs(st.a_val[J])
-                ref = np.where(aj > ai, aj, ai)
-                figure_key, figure = "max_relative_gap", np.where(ref != 0, diff / np.where(ref != 0, ref, 1.0), 0.0)
+            differ, figure_key, figure, worst = _pair_gaps(st, exp, e_vals, tol, I, J)
         if differ.any():
             flagged.update(I[differ].tolist())
             flagged.update(J[differ].tolist())
@@ -438,6 +411,46 @@ def cp_disagreement(st: Step, exp: Part, e_vals, e_tol, judged, f: Findings) -> 
                     "context-parallel group the same way on every CP rank"),
                 ev)
     return worst if st.kind == "moments" else None
+
+
+def _peer_pairs(st: Step, peers: Part) -> tuple[np.ndarray, np.ndarray] | None:
+    """Every pair (i, j) of CP peers with a known applied statistic, i before j in element
+    order, as two int arrays; None when there is none."""
+    order = np.argsort(peers.inv, kind="stable")
+    order = order[st.a_ok[order]]
+    gi = peers.inv[order]
+    I_, J_ = [], []
+    for d in range(1, int(peers.size.max()) if len(peers.size) else 0):
+        same = gi[:-d] == gi[d:]
+        if not same.any():
+            break
+        I_.append(order[:-d][same])
+        J_.append(order[d:][same])
+    return (np.concatenate(I_), np.concatenate(J_)) if I_ else None
+
+
+def _pair_gaps(st: Step, exp: Part, e_vals, tol, I: np.ndarray, J: np.ndarray):
+    """Per pair: whether the peers differ beyond the sum of their bounds ``tol``, the
+    evidence figure's name and values (moments: the whitening gap in σ; sum/norm: the
+    relative gap), and the largest finite σ gap (moments; else None)."""
+    worst = None
+    if st.kind == "moments":
+        e_mean, e_var = e_vals[1], e_vals[2]
+        lo_i, hi_i = stats.value_range(exp.vals["lo"][exp.inv[I]], exp.vals["hi"][exp.inv[I]], e_mean[I], e_var[I])
+        lo_j, hi_j = stats.value_range(exp.vals["lo"][exp.inv[J]], exp.vals["hi"][exp.inv[J]], e_mean[J], e_var[J])
+        gap = stats.transform_gap_array(st.a_mean[I], st.a_var[I], st.a_mean[J], st.a_var[J],
+                                        np.where(lo_j < lo_i, lo_j, lo_i), np.where(hi_j > hi_i, hi_j, hi_i))
+        fin = np.isfinite(gap)
+        if fin.any():
+            worst = gap[fin].max()  # np.float64, as stats.transform_gap returns
+        differ = ((np.abs(st.a_mean[I] - st.a_mean[J]) > tol[1][I] + tol[1][J])
+                  | (np.abs(st.a_var[I] - st.a_var[J]) > tol[2][I] + tol[2][J]))
+        return differ, "max_gap_sigma", gap, worst
+    diff = np.abs(st.a_val[I] - st.a_val[J])
+    differ = diff > tol[0][I] + tol[0][J]
+    ai, aj = np.abs(st.a_val[I]), np.abs(st.a_val[J])
+    ref = np.where(aj > ai, aj, ai)
+    return differ, "max_relative_gap", np.where(ref != 0, diff / np.where(ref != 0, ref, 1.0), 0.0), worst
 
 
 #: Peer groups a ``cp_disagreement`` message names before "… and N more".

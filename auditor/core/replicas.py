@@ -143,21 +143,10 @@ def gap(a: np.ndarray, b: np.ndarray, k: int) -> np.ndarray:
         return np.where(d == 0, 0.0, d / nb)
 
 
-def replica_drift(
-    tensor: str,
-    fingerprints: np.ndarray,
-    *,
-    ranks: Sequence[int],
-    steps: Sequence[int],
-    coords: Sequence[Mapping[str, int]],
-    dtype: str,
-    replicate_over: Sequence[str] | None = None,
-    groups: Sequence[Sequence[int]] | None = None,
-    hosts: Sequence[str | None] | None = None,
-    k: int = 8,
-    agreement: str | None = None,
-    roundings: float = ROUNDINGS,
-) -> list[DriftFinding]:
+def replica_drift(tensor: str, fingerprints: np.ndarray, *, ranks: Sequence[int], steps: Sequence[int],
+                  coords: Sequence[Mapping[str, int]], dtype: str, replicate_over: Sequence[str] | None = None,
+                  groups: Sequence[Sequence[int]] | None = None, hosts: Sequence[str | None] | None = None,
+                  k: int = 8, agreement: str | None = None, roundings: float = ROUNDINGS) -> list[DriftFinding]:
     """The ``replica_divergence`` findings of one tensor over a range of steps.
 
     ``fingerprints``: float64 array (R, S, F), rank ``ranks[i]``'s fingerprint at
@@ -180,8 +169,44 @@ def replica_drift(
     fp = np.asarray(fingerprints, dtype=np.float64)
     rank_arr = np.asarray(ranks, dtype=np.int64)
     step_arr = np.asarray(steps, dtype=np.int64)
-    if fp.ndim != 3 or fp.shape[:2] != (rank_arr.size, step_arr.size):
-        raise ValueError(f"fingerprints must be (ranks, steps, fields) = ({rank_arr.size}, {step_arr.size}, F), "
+    agreement = _checked_agreement(fp, rank_arr.size, step_arr.size, k, agreement)
+    if len(coords) != rank_arr.size or (hosts is not None and len(hosts) != rank_arr.size):
+        raise ValueError("coords and hosts need one entry per rank")
+    stats.UNIT_ROUNDOFF[dtype]  # KeyError for an unknown dtype, before any work
+    host = {int(r): (hosts[i] if hosts is not None else None) for i, r in enumerate(rank_arr.tolist())}
+    coord = {int(r): dict(coords[i]) for i, r in enumerate(rank_arr.tolist())}
+    group_of = _groups(rank_arr, coords, replicate_over, groups)
+    member = group_of >= 0
+    order = np.flatnonzero(member)[np.argsort(group_of[member], kind="stable")]
+    if order.size == 0:
+        return []
+    g_sorted = group_of[order]
+    starts = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
+    diverge = _diverging(fp[order].transpose(1, 0, 2), starts, k, agreement, dtype, roundings)
+    if not diverge.any():
+        return []
+
+    # --- attribution, at each diverging group's first diverging step ---------------------------
+    members = [rank_arr[order[a:b]].tolist() for a, b in zip(starts, np.r_[starts[1:], order.size])]
+    row = {int(r): i for i, r in enumerate(rank_arr.tolist())}
+    div_groups = np.flatnonzero(diverge.any(axis=0)).tolist()
+    first = {g: int(np.argmax(diverge[:, g])) for g in div_groups}
+    classes = {g: _classes(fp, row, members[g], first[g], k, agreement, dtype, roundings) for g in div_groups}
+    tol = 0.0 if agreement == "bitwise" else roundings * stats.UNIT_ROUNDOFF[dtype]
+    ctx = _Ctx(tensor, fp, row, step_arr, k, tol, host, coord, diverge, members, first, classes, dtype, agreement)
+
+    dim = _along_dim(ctx, div_groups)
+    if dim is not None:
+        return [_along_finding(ctx, dim, div_groups)]
+    out = [_group_finding(ctx, g) for g in div_groups]
+    return sorted(out, key=lambda f: (f.first_step, ATTRIBUTIONS.index(f.attribution), f.ranks))
+
+
+def _checked_agreement(fp: np.ndarray, nranks: int, nsteps: int, k: int, agreement: str | None) -> str:
+    """The agreement rule ``replica_drift`` judges with (default: bitwise when the
+    fingerprints carry digests); ValueError for a shape or rule that does not fit."""
+    if fp.ndim != 3 or fp.shape[:2] != (nranks, nsteps):
+        raise ValueError(f"fingerprints must be (ranks, steps, fields) = ({nranks}, {nsteps}, F), "
                          f"got {fp.shape}")
     exact = fp.shape[2] == fields(k, True)
     if not exact and fp.shape[2] != fields(k, False):
@@ -192,22 +217,14 @@ def replica_drift(
         raise ValueError(f"agreement must be 'bitwise' or 'rounding', got {agreement!r}")
     if agreement == "bitwise" and not exact:
         raise ValueError("bitwise agreement needs fingerprints with digests (fingerprint(..., exact=True))")
-    if len(coords) != rank_arr.size or (hosts is not None and len(hosts) != rank_arr.size):
-        raise ValueError("coords and hosts need one entry per rank")
-    stats.UNIT_ROUNDOFF[dtype]  # KeyError for an unknown dtype, before any work
-    host = {int(r): (hosts[i] if hosts is not None else None) for i, r in enumerate(rank_arr.tolist())}
-    coord = {int(r): dict(coords[i]) for i, r in enumerate(rank_arr.tolist())}
-    group_of = _groups(rank_arr, coords, replicate_over, groups)
+    return agreement
 
-    # --- detection: (S, G) diverging, vectorised over steps and groups -------------------------
-    member = group_of >= 0
-    order = np.flatnonzero(member)[np.argsort(group_of[member], kind="stable")]
-    if order.size == 0:
-        return []
-    g_sorted = group_of[order]
-    starts = np.flatnonzero(np.r_[True, g_sorted[1:] != g_sorted[:-1]])
-    ngroups = starts.size
-    x = fp[order].transpose(1, 0, 2)  # (S, R', F)
+
+def _diverging(x: np.ndarray, starts: np.ndarray, k: int, agreement: str, dtype: str,
+               roundings: float) -> np.ndarray:
+    """bool (S, G): the groups whose members disagree at each step, vectorised over steps
+    and groups. ``x``: (S, R', F), the members sorted by group; ``starts``: each group's
+    first column. A group with fewer than two members present is not judged."""
     present = ~np.isnan(x[..., NUMEL])
     finite = np.isfinite(x).all(axis=-1)
     count = np.add.reduceat(present, starts, axis=1)
@@ -227,24 +244,7 @@ def replica_drift(
             diverge |= spread[..., SUM_SQ] > t_sq
             if k:
                 diverge |= (spread[..., PROJ:PROJ + k] > t_p[..., None]).any(axis=-1)
-    diverge &= judged
-    if not diverge.any():
-        return []
-
-    # --- attribution, at each diverging group's first diverging step ---------------------------
-    members = [rank_arr[order[a:b]].tolist() for a, b in zip(starts, np.r_[starts[1:], order.size])]
-    row = {int(r): i for i, r in enumerate(rank_arr.tolist())}
-    div_groups = np.flatnonzero(diverge.any(axis=0)).tolist()
-    first = {g: int(np.argmax(diverge[:, g])) for g in div_groups}
-    classes = {g: _classes(fp, row, members[g], first[g], k, agreement, dtype, roundings) for g in div_groups}
-    tol = 0.0 if agreement == "bitwise" else roundings * stats.UNIT_ROUNDOFF[dtype]
-    ctx = _Ctx(tensor, fp, row, step_arr, k, tol, host, coord, diverge, members, first, classes, dtype, agreement)
-
-    dim = _along_dim(ctx, div_groups)
-    if dim is not None:
-        return [_along_finding(ctx, dim, div_groups)]
-    out = [_group_finding(ctx, g) for g in div_groups]
-    return sorted(out, key=lambda f: (f.first_step, ATTRIBUTIONS.index(f.attribution), f.ranks))
+    return diverge & judged
 
 
 @dataclass

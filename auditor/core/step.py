@@ -270,58 +270,79 @@ class Step:
         inv = inv.reshape(-1)
         ng = int(inv.max()) + 1 if self.n else 0
         size = np.bincount(inv, minlength=ng).astype(np.float64)
-        w = np.ones(self.n)
-        if dedupe and any(a in axes for a in self.spec.replicas):
-            shard = self._key([a for a in self.axes if a not in self.spec.replicas])
-            _, first = np.unique(inv * (int(shard.max()) + 1) + shard, return_index=True)
-            w = np.zeros(self.n)
-            w[first] = 1.0
-        expected = float(np.prod([self.expected_sizes[self.axes.index(a)] for a in axes])) if axes else 1.0
-        complete = size == expected
+        w = self._dedupe_weights(inv, axes) if dedupe else np.ones(self.n)
+        finite = np.bincount(inv, self.bad_local.astype(np.float64), minlength=ng) == 0
+        if self.kind == "moments":
+            vals, merged_finite = self._moments_groups(inv, ng, w)
+        else:
+            vals, merged_finite = self._value_groups(inv, ng, w, size, axes)
+        p = Part(axes, dedupe, inv, size, self._complete(inv, ng, size, axes), finite & merged_finite, vals)
+        self._parts[ck] = p
+        return p
+
+    def _dedupe_weights(self, inv: np.ndarray, axes: tuple[str, ...]) -> np.ndarray:
+        """Per element 1.0 or 0.0: ranks differing only along ``spec.replicas`` within a group
+        count once (the one with the smallest coordinates)."""
+        if not any(a in axes for a in self.spec.replicas):
+            return np.ones(self.n)
+        shard = self._key([a for a in self.axes if a not in self.spec.replicas])
+        _, first = np.unique(inv * (int(shard.max()) + 1) + shard, return_index=True)
+        w = np.zeros(self.n)
+        w[first] = 1.0
+        return w
+
+    def _complete(self, inv: np.ndarray, ng: int, size: np.ndarray, axes: tuple[str, ...]) -> np.ndarray:
+        """Per group: every expected member reported (by ``group_ranks``: every rank it names)."""
         if self.by_group_ranks:  # a group is complete when every rank it names reported
             glen = np.zeros(ng)
             glen[inv] = self.group_len
-            complete = size == glen * (float(self.expected_sizes[4]) if "mb" in axes else 1.0)
-        finite = np.bincount(inv, self.bad_local.astype(np.float64), minlength=ng) == 0
+            return size == glen * (float(self.expected_sizes[4]) if "mb" in axes else 1.0)
+        expected = float(np.prod([self.expected_sizes[self.axes.index(a)] for a in axes])) if axes else 1.0
+        return size == expected
+
+    def _moments_groups(self, inv: np.ndarray, ng: int, w: np.ndarray) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Moments: each group's merged count, mean, m2, range and count magnitude, and
+        whether the merge stayed finite (float64 overflow)."""
+        # non-finite members make their group unjudgeable (``finite``); zero them so the
+        # other groups' merge stays clean
+        bad = self.bad_local
+        counts = np.where(bad, 0.0, w * self.l_n)
+        n_g, mean_g, m2_g = stats.merge_groups(inv, ng, counts, np.where(bad, 0.0, self.l_mean),
+                                               np.where(bad, 0.0, w * self.l_m2))
+        lo = np.full(ng, np.inf)
+        hi = np.full(ng, -np.inf)
+        np.minimum.at(lo, inv, self.l_lo)
+        np.maximum.at(hi, inv, self.l_hi)
+        vals = dict(count=n_g, mean=mean_g, m2=m2_g, lo=lo, hi=hi, count_abs=stats.whole_count_abs(inv, ng, counts))
+        return vals, np.isfinite(n_g) & np.isfinite(mean_g) & np.isfinite(m2_g)  # float64 overflow
+
+    def _value_groups(self, inv: np.ndarray, ng: int, w: np.ndarray, size: np.ndarray,
+                      axes: tuple[str, ...]) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Sum/norm: each group's value, magnitude and terms (norm: the replicated part once,
+        and the figures its diagnoses compare with; sum: the AVG all-reduce's mean), and
+        whether they stayed finite (float64 overflow)."""
         vals: dict[str, np.ndarray] = {}
-        if self.kind == "moments":
-            # non-finite members make their group unjudgeable (``finite``); zero them so the
-            # other groups' merge stays clean
-            bad = self.bad_local
-            counts = np.where(bad, 0.0, w * self.l_n)
-            n_g, mean_g, m2_g = stats.merge_groups(inv, ng, counts, np.where(bad, 0.0, self.l_mean),
-                                                   np.where(bad, 0.0, w * self.l_m2))
-            lo = np.full(ng, np.inf)
-            hi = np.full(ng, -np.inf)
-            np.minimum.at(lo, inv, self.l_lo)
-            np.maximum.at(hi, inv, self.l_hi)
-            vals.update(count=n_g, mean=mean_g, m2=m2_g, lo=lo, hi=hi, count_abs=stats.whole_count_abs(inv, ng, counts))
-            finite &= np.isfinite(n_g) & np.isfinite(mean_g) & np.isfinite(m2_g)  # float64 overflow
+        v = np.where(self.bad_local, 0.0, self.l_val)
+        rep = np.where(self.bad_local, 0.0, self.l_rep)
+        terms = np.bincount(inv, w * self.l_terms, minlength=ng)
+        total = np.bincount(inv, w * v, minlength=ng)
+        absum = np.bincount(inv, w * np.abs(v), minlength=ng)
+        if self.kind == "norm":
+            counted = np.bincount(inv, w, minlength=ng)
+            rep_mean, classes = self._replicated_once(inv, ng, size, rep, axes)
+            vals["value_rep_each"] = total + np.bincount(inv, w * rep, minlength=ng)
+            # each replicated part is added once per rank holding it: the ranks of its class
+            vals["rep_factor"] = counted / np.maximum(classes, 1.0)
+            # reduction_op: the square of the mean of per-rank norms √(sum_sq + replicated_sum_sq)
+            own = np.sqrt(np.maximum(v + rep, 0.0))
+            vals["mean_of_norms"] = (np.bincount(inv, w * own, minlength=ng) / np.maximum(counted, 1.0)) ** 2
+            total = total + rep_mean
+            absum = absum + rep_mean
         else:
-            v = np.where(self.bad_local, 0.0, self.l_val)
-            rep = np.where(self.bad_local, 0.0, self.l_rep)
-            terms = np.bincount(inv, w * self.l_terms, minlength=ng)
-            total = np.bincount(inv, w * v, minlength=ng)
-            absum = np.bincount(inv, w * np.abs(v), minlength=ng)
-            if self.kind == "norm":
-                counted = np.bincount(inv, w, minlength=ng)
-                rep_mean, classes = self._replicated_once(inv, ng, size, rep, axes)
-                vals["value_rep_each"] = total + np.bincount(inv, w * rep, minlength=ng)
-                # each replicated part is added once per rank holding it: the ranks of its class
-                vals["rep_factor"] = counted / np.maximum(classes, 1.0)
-                # reduction_op: the square of the mean of per-rank norms √(sum_sq + replicated_sum_sq)
-                own = np.sqrt(np.maximum(v + rep, 0.0))
-                vals["mean_of_norms"] = (np.bincount(inv, w * own, minlength=ng) / np.maximum(counted, 1.0)) ** 2
-                total = total + rep_mean
-                absum = absum + rep_mean
-            else:
-                # reduction_op: an AVG all-reduce of the local sums
-                vals["mean"] = total / np.maximum(np.bincount(inv, w, minlength=ng), 1.0)
-            vals.update(value=total, abs=absum, terms=terms)
-            finite &= np.isfinite(total) & np.isfinite(absum)  # float64 overflow
-        p = Part(axes, dedupe, inv, size, complete, finite, vals)
-        self._parts[ck] = p
-        return p
+            # reduction_op: an AVG all-reduce of the local sums
+            vals["mean"] = total / np.maximum(np.bincount(inv, w, minlength=ng), 1.0)
+        vals.update(value=total, abs=absum, terms=terms)
+        return vals, np.isfinite(total) & np.isfinite(absum)  # float64 overflow
 
     def _replicated_once(self, inv: np.ndarray, ng: int, size: np.ndarray, rep: np.ndarray, axes) -> tuple[np.ndarray, np.ndarray]:
         """Per group: the replicated part counted once per class of ranks that must hold the

@@ -42,20 +42,10 @@ from auditor.core.types import (
 _MB_RANK = operator.attrgetter("microbatch", "rank")
 
 
-def audit_step(
-    reports: Sequence[RankReport],
-    sizes: Coord,
-    spec: Spec,
-    *,
-    num_microbatches: int = 1,
-    history: Callable[[], Mapping[tuple, Sequence[tuple[int, float, float, float]]]] | None = None,
-    kind: str = "moments",
-    expert_sizes: Coord | None = None,
-    order: str | None = None,
-    topology: str = "known",
-    world_size: int | None = None,
-    source: str | None = None,
-) -> StepVerdict:
+def audit_step(reports: Sequence[RankReport], sizes: Coord, spec: Spec, *, num_microbatches: int = 1,
+               history: Callable[[], Mapping[tuple, Sequence[tuple[int, float, float, float]]]] | None = None,
+               kind: str = "moments", expert_sizes: Coord | None = None, order: str | None = None,
+               topology: str = "known", world_size: int | None = None, source: str | None = None) -> StepVerdict:
     """Audit one step of a statistic of ``kind`` (DESIGN.md §3 table).
 
     Parameters
@@ -112,19 +102,9 @@ def audit_step(
     if kind not in VERB:
         raise ValueError(f"unknown statistic kind {kind!r}; expected one of {sorted(VERB)}")
     world = world_size or math.prod(sizes)
-    unknown = topology == "unknown"
-    dims = DIMS
     declared = spec
-    if unknown and layoutless.world_group_proven(reports, spec, kind, num_microbatches, world):
-        # the values prove every rank's expected group is the world (core.layoutless, 2)
-        reports, sizes, spec = layoutless.world_layout(reports, spec, world)
-        unknown = False
-    elif unknown:  # judged against group_ranks: one synthetic dim (the position in the group)
-        spec = dataclasses.replace(spec, reduce_over=("dp",), replicas=(), placement=(), replicated_along=None)
-    elif spec.factorisation == "expert":
-        if expert_sizes is None:
-            raise ValueError("the spec names expert dims but the run has no expert factorisation")
-        dims, sizes = EXPERT_DIMS, expert_sizes
+    reports, sizes, spec, dims, unknown = _judged_layout(reports, sizes, spec, kind, num_microbatches, world,
+                                                         topology == "unknown", expert_sizes)
     placed = spec.placed(dict(zip(dims, sizes))) if spec.placement else {}
     faults: list[Fault] = []
     missing_fault = _missing(reports, world, dims, sizes, placed, num_microbatches, order)
@@ -141,16 +121,37 @@ def audit_step(
             if unknown:
                 layoutless.agreement(st, st.part(("dp",)), declared, found)
         faults.extend(found.faults())
-    if any(f.kind != FaultKind.MISSING_REPORT for f in faults):
-        verdict = "inconsistent"
-    elif unknown:  # no fault, but whether each group was the right one is not established
-        verdict = "unverified"
-    elif missing_fault is not None:
-        verdict = "incomplete"
-    else:
-        verdict = "consistent"
     rows.sort(key=lambda row: (row.microbatch, row.rank))
-    return StepVerdict(verdict, faults, rows, groups_out, cp_sigma, err_sigma, tol_sigma)
+    return StepVerdict(_verdict_word(faults, unknown, missing_fault is not None), faults, rows, groups_out,
+                       cp_sigma, err_sigma, tol_sigma)
+
+
+def _judged_layout(reports: Sequence[RankReport], sizes: Coord, spec: Spec, kind: str, num_microbatches: int,
+                   world: int, unknown: bool, expert_sizes: Coord | None):
+    """The (reports, sizes, spec, dims, unknown) a step is judged in: an unknown topology
+    whose values prove the world is every group becomes known; else one synthetic dim (the
+    position in ``group_ranks``); an expert spec takes the expert dims and sizes."""
+    if unknown and layoutless.world_group_proven(reports, spec, kind, num_microbatches, world):
+        # the values prove every rank's expected group is the world (core.layoutless, 2)
+        reports, sizes, spec = layoutless.world_layout(reports, spec, world)
+        return reports, sizes, spec, DIMS, False
+    if unknown:  # judged against group_ranks: one synthetic dim (the position in the group)
+        spec = dataclasses.replace(spec, reduce_over=("dp",), replicas=(), placement=(), replicated_along=None)
+    elif spec.factorisation == "expert":
+        if expert_sizes is None:
+            raise ValueError("the spec names expert dims but the run has no expert factorisation")
+        return reports, expert_sizes, spec, EXPERT_DIMS, False
+    return reports, sizes, spec, DIMS, unknown
+
+
+def _verdict_word(faults: Sequence[Fault], unknown: bool, missing: bool) -> str:
+    """``inconsistent`` on any fault but ``missing_report``; else ``unverified`` for an
+    unknown topology; else ``incomplete`` if reports are missing; else ``consistent``."""
+    if any(f.kind != FaultKind.MISSING_REPORT for f in faults):
+        return "inconsistent"
+    if unknown:  # no fault, but whether each group was the right one is not established
+        return "unverified"
+    return "incomplete" if missing else "consistent"
 
 
 def _missing(reports: Sequence[RankReport], world: int, dims, sizes, placed, num_microbatches: int,
@@ -288,56 +289,72 @@ def _rows(st: Step, exp: Part, e_vals, e_tol, judged: np.ndarray, reduce_over, o
     """The per-rank table, the correct statistic of each judged group (in element order) and,
     for ``moments``, the largest finite applied-error gap in σ and the largest gap the
     rounding bounds allow (:attr:`StepVerdict.tolerance_sigma`). Vectorised per column."""
-    kind = st.kind
-    n = st.n
-    groups_out: list[GroupStat] = []
     err_sigma = tol_sigma = None
-    if kind == "moments":
-        n_e, mean_e, var_e = e_vals
-        show = judged & (n_e > 0)
-        local_mean = _opt(st.l_mean, (st.l_n > 0) & ~st.bad_local)
-        applied_mean = _opt(st.a_mean, np.isfinite(st.a_mean))
-        applied_std = _opt(np.sqrt(st.a_var), np.isfinite(st.a_var) & (st.a_var >= 0))
-        correct_mean = _opt(mean_e, show)
-        correct_std = _opt(np.sqrt(var_e), show & (var_e >= 0))
-        gap_at = show & st.a_ok
-        gaps = np.full(n, np.nan)
-        if gap_at.any():
-            idx = np.flatnonzero(gap_at)
-            g = exp.inv[idx]
-            lo, hi = stats.value_range(exp.vals["lo"][g], exp.vals["hi"][g], mean_e[idx], var_e[idx])
-            gaps[idx] = st.applied_gaps(idx, exp, mean_e[idx], var_e[idx], lo, hi)
-            finite = np.isfinite(gaps)
-            if finite.any():
-                err_sigma = gaps[finite].max()  # np.float64, as stats.transform_gap returns
-            # the gap of a correct reduction at the worst corner of its (mean, var) bounds
-            tm, tv = e_tol[1][idx], e_tol[2][idx]
-            tol = np.zeros(len(idx))
-            for sm in (-1.0, 1.0):
-                for sv in (-1.0, 1.0):
-                    tol = np.fmax(tol, stats.transform_gap_array(mean_e[idx] + sm * tm, var_e[idx] + sv * tv,
-                                                                 mean_e[idx], var_e[idx], lo, hi))
-            if np.isfinite(tol).all():
-                tol_sigma = float(tol.max())
-        error_sigma = list(gaps)  # np.float64 scalars, as stats.transform_gap returns
-        for i in np.flatnonzero(~np.isfinite(gaps)).tolist():
-            error_sigma[i] = None
-        relative_error = itertools.repeat(None)
-        values = (n_e, mean_e, var_e)
+    if st.kind == "moments":
+        show, cols, err_sigma, tol_sigma = _moments_columns(st, exp, e_vals, e_tol, judged)
+        values = e_vals
     else:
         value = e_vals[0]
-        show = judged
-        local_mean = _opt(st.l_val, np.isfinite(st.l_val))
-        applied_mean = _opt(st.a_val, st.a_ok)
-        applied_std = correct_std = error_sigma = itertools.repeat(None)
-        correct_mean = _opt(value, show)
-        rel_at = show & st.a_ok
-        nz = value != 0
-        rel = np.where(nz, np.abs(st.a_val - value) / np.where(nz, np.abs(value), 1.0),
-                       np.where(st.a_val == 0, 0.0, np.inf))
-        relative_error = _opt(rel, rel_at)
-        values = (value, value, np.zeros(n))
-    # groups, in order of their first shown element
+        show, cols = judged, _value_columns(st, value, judged)
+        values = (value, value, np.zeros(st.n))
+    groups_out = _groups_shown(st, exp, show, values, reduce_over, over_mb)
+    names = ("group_position", "_", "_", "group") if st.by_group_ranks else st.dims
+    rows = [
+        RankRow(ir[5], ir[4], dict(zip(names, ir[:4])), rw[0], lm, am, asd, cm, cs, es, fo, re)
+        for ir, rw, lm, am, asd, cm, cs, es, fo, re in zip(st.int_rows, st.raw, *cols[:6], faults_of, cols[6])
+    ]
+    return rows, groups_out, err_sigma, tol_sigma
+
+
+def _moments_columns(st: Step, exp: Part, e_vals, e_tol, judged: np.ndarray):
+    """Moments: the shown elements (judged, group non-empty), the table's columns (local
+    mean, applied mean and std, correct mean and std, error σ, relative error), the largest
+    finite error σ and the largest gap the rounding bounds allow (None when not all finite)."""
+    n_e, mean_e, var_e = e_vals
+    err_sigma = tol_sigma = None
+    show = judged & (n_e > 0)
+    gap_at = show & st.a_ok
+    gaps = np.full(st.n, np.nan)
+    if gap_at.any():
+        idx = np.flatnonzero(gap_at)
+        g = exp.inv[idx]
+        lo, hi = stats.value_range(exp.vals["lo"][g], exp.vals["hi"][g], mean_e[idx], var_e[idx])
+        gaps[idx] = st.applied_gaps(idx, exp, mean_e[idx], var_e[idx], lo, hi)
+        finite = np.isfinite(gaps)
+        if finite.any():
+            err_sigma = gaps[finite].max()  # np.float64, as stats.transform_gap returns
+        # the gap of a correct reduction at the worst corner of its (mean, var) bounds
+        tm, tv = e_tol[1][idx], e_tol[2][idx]
+        tol = np.zeros(len(idx))
+        for sm in (-1.0, 1.0):
+            for sv in (-1.0, 1.0):
+                tol = np.fmax(tol, stats.transform_gap_array(mean_e[idx] + sm * tm, var_e[idx] + sv * tv,
+                                                             mean_e[idx], var_e[idx], lo, hi))
+        if np.isfinite(tol).all():
+            tol_sigma = float(tol.max())
+    error_sigma = list(gaps)  # np.float64 scalars, as stats.transform_gap returns
+    for i in np.flatnonzero(~np.isfinite(gaps)).tolist():
+        error_sigma[i] = None
+    cols = (_opt(st.l_mean, (st.l_n > 0) & ~st.bad_local), _opt(st.a_mean, np.isfinite(st.a_mean)),
+            _opt(np.sqrt(st.a_var), np.isfinite(st.a_var) & (st.a_var >= 0)), _opt(mean_e, show),
+            _opt(np.sqrt(var_e), show & (var_e >= 0)), error_sigma, itertools.repeat(None))
+    return show, cols, err_sigma, tol_sigma
+
+
+def _value_columns(st: Step, value: np.ndarray, show: np.ndarray) -> tuple:
+    """Sum/norm: the table's columns (local value, applied value, no std, the correct value,
+    no std, no σ, the relative error where shown and applied)."""
+    nz = value != 0
+    rel = np.where(nz, np.abs(st.a_val - value) / np.where(nz, np.abs(value), 1.0),
+                   np.where(st.a_val == 0, 0.0, np.inf))
+    none = itertools.repeat(None)
+    return (_opt(st.l_val, np.isfinite(st.l_val)), _opt(st.a_val, st.a_ok), none, _opt(value, show), none, none,
+            _opt(rel, show & st.a_ok))
+
+
+def _groups_shown(st: Step, exp: Part, show: np.ndarray, values, reduce_over, over_mb: bool) -> list[GroupStat]:
+    """The correct statistic of each group with a shown element, in order of the first."""
+    groups_out: list[GroupStat] = []
     if show.any():
         idx = np.flatnonzero(show)
         _, first = np.unique(exp.inv[idx], return_index=True)
@@ -346,12 +363,4 @@ def _rows(st: Step, exp: Part, e_vals, e_tol, judged: np.ndarray, reduce_over, o
             mbi = 0 if over_mb else st.int_rows[i][4]
             groups_out.append(GroupStat(gkey, mbi, exp.members(st, i), float(values[0][i]), float(values[1][i]),
                                         float(values[2][i])))
-    names = ("group_position", "_", "_", "group") if st.by_group_ranks else st.dims
-    rows = [
-        RankRow(ir[5], ir[4], dict(zip(names, ir[:4])), rw[0], lm, am, asd, cm, cs, es, fo, re)
-        for ir, rw, lm, am, asd, cm, cs, es, fo, re in zip(
-            st.int_rows, st.raw, local_mean, applied_mean, applied_std, correct_mean, correct_std, error_sigma,
-            faults_of, relative_error)
-    ]
-    return rows, groups_out, err_sigma, tol_sigma
-
+    return groups_out
