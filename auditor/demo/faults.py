@@ -104,138 +104,195 @@ def shard_data(scenario: int, step: int, dp: int, cp: int, tp: int, name: str) -
 
 def _inject_all(rank: int, world: int, port: int, url: str, prefix: str, timeout: float) -> dict:
     """Body of one worker: join gloo, build Megatron groups, run every scenario."""
-    import torch
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     from megatron.core import parallel_state as ps
 
-    from auditor.trainer.client import AuditorClient
-    from auditor.trainer.hooks import (audited_norm_sq, audited_sum, distributed_masked_whiten, masked_moments,
-                                       report_statistic)
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
     try:
         ps.initialize_model_parallel(tensor_model_parallel_size=TP, context_parallel_size=CP)
-        dp, cp, tp = ps.get_data_parallel_rank(), ps.get_context_parallel_rank(), ps.get_tensor_model_parallel_rank()
-        dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
-        # groups of the skipped-collective scenario: each TP slice's DP×CP group minus (dp1, cp1)
-        all_coords = [None] * world
-        dist.all_gather_object(all_coords, (dp, cp, tp))
-        partial = {}
-        for t in range(TP):
-            members = [r for r, c in enumerate(all_coords) if c[2] == t and c[:2] != (1, 1)]
-            partial[t] = dist.new_group(members)
-        solo = [dist.new_group([r]) for r in range(world)]  # "no reduction" (collective creation)
-        client = AuditorClient(url, flush_interval=0.05)
-        common = dict(client=client)
-
-        def whiten(run, values, mask, group, step=0):
-            v, m = torch.from_numpy(values), torch.from_numpy(mask)
-            try:
-                return distributed_masked_whiten(v, m, process_group=group, run_id=run, step=step, **common)
-            except ValueError:
-                return None  # empty_global: slime raises after the (reported) all-reduce
-
-        def manual(run, values, mask, group, applied_fn, step=0, skip=False):
-            """A faulty whitening: same local moments and reduction as slime, applied_fn
-            turns the reduced float32 (S, SS, N) into the (mean, var) the rank uses."""
-            v, m = torch.from_numpy(values), torch.from_numpy(mask)
-            local = masked_moments(v, m)
-            applied = None
-            if not skip:
-                t = torch.tensor([(v * m).sum(), (v * v * m).sum(), m.sum()], dtype=torch.float32)
-                dist.all_reduce(t, group=group)
-                s, ss, n = (float(x) for x in t)
-                mean, var = applied_fn(t)
-                applied = {"count": n, "sum": s, "sum_sq": ss, "mean": mean, "var": var}
-            report_statistic(client, run_id=run, statistic="advantages", step=step, kind="moments", local=local,
-                             applied=applied, process_group=group)
-
-        def population(t):
-            s, ss, n = t
-            mean = s / n
-            return float(mean), float(ss / n - mean * mean)
-
-        stale_cache: dict = {}
-
-        def stale(t):
-            s, ss, n = t
-            mean = s / n
-            var = (ss / n - mean * mean) * n / (n - 1)
-            if "v" not in stale_cache:
-                stale_cache["v"] = (float(mean), float(var))
-            return stale_cache["v"]
-
+        rk = _Rank(rank, world, url)
         for idx, sc in enumerate(SCENARIOS):
             run = f"{prefix}-{sc.name}"
-            name = sc.name
-            data = lambda step=0: shard_data(idx, step, dp, cp, tp, name)  # noqa: E731
             if sc.kind == "moments":
-                if name == "correct-edge":
-                    for step in (0, 1):
-                        whiten(run, *data(step), dp_cp, step)
-                elif name == "wrong-group":
-                    whiten(run, *data(), ps.get_data_parallel_group())
-                elif name == "replica-overcount":
-                    whiten(run, *data(), None)
-                elif name == "variance-convention":
-                    manual(run, *data(), dp_cp, population)
-                elif name == "stale-statistic":
-                    for step in (0, 1):
-                        manual(run, *data(step), dp_cp, stale, step=step)
-                        client.flush(timeout)
-                elif name == "skipped-collective":
-                    skip = (dp, cp) == (1, 1)
-                    if skip:
-                        manual(run, *data(), partial[tp], None, skip=True)
-                    else:
-                        whiten(run, *data(), partial[tp])
-                elif name == "missing-report":
-                    values, mask = data()
-                    if rank == 5:
-                        v, m = torch.from_numpy(values), torch.from_numpy(mask)
-                        t = torch.tensor([(v * m).sum(), (v * v * m).sum(), m.sum()], dtype=torch.float32)
-                        dist.all_reduce(t, group=dp_cp)  # takes part, never reports
-                    else:
-                        whiten(run, values, mask, dp_cp)
-                else:  # correct-1e7, precision-1e3, replica-divergence, non-finite, empty-global
-                    whiten(run, *data(), dp_cp)
+                _moments_scenario(rk, idx, sc.name, run, timeout)
             elif sc.kind == "sum":
-                rng = np.random.default_rng([idx, dp, cp])
-                counts = [float(x) for x in rng.integers(0, 400, size=2)]
-                if name == "sum-correct":
-                    audited_sum(counts, dp_cp, run_id=run, statistic="loss_tokens", **common)
-                else:  # local count: no all-reduce at all
-                    spec = {"reduce_over": ["dp", "cp"], "replicas": ["tp"], "over_microbatches": True}
-                    for mb, c in enumerate(counts):
-                        report_statistic(client, run_id=run, statistic="loss_tokens", step=0, kind="sum",
-                                         local={"sum": c}, applied={"sum": float(sum(counts))},
-                                         process_group=solo[rank],
-                                         microbatch=mb, num_microbatches=2, spec=spec)
-            else:  # norm: shards differ along tp (model parallel), equal along dp/cp (replicas)
-                rng = np.random.default_rng([idx, tp])
-                sum_sq = float(np.float32(rng.random() * 10))
-                rep = 0.25
-                mp = ps.get_model_parallel_group()
-                if name == "norm-correct":
-                    audited_norm_sq(sum_sq, rep, mp, run_id=run, **common)
-                elif name == "norm-replicated-overcount":
-                    t = torch.tensor(sum_sq + rep, dtype=torch.float32)
-                    dist.all_reduce(t, group=mp)
-                    report_statistic(client, run_id=run, statistic="grad_norm_sq", step=0, kind="norm",
-                                     local={"sum_sq": sum_sq, "replicated_sum_sq": rep},
-                                     applied={"sum_sq": float(t)}, process_group=mp)
-                else:
-                    audited_norm_sq(sum_sq, rep, solo[rank], run_id=run, **common)
-        delivered = client.flush(timeout)
-        client.close()
+                _sum_scenario(rk, idx, sc.name, run)
+            else:
+                _norm_scenario(rk, idx, sc.name, run)
+        delivered = rk.client.flush(timeout)
+        rk.client.close()
         dist.barrier()
-        return {"rank": rank, "coords": (dp, cp, tp), "delivered": delivered, "stats": dict(client.stats)}
+        return {"rank": rank, "coords": (rk.dp, rk.cp, rk.tp), "delivered": delivered, "stats": dict(rk.client.stats)}
     finally:
         ps.destroy_model_parallel()
         dist.destroy_process_group()
+
+
+class _Rank:
+    """One worker in the joined world: its coordinates (``dp``, ``cp``, ``tp``), the groups
+    the scenarios reduce over, its client, and the two ways it whitens (slime's, or a faulty
+    one by hand)."""
+
+    def __init__(self, rank: int, world: int, url: str):
+        """Read the Megatron coordinates and build the extra groups (every rank builds the same
+        groups in the same order), then open the client to ``url``."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from auditor.trainer.client import AuditorClient
+
+        self.rank = rank
+        self.dp, self.cp, self.tp = (ps.get_data_parallel_rank(), ps.get_context_parallel_rank(),
+                                     ps.get_tensor_model_parallel_rank())
+        self.dp_cp = ps.get_data_parallel_group(with_context_parallel=True)
+        # groups of the skipped-collective scenario: each TP slice's DP×CP group minus (dp1, cp1)
+        all_coords = [None] * world
+        dist.all_gather_object(all_coords, (self.dp, self.cp, self.tp))
+        self.partial = {}
+        for t in range(TP):
+            members = [r for r, c in enumerate(all_coords) if c[2] == t and c[:2] != (1, 1)]
+            self.partial[t] = dist.new_group(members)
+        self.solo = [dist.new_group([r]) for r in range(world)]  # "no reduction" (collective creation)
+        self.client = AuditorClient(url, flush_interval=0.05)
+        self.stale_cache: dict = {}
+
+    def data(self, idx: int, name: str, step: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """This rank's values and mask in scenario ``idx`` (:func:`shard_data`)."""
+        return shard_data(idx, step, self.dp, self.cp, self.tp, name)
+
+    def whiten(self, run, values, mask, group, step=0):
+        """slime's whitening over ``group`` (``None``: the world), reported by the hook."""
+        import torch
+
+        from auditor.trainer.hooks import distributed_masked_whiten
+
+        v, m = torch.from_numpy(values), torch.from_numpy(mask)
+        try:
+            return distributed_masked_whiten(v, m, process_group=group, run_id=run, step=step, client=self.client)
+        except ValueError:
+            return None  # empty_global: slime raises after the (reported) all-reduce
+
+    def manual(self, run, values, mask, group, applied_fn, step=0, skip=False):
+        """A faulty whitening: same local moments and reduction as slime, applied_fn
+        turns the reduced float32 (S, SS, N) into the (mean, var) the rank uses."""
+        import torch
+        import torch.distributed as dist
+
+        from auditor.trainer.hooks import masked_moments, report_statistic
+
+        v, m = torch.from_numpy(values), torch.from_numpy(mask)
+        local = masked_moments(v, m)
+        applied = None
+        if not skip:
+            t = torch.tensor([(v * m).sum(), (v * v * m).sum(), m.sum()], dtype=torch.float32)
+            dist.all_reduce(t, group=group)
+            s, ss, n = (float(x) for x in t)
+            mean, var = applied_fn(t)
+            applied = {"count": n, "sum": s, "sum_sq": ss, "mean": mean, "var": var}
+        report_statistic(self.client, run_id=run, statistic="advantages", step=step, kind="moments", local=local,
+                         applied=applied, process_group=group)
+
+    def stale(self, t):
+        """The sample (mean, var) of the first reduction this rank made, whatever ``t`` is now."""
+        s, ss, n = t
+        mean = s / n
+        var = (ss / n - mean * mean) * n / (n - 1)
+        if "v" not in self.stale_cache:
+            self.stale_cache["v"] = (float(mean), float(var))
+        return self.stale_cache["v"]
+
+
+def _population(t):
+    """The (mean, var) of a reduced (S, SS, N) with no Bessel correction."""
+    s, ss, n = t
+    mean = s / n
+    return float(mean), float(ss / n - mean * mean)
+
+
+def _moments_scenario(rk: _Rank, idx: int, name: str, run: str, timeout: float) -> None:
+    """One ``moments`` scenario: slime's whitening over the right group or a wrong one, or a
+    faulty whitening by hand; ``timeout`` bounds a flush between steps."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    data = lambda step=0: rk.data(idx, name, step)  # noqa: E731
+    if name == "correct-edge":
+        for step in (0, 1):
+            rk.whiten(run, *data(step), rk.dp_cp, step)
+    elif name == "wrong-group":
+        rk.whiten(run, *data(), ps.get_data_parallel_group())
+    elif name == "replica-overcount":
+        rk.whiten(run, *data(), None)
+    elif name == "variance-convention":
+        rk.manual(run, *data(), rk.dp_cp, _population)
+    elif name == "stale-statistic":
+        for step in (0, 1):
+            rk.manual(run, *data(step), rk.dp_cp, rk.stale, step=step)
+            rk.client.flush(timeout)
+    elif name == "skipped-collective":
+        skip = (rk.dp, rk.cp) == (1, 1)
+        if skip:
+            rk.manual(run, *data(), rk.partial[rk.tp], None, skip=True)
+        else:
+            rk.whiten(run, *data(), rk.partial[rk.tp])
+    elif name == "missing-report":
+        values, mask = data()
+        if rk.rank == 5:
+            v, m = torch.from_numpy(values), torch.from_numpy(mask)
+            t = torch.tensor([(v * m).sum(), (v * v * m).sum(), m.sum()], dtype=torch.float32)
+            dist.all_reduce(t, group=rk.dp_cp)  # takes part, never reports
+        else:
+            rk.whiten(run, values, mask, rk.dp_cp)
+    else:  # correct-1e7, precision-1e3, replica-divergence, non-finite, empty-global
+        rk.whiten(run, *data(), rk.dp_cp)
+
+
+def _sum_scenario(rk: _Rank, idx: int, name: str, run: str) -> None:
+    """One ``sum`` scenario: token counts of 2 microbatches summed over dp+cp by the hook, or
+    each rank's local count applied with no all-reduce at all."""
+    from auditor.trainer.hooks import audited_sum, report_statistic
+
+    rng = np.random.default_rng([idx, rk.dp, rk.cp])
+    counts = [float(x) for x in rng.integers(0, 400, size=2)]
+    if name == "sum-correct":
+        audited_sum(counts, rk.dp_cp, run_id=run, statistic="loss_tokens", client=rk.client)
+    else:  # local count: no all-reduce at all
+        spec = {"reduce_over": ["dp", "cp"], "replicas": ["tp"], "over_microbatches": True}
+        for mb, c in enumerate(counts):
+            report_statistic(rk.client, run_id=run, statistic="loss_tokens", step=0, kind="sum",
+                             local={"sum": c}, applied={"sum": float(sum(counts))},
+                             process_group=rk.solo[rk.rank],
+                             microbatch=mb, num_microbatches=2, spec=spec)
+
+
+def _norm_scenario(rk: _Rank, idx: int, name: str, run: str) -> None:
+    """One ``norm`` scenario: grad norm² over the model-parallel group by the hook, the
+    replicated part added on every TP rank, or no reduction. Shards differ along tp (model
+    parallel), equal along dp/cp (replicas)."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from auditor.trainer.hooks import audited_norm_sq, report_statistic
+
+    rng = np.random.default_rng([idx, rk.tp])
+    sum_sq = float(np.float32(rng.random() * 10))
+    rep = 0.25
+    mp = ps.get_model_parallel_group()
+    if name == "norm-correct":
+        audited_norm_sq(sum_sq, rep, mp, run_id=run, client=rk.client)
+    elif name == "norm-replicated-overcount":
+        t = torch.tensor(sum_sq + rep, dtype=torch.float32)
+        dist.all_reduce(t, group=mp)
+        report_statistic(rk.client, run_id=run, statistic="grad_norm_sq", step=0, kind="norm",
+                         local={"sum_sq": sum_sq, "replicated_sum_sq": rep},
+                         applied={"sum_sq": float(t)}, process_group=mp)
+    else:
+        audited_norm_sq(sum_sq, rep, rk.solo[rk.rank], run_id=run, client=rk.client)
 
 
 def run_injection(url: str, prefix: str, timeout: float = DEFAULT_TIMEOUT) -> list[dict]:
