@@ -2,6 +2,8 @@
 
 :mod:`~auditor.trainer.settings` (every ``AUDITOR_*`` variable a rank reads),
 :mod:`~auditor.trainer.client` (queue, sender and spill threads),
+:mod:`~auditor.trainer.handover` (the training thread's side of the client: ring and queue),
+:mod:`~auditor.trainer.destination` (the service or the spool only: URL and token checks),
 :mod:`~auditor.trainer.delivery` (the one POST/retry loop), :mod:`~auditor.trainer.spool`
 (the JSONL spool file format), :mod:`~auditor.trainer.report` (the one wire-dict builder),
 :mod:`~auditor.trainer.hooks` (masked moments, slime's mean/variance, audited collectives),

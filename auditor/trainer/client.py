@@ -58,10 +58,11 @@ from typing import Any
 
 import httpx
 
-from auditor import bounded_http
 from auditor.trainer.deferred import RING_SIZE, Deferred, Ring
 from auditor.trainer.delivery import CONFIGURATION_ERRORS, MAX_BACKOFF, Outcome, deliver, encode
-from auditor.trainer.settings import read_settings, valid_number, warn_once
+from auditor.trainer.destination import destination, open_http
+from auditor.trainer.handover import HandOver
+from auditor.trainer.settings import read_settings, valid_number
 from auditor.trainer.spool import Spool, append_lines, dead_letter_path, default_spool_dir, default_spool_name
 
 log = logging.getLogger("auditor.client")
@@ -70,7 +71,7 @@ log = logging.getLogger("auditor.client")
 SPILL_CHUNK = 500
 
 
-class AuditorClient:
+class AuditorClient(HandOver):
     """Batching, retrying, spooling client for ``POST /v1/reports`` (see the module docstring).
 
     Parameters
@@ -145,27 +146,10 @@ class AuditorClient:
         rank: int | str | None = None,
         ring_size: int = RING_SIZE,
     ) -> None:
-        batch_size = valid_number("batch_size", batch_size, 1000, 1, integer=True)
-        flush_interval = valid_number("flush_interval", flush_interval, 0.2, 0.001)
-        max_queue = valid_number("max_queue", max_queue, 10_000, 1, integer=True)
-        timeout = valid_number("timeout", timeout, 5.0, 0.001)
-        spool_after = valid_number("spool_after", spool_after, 1.0, 0.0)
-        fsync_interval = valid_number("fsync_interval", fsync_interval, 1.0, 0.001)
-        flush_timeout = valid_number("flush_timeout", flush_timeout, 5.0, 0.0)
-        max_backoff = valid_number("max_backoff", max_backoff, MAX_BACKOFF, 0.0)
-        ring_size = valid_number("ring_size", ring_size, RING_SIZE, 1, integer=True)
-        url = str(url or "").strip()
-        self.file_only = url.startswith("file:")
-        if self.file_only:
-            spool_dir = url[len("file://"):] if url.startswith("file://") else url[len("file:"):]
-            spool = True
-        elif (unusable := _unusable(url, token)) is not None:  # the spool only, said once
-            key, why, upload = unusable
-            where = Path(spool_dir or default_spool_dir())
-            warn_once(key, "auditor client: %s; writing reports to the spool in %s only — upload them with "
-                      "`auditor import %s %s`", why, where, where, upload)
-            self.file_only, spool_dir, spool = True, where, True
-            url = f"file://{where}"
+        (batch_size, flush_interval, max_queue, timeout, spool_after, fsync_interval, flush_timeout, max_backoff,
+         ring_size) = _valid_numbers(batch_size, flush_interval, max_queue, timeout, spool_after, fsync_interval,
+                                     flush_timeout, max_backoff, ring_size)
+        self.file_only, url, spool_dir, spool = destination(url, token, spool_dir, spool)
         self.url = url.rstrip("/")
         self.batch_size = batch_size
         self.flush_interval = flush_interval
@@ -185,12 +169,7 @@ class AuditorClient:
         self.spool: Spool | None = (
             Spool(Path(spool_dir or default_spool_dir()) / default_spool_name(rank),
                   None if self.file_only else self.url) if spool else None)
-        self._http: httpx.Client | None = None
-        if not self.file_only:
-            headers = {"Content-Type": "application/json"}
-            if token:
-                headers["Authorization"] = f"Bearer {token}"
-            self._http = bounded_http.client(timeout=timeout, headers=headers)  # answers bounded in time and size
+        self._http: httpx.Client | None = None if self.file_only else open_http(timeout, token)
         self._queue: collections.deque[dict] = collections.deque()
         self._lock = threading.Lock()  # guards counters, _inflight, _closed; never held across I/O
         self._settled_cond = threading.Condition(self._lock)
@@ -204,98 +183,21 @@ class AuditorClient:
         self._spill_wake = threading.Event()
         self._stop = threading.Event()
         self._closed = False
-        self._threads = []
-        if self.spool is not None:
-            self._threads.append(threading.Thread(target=self._run_spill, name="auditor-spill", daemon=True))
-        if not self.file_only:
-            self._threads.append(threading.Thread(target=self._run_sender, name="auditor-sender", daemon=True))
-        for t in self._threads:
-            t.start()
+        self._threads = self._start_threads()
         atexit.register(self.close)
 
-    # ------------------------------------------------------------------ caller side
+    def _start_threads(self) -> list[threading.Thread]:
+        """Start the spill thread (when there is a spool) and the sender (unless file-only)."""
+        threads = []
+        if self.spool is not None:
+            threads.append(threading.Thread(target=self._run_spill, name="auditor-spill", daemon=True))
+        if not self.file_only:
+            threads.append(threading.Thread(target=self._run_sender, name="auditor-sender", daemon=True))
+        for t in threads:
+            t.start()
+        return threads
 
-    def report(self, report: dict) -> None:
-        """Enqueue one report (a wire-contract dict). Never blocks on I/O, never raises.
-        Anything but a dict is counted ``dropped`` (and said once)."""
-        try:
-            if not isinstance(report, dict):
-                with self._lock:
-                    self.stats["dropped"] += 1
-                warn_once(f"report-type-{id(self)}", "auditor client: report() takes a dict (a wire report), got "
-                          "%s; dropped (counted in stats['dropped'])", type(report).__name__)
-                return
-            self._enqueue(report)
-        except Exception:  # noqa: BLE001 - the training step must never see a client error
-            pass
-
-    def report_deferred(self, payload, finish) -> None:
-        """Enqueue one report whose numbers are still on the device; never reads them, never
-        blocks, never raises.
-
-        ``payload``: 1-D float64 tensor of at most :data:`auditor.trainer.deferred.WIDTH`
-        values, on any device; it is copied now (non-blocking on CUDA, into a pinned ring
-        slot with an event recorded after the copy). ``finish(values)``: called later on
-        the sender or spill thread with the payload's values as a list of floats; returns
-        the wire dict (or None: nothing is sent, counted ``dropped``). With every ring slot
-        taken the report is dropped and counted in ``reports_dropped`` (logged once).
-        """
-        try:
-            if self._closed or len(self._queue) >= self.max_queue:  # before copying anything
-                self._drop_at_handover("closed" if self._closed else "queue")
-                return
-            handle = self._ring.put(payload)
-            if handle is None:
-                self._drop_at_handover("ring")
-                return
-            if not self._enqueue(Deferred(self._ring, handle, finish)):
-                self._ring.release(handle)  # closed or filled meanwhile: the slot is free again
-            elif self._ring.in_use >= self._ring_half and not self._wake.is_set():
-                self._wake.set()  # the sender reads the slots before the ring fills
-        except Exception as exc:  # noqa: BLE001 - the training step must never see a client error
-            with self._lock:
-                self.stats["dropped"] += 1
-            warn_once(f"report-deferred-{id(self)}-{type(exc).__name__}", "auditor client: a deferred report could "
-                      "not be handed over (%s: %s); dropped (counted in stats['dropped'])", type(exc).__name__, exc)
-
-    def _enqueue(self, item) -> bool:
-        """Queue ``item`` (a dict or a :class:`~auditor.trainer.deferred.Deferred`), or drop
-        and count it when the client is closed or the queue full. Returns whether queued."""
-        with self._lock:
-            if self._closed or len(self._queue) >= self.max_queue:
-                reason = "closed" if self._closed else "queue"
-            else:
-                reason = None
-                self._queue.append(item)
-                self._accepted += 1
-                self.stats["enqueued"] += 1
-                n = len(self._queue)
-        if reason is not None:
-            self._drop_at_handover(reason)
-            return False
-        if n >= self._wake_at:
-            if not self._wake.is_set():
-                self._wake.set()
-            if n >= self._high_water and not self._spill_wake.is_set():
-                self._spill_wake.set()
-        if self._ring.in_use >= self._ring_spill and not self._spill_wake.is_set():
-            self._spill_wake.set()  # the sender is not keeping up (or is stuck): read slots to the spool
-        return True
-
-    def _drop_at_handover(self, reason: str) -> None:
-        """Count one report refused by ``report``/``report_deferred`` (``reason``: ``ring``,
-        ``queue`` or ``closed``); the first drop of each reason is logged, not the next."""
-        with self._lock:
-            self.stats["dropped"] += 1
-            self.stats["reports_dropped"] += 1
-        if reason not in self._said:
-            self._said.add(reason)
-            why = {"ring": f"all {self._ring.size} ring slots hold reports the sender has not read yet (ring_size)",
-                   "queue": f"the queue is full (max_queue={self.max_queue}: the service is down or slow and the "
-                            "spool cannot keep up, or spooling is off)",
-                   "closed": "the client is closed"}[reason]
-            log.warning("auditor client: dropping reports: %s; counted in stats['reports_dropped'] (the steps "
-                        "they belong to stay incomplete on the service); said once", why)
+    # ------------------------------------------------ caller side: report, report_deferred (auditor.trainer.handover)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every report enqueued before this call has a final outcome.
@@ -547,25 +449,17 @@ class AuditorClient:
             self._settled_cond.notify_all()
 
 
-def _unusable(url: str, token) -> tuple[str, str, str] | None:
-    """Why no request can use ``url`` or ``token``, as (warning key, reason, the `auditor
-    import` arguments to upload the spool with); None when both are usable."""
-    if not _is_service_url(url):
-        return (f"url={url}", f"{url!r} is not the http(s) URL of an auditor service (AUDITOR_URL=http://host:8000) "
-                              "nor file:///dir", "--url http://HOST:8000")
-    if token and not (str(token).isascii() and str(token).isprintable()):
-        return f"token={token!r}", "the token is not printable ASCII (an HTTP header value)", f"--url {url} --token ..."
-    return None
+#: (name, default, minimum, integer) of each number :class:`AuditorClient` takes, in the order checked.
+_NUMBERS = (("batch_size", 1000, 1, True), ("flush_interval", 0.2, 0.001, False), ("max_queue", 10_000, 1, True),
+            ("timeout", 5.0, 0.001, False), ("spool_after", 1.0, 0.0, False), ("fsync_interval", 1.0, 0.001, False),
+            ("flush_timeout", 5.0, 0.0, False), ("max_backoff", MAX_BACKOFF, 0.0, False),
+            ("ring_size", RING_SIZE, 1, True))
 
 
-def _is_service_url(url: str) -> bool:
-    """Whether ``url`` is an ``http(s)://host...`` URL httpx can send to."""
-    try:
-        parsed = httpx.URL(url)
-        parsed.host.encode("idna")  # a label over 63 characters fails here, on every request
-    except (httpx.InvalidURL, TypeError, UnicodeError):
-        return False
-    return parsed.scheme in ("http", "https") and bool(parsed.host)
+def _valid_numbers(*values) -> list:
+    """Each of :data:`_NUMBERS` as given, or its default (said once) where it cannot work."""
+    return [valid_number(name, value, default, minimum, integer=integer)
+            for (name, default, minimum, integer), value in zip(_NUMBERS, values, strict=True)]
 
 
 def client_from_env(**kwargs: Any) -> AuditorClient | None:

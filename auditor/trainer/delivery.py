@@ -301,49 +301,78 @@ def deliver(
     got any HTTP answer for that long since the call began (a host that accepts
     connections and never answers).
     """
-    pending = [lines]
-    failures = 0
-    server_errors = 0
-    started = time.monotonic()
-    answered = False
-    while pending:
-        if stopped():
-            return False
-        chunk = pending.pop()
-        out = post_lines(http, url, chunk)
-        if out.kind == "retry":
-            answered = answered or out.status is not None
-            failures += 1
-            server_errors = server_errors + 1 if out.server_error else 0
-            if server_errors >= POISON_AFTER:
-                server_errors = 0
-                iso = _Isolation(http, url, chunk, pending, on_final, stopped)
-                held, last = iso.run()
-                if iso.answered and on_answer is not None:
-                    on_answer()
-                if not held:
-                    failures = 0
-                    continue
-                chunk, out = held, last or out  # an outage (or a stop): keep the rest whole
-                if stopped():
-                    pending.append(chunk)
+    return _Delivery(http, url, lines, on_final, on_retry, on_answer, stopped, wait, max_backoff, max_attempts,
+                     unreachable_after).run()
+
+
+class _Delivery:
+    """One :func:`deliver` call: the chunks still to send and the current failure streak."""
+
+    def __init__(self, http, url, lines, on_final, on_retry, on_answer, stopped, wait, max_backoff, max_attempts,
+                 unreachable_after) -> None:
+        self.http, self.url, self.on_final, self.on_retry, self.on_answer = http, url, on_final, on_retry, on_answer
+        self.stopped, self.wait, self.max_backoff = stopped, wait, max_backoff
+        self.max_attempts, self.unreachable_after = max_attempts, unreachable_after
+        self.pending = [lines]
+        self.failures = 0
+        self.server_errors = 0
+        self.started = time.monotonic()
+        self.answered = False
+
+    def run(self) -> bool:
+        """POST the last pending chunk until none is left (True) or ``stopped()`` (False)."""
+        pending = self.pending
+        while pending:
+            if self.stopped():
+                return False
+            chunk = pending.pop()
+            out = post_lines(self.http, self.url, chunk)
+            if out.kind == "retry":
+                if not self._retry(chunk, out):
                     return False
-            if on_retry is not None:
-                on_retry(out, failures)
-            if max_attempts is not None and failures >= max_attempts:
-                raise DeliveryError(out, failures)
-            if (unreachable_after is not None and not answered
-                    and time.monotonic() - started >= unreachable_after):
-                raise DeliveryError(out, failures, unreachable=True)
-            pending.append(chunk)
-            wait(max(out.delay, backoff(failures, max_backoff)))
-            continue
-        answered = True
-        failures = server_errors = 0
-        if on_answer is not None:
-            on_answer()
-        _settle_answer(out, chunk, pending, on_final)
-    return True
+                continue
+            self.answered = True
+            self.failures = self.server_errors = 0
+            if self.on_answer is not None:
+                self.on_answer()
+            _settle_answer(out, chunk, pending, self.on_final)
+        return True
+
+    def _retry(self, chunk: list[bytes], out: Outcome) -> bool:
+        """After a transient failure: isolate a poison report once 500-class answers repeat,
+        else count it, raise at the limits and put ``chunk`` back after the backoff.
+        False when ``stopped()`` turned true during an isolation."""
+        self.answered = self.answered or out.status is not None
+        self.failures += 1
+        self.server_errors = self.server_errors + 1 if out.server_error else 0
+        if self.server_errors >= POISON_AFTER:
+            self.server_errors = 0
+            iso = _Isolation(self.http, self.url, chunk, self.pending, self.on_final, self.stopped)
+            held, last = iso.run()
+            if iso.answered and self.on_answer is not None:
+                self.on_answer()
+            if not held:
+                self.failures = 0
+                return True
+            chunk, out = held, last or out  # an outage (or a stop): keep the rest whole
+            if self.stopped():
+                self.pending.append(chunk)
+                return False
+        if self.on_retry is not None:
+            self.on_retry(out, self.failures)
+        self._raise_at_limits(out)
+        self.pending.append(chunk)
+        self.wait(max(out.delay, backoff(self.failures, self.max_backoff)))
+        return True
+
+    def _raise_at_limits(self, out: Outcome) -> None:
+        """:class:`DeliveryError` after ``max_attempts`` failures in a row, or when no POST got
+        an HTTP answer for ``unreachable_after`` seconds since the call began."""
+        if self.max_attempts is not None and self.failures >= self.max_attempts:
+            raise DeliveryError(out, self.failures)
+        if (self.unreachable_after is not None and not self.answered
+                and time.monotonic() - self.started >= self.unreachable_after):
+            raise DeliveryError(out, self.failures, unreachable=True)
 
 
 def _settle_answer(out: Outcome, chunk: list[bytes], pending: list, on_final) -> None:

@@ -213,7 +213,12 @@ def wrap_distributed_whiten(
     if getattr(fn, "__auditor_wrapped__", False):
         return fn
     install_observer()
+    return _audited(fn, client, run_id, statistic, dtype, reduce_fallback)
 
+
+def _audited(fn, client, run_id, statistic, dtype, reduce_fallback) -> Callable[..., torch.Tensor]:
+    """The audited ``fn``: each call observed and reported when a client, a run id and a
+    process group are there (and not inside another audited call), else ``fn`` itself."""
     @functools.wraps(fn)
     def audited(values, mask, process_group=None, shift_mean=True, epsilon=1e-8, *args, **kwargs):
         cl = client or env_client()
