@@ -81,17 +81,11 @@ def _key(*parts: int) -> int:
 
 def _signs(device: torch.device, seed: int, k: int) -> torch.Tensor:
     """The cached (CHUNK, k) float64 ±1 sign block of ``seed`` on ``device``."""
-    key = (device, seed, k)
-    block = _CACHE.get(key)
-    if block is None:
-        with _CACHE_LOCK:
-            block = _CACHE.get(key)
-            if block is None:
-                i = torch.arange(CHUNK, dtype=torch.int64, device=device)
-                cols = [1.0 - 2.0 * (_mix(i ^ _key(seed, j, 1)) & 1).to(torch.float64) for j in range(k)]
-                block = torch.stack(cols, dim=1) if k else torch.zeros((CHUNK, 0), dtype=torch.float64, device=device)
-                _CACHE[key] = block
-    return block
+    def build() -> torch.Tensor:
+        i = torch.arange(CHUNK, dtype=torch.int64, device=device)
+        cols = [1.0 - 2.0 * (_mix(i ^ _key(seed, j, 1)) & 1).to(torch.float64) for j in range(k)]
+        return torch.stack(cols, dim=1) if k else torch.zeros((CHUNK, 0), dtype=torch.float64, device=device)
+    return _cached((device, seed, k), build)
 
 
 def _chunk_signs(device: torch.device, seed: int, k: int, first: int, n: int) -> torch.Tensor:
@@ -106,16 +100,21 @@ def _chunk_signs(device: torch.device, seed: int, k: int, first: int, n: int) ->
 def _multipliers(device: torch.device, seed: int) -> torch.Tensor:
     """The cached (2, CHUNK) int64 odd multipliers < 2^31 of the two digests' in-chunk
     positions."""
-    key = (device, seed, "digest")
-    mult = _CACHE.get(key)
-    if mult is None:
+    def build() -> torch.Tensor:
+        i = torch.arange(CHUNK, dtype=torch.int64, device=device)
+        return torch.stack([(_mix(i ^ _key(seed, h, 3)) & _M31) | 1 for h in (0, 1)])
+    return _cached((device, seed, "digest"), build)
+
+
+def _cached(key: tuple, build) -> torch.Tensor:
+    """``_CACHE[key]``, built once (under the lock, checked again inside) by ``build()``."""
+    value = _CACHE.get(key)
+    if value is None:
         with _CACHE_LOCK:
-            mult = _CACHE.get(key)
-            if mult is None:
-                i = torch.arange(CHUNK, dtype=torch.int64, device=device)
-                mult = torch.stack([(_mix(i ^ _key(seed, h, 3)) & _M31) | 1 for h in (0, 1)])
-                _CACHE[key] = mult
-    return mult
+            value = _CACHE.get(key)
+            if value is None:
+                value = _CACHE[key] = build()
+    return value
 
 
 def _chunk_multipliers(device: torch.device, seed: int, first: int, n: int) -> torch.Tensor:
