@@ -50,6 +50,9 @@ def render_report(report: dict[str, Any], console: Console, *, max_steps: int = 
     refused = statuses.refused_line(report)
     if refused is not None:
         console.print(f"[red bold]{refused}[/]", highlight=False)
+    dropped = statuses.dropped_line(report)
+    if dropped is not None:
+        console.print(f"[yellow bold]gaps:[/] {dropped}", highlight=False)
     if any(s.get("steps_unverified") for s in report.get("statistics") or []):
         console.print(f"[magenta bold]unverified:[/] {statuses.unverified_line(report)}", highlight=False)
     if statuses.reports_missing(report) and (

@@ -18,9 +18,11 @@ Status, worst first:
     groups right: a reduction over the wrong process group would look the same.
 ``incomplete``
     no such step, but some step was audited while reports were missing (``missing_report``):
-    the missing ranks' values were never checked.
+    the missing ranks' values were never checked; or every audited step is consistent but a
+    trainer's client dropped reports of the statistic before sending them
+    (``reports_dropped``, issue 24: its ring or queue was full): the audit has gaps.
 ``consistent``
-    every audited step is consistent.
+    every audited step is consistent, and no report was dropped by a client.
 ``pending``
     no step audited yet (reports may still be arriving).
 """
@@ -38,7 +40,9 @@ FILTERS = STATUSES
 def statistic_status(counts: Mapping[str, Any]) -> str:
     """The status of one statistic from its step counts (a ``series`` row or a statistic
     of the report JSON: ``steps_consistent``, ``steps_inconsistent``, ``steps_incomplete``,
-    ``steps_audit_error``, ``steps_unverified``; a missing or null count is 0). Raises nothing."""
+    ``steps_audit_error``, ``steps_unverified``, and ``reports_dropped``: consistent steps
+    with reports dropped by a client are ``incomplete``; a missing or null count is 0).
+    Raises nothing."""
     def n(key: str) -> int:
         return int(counts.get(key) or 0)
 
@@ -49,7 +53,7 @@ def statistic_status(counts: Mapping[str, Any]) -> str:
     if n("steps_incomplete"):
         return "incomplete"
     if n("steps_consistent"):
-        return "consistent"
+        return "incomplete" if n("reports_dropped") else "consistent"
     return "pending"
 
 
@@ -162,6 +166,22 @@ def refused_line(report: Mapping[str, Any]) -> str | None:
             f"{', '.join(kinds) or 'conflict'}): the run id was reused or a rank re-sent different values")
 
 
+def dropped_line(report: Mapping[str, Any]) -> str | None:
+    """The dropped-reports warning of a report (None if no client dropped any): ``N
+    report(s) were dropped by the trainer's client before they were sent, steps a–b``, per
+    statistic: those steps' audits have gaps (a rank's values were never checked)."""
+    stats = [s for s in report.get("statistics") or [] if s.get("reports_dropped")]
+    if not stats:
+        return None
+    n = sum(int(s["reports_dropped"]) for s in stats)
+    lo = min(s["dropped_first_step"] for s in stats if s.get("dropped_first_step") is not None)
+    hi = max(s["dropped_last_step"] for s in stats if s.get("dropped_last_step") is not None)
+    names = ", ".join(f"{s['statistic']} {s['reports_dropped']}" for s in stats)
+    return (f"{n} report(s) were dropped by the trainer's client before they were sent, steps {_span(lo, hi)} "
+            f"({names}; its ring or queue was full: client stats['reports_dropped']): the audit of those steps "
+            "has gaps, their values were never checked")
+
+
 #: What to set so that the groups can be checked, one line per way (the run page, ``check``,
 #: the pytest plugin and ``auditor report`` show these).
 HOW_TO_VERIFY = (
@@ -187,13 +207,15 @@ def unverified_line(report: Mapping[str, Any]) -> str:
 
 
 def check(report: Mapping[str, Any], *, allow_incomplete: bool = False, allow_refused: bool = False,
-          min_steps: int = 0, allow_pending: bool = False, allow_unverified: bool = False) -> tuple[bool, list[str]]:
+          min_steps: int = 0, allow_pending: bool = False, allow_unverified: bool = False,
+          allow_dropped: bool = False) -> tuple[bool, list[str]]:
     """The CI check of one run's report JSON (``auditor check``, ``auditor audit --check``,
     the pytest plugin): ``(passed, lines)``. Fails when the status is ``inconsistent``;
     ``incomplete`` (unless ``allow_incomplete``: runs known to lose ranks); some step has
     reports but no verdict yet (unless ``allow_pending``: a check of a live run), since
     the reports that did arrive may be wrong; reports were refused for contradicting stored
-    ones (unless ``allow_refused``); ``unverified`` (unless ``allow_unverified``: a run
+    ones (unless ``allow_refused``); a trainer's client dropped reports before sending them
+    (unless ``allow_dropped``: the audit has gaps); ``unverified`` (unless ``allow_unverified``: a run
     known to have no layout, accepted as checked only against the groups its ranks reduced
     over); or fewer than ``min_steps`` steps were audited. ``lines`` say why, one per
     finding, the first naming the run and its status."""
@@ -210,6 +232,13 @@ def check(report: Mapping[str, Any], *, allow_incomplete: bool = False, allow_re
             lines.append(f"{run_id}: {refused} (allowed by --allow-refused)")
         else:
             lines.append(f"{run_id}: REFUSED REPORTS — {refused}; pass --allow-refused to accept that")
+            passed = False
+    dropped = dropped_line(report)
+    if dropped is not None:
+        if allow_dropped:
+            lines.append(f"{run_id}: {dropped} (allowed by --allow-dropped)")
+        else:
+            lines.append(f"{run_id}: DROPPED REPORTS — {dropped}; pass --allow-dropped to accept that")
             passed = False
     if audited < min_steps:
         lines.append(f"{run_id}: only {audited} step(s) audited, fewer than --min-steps {min_steps}")

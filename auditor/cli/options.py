@@ -58,6 +58,10 @@ AllowRefused = typer.Option(
     False, "--allow-refused",
     help="Pass a run although reports contradicting its stored ones were refused (409: the run id was reused, or "
          "a rank re-sent different values).")
+AllowDropped = typer.Option(
+    False, "--allow-dropped",
+    help="Pass a run although the trainer's client dropped reports before sending them (its ring or queue was "
+         "full: client stats['reports_dropped']); those steps' audits have gaps.")
 
 
 class Format(str, Enum):

@@ -11,8 +11,8 @@ import typer
 
 from auditor.cli.root import app
 from auditor.cli.errors import UsageError, errors_as_exit_2
-from auditor.cli.options import (AllowIncomplete, AllowPending, AllowRefused, AllowUnverified, DatabaseUrl,
-                                 ReadToken, ReportFormat, ServiceUrl, Timeout, make_console)
+from auditor.cli.options import (AllowDropped, AllowIncomplete, AllowPending, AllowRefused, AllowUnverified,
+                                 DatabaseUrl, ReadToken, ReportFormat, ServiceUrl, Timeout, make_console)
 from auditor.cli.sources import open_source
 
 @app.command()
@@ -74,6 +74,7 @@ def check(
     allow_incomplete: bool = AllowIncomplete,
     allow_pending: bool = AllowPending,
     allow_refused: bool = AllowRefused,
+    allow_dropped: bool = AllowDropped,
     allow_unverified: bool = AllowUnverified,
     token: Optional[str] = ReadToken,
     timeout: float = Timeout,
@@ -83,7 +84,8 @@ def check(
     a known layout: the groups could not be checked; --allow-unverified accepts that),
     incomplete (a step audited with reports missing; --allow-incomplete accepts that), has steps with reports but no
     verdict yet (--allow-pending), had reports refused for contradicting stored ones (a
-    reused run id; --allow-refused), or fewer than --min-steps steps were audited; 0
+    reused run id; --allow-refused), had reports dropped by the trainer's client before they
+    were sent (its ring or queue was full: gaps; --allow-dropped), or fewer than --min-steps steps were audited; 0
     otherwise; 2 if the run, the service or the database cannot be found — or if
     no RUN_ID is given and it cannot tell which run is meant (several runs and no
     $AUDITOR_RUN_ID). The status is the one every surface shows (auditor.status)."""
@@ -95,7 +97,7 @@ def check(
         data = source.report(run_id, bad_steps=20, rank_rows=0)
         passed, lines = status.check(data, allow_incomplete=allow_incomplete, allow_refused=allow_refused,
                                      min_steps=min_steps, allow_pending=allow_pending,
-                                     allow_unverified=allow_unverified)
+                                     allow_unverified=allow_unverified, allow_dropped=allow_dropped)
         lines += source.pending_lines(data)  # which ranks a pending step waits for
     for line in lines:
         typer.echo(line)

@@ -13,8 +13,8 @@ from rich.console import Console
 
 from auditor.cli.root import app
 from auditor.cli.errors import UsageError, errors_as_exit_2
-from auditor.cli.options import (AllowIncomplete, AllowRefused, AllowUnverified, Format, Timeout, header_token,
-                                 make_console)
+from auditor.cli.options import (AllowDropped, AllowIncomplete, AllowRefused, AllowUnverified, Format, Timeout,
+                                 header_token, make_console)
 from auditor.cli.sources import service_url
 
 SpoolPaths = typer.Argument(..., help="Spool files (*.jsonl) or directories holding them.", show_default=False)
@@ -140,6 +140,7 @@ def audit_spools(
                                                       "report."),
     allow_incomplete: bool = AllowIncomplete,
     allow_refused: bool = AllowRefused,
+    allow_dropped: bool = AllowDropped,
     allow_unverified: bool = AllowUnverified,
     batch_size: int = typer.Option(10_000, min=1, max=100_000,
                                    help="Reports stored and audited per transaction (cut between steps); "
@@ -176,7 +177,7 @@ def audit_spools(
         failed = False
         for data in reports:
             passed, lines = status.check(data, allow_incomplete=allow_incomplete, allow_refused=allow_refused,
-                                         allow_unverified=allow_unverified)
+                                         allow_unverified=allow_unverified, allow_dropped=allow_dropped)
             for line in lines:
                 typer.echo(line, err=format is Format.json)  # JSON on stdout stays parseable
             failed |= not passed

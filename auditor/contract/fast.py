@@ -31,7 +31,7 @@ from auditor.contract.models import StatisticSpec
 from auditor.contract.names import RUN_ID_RE, SOURCE_RE, STATISTIC_RE, addressable
 from auditor.contract.rules import group_rules, ranks_facts, report_rules, shape_rules
 from auditor.contract.values import (MEAN_ABS, MEAN_COUNT, MEAN_REL, RANGE_ABS, RANGE_REL, WEIGHTED_TERMS,
-                                     applied_rules, local_rules)
+                                     applied_rules, dropped_rules, local_rules)
 from auditor.core.types import Spec
 
 
@@ -92,6 +92,11 @@ class _FastApplied(_Fast, frozen=True):
     (rules: :func:`batch_holds`)."""
 
 
+class _FastDropped(_Fast, frozen=True):
+    """:class:`~auditor.contract.models.Dropped` as decoded by :func:`decode_report_batch`
+    (rule: :func:`batch_holds`)."""
+
+
 class _FastReport(_Fast):
     """:class:`~auditor.contract.models.Report` as decoded by :func:`decode_report_batch`:
     the same attributes (and ``coords``/``sizes`` methods) the service reads. ``spec`` and
@@ -112,6 +117,7 @@ FastCoords = _BLOCKS["Coords"] = struct_of("FastCoords", _FastCoords, F.COORDS, 
 FastSizes = _BLOCKS["Sizes"] = struct_of("FastSizes", _FastSizes, F.SIZES, _BLOCKS, frozen=True)
 FastLocal = _BLOCKS["LocalStats"] = struct_of("FastLocal", _FastLocal, F.LOCAL, _BLOCKS, frozen=True)
 FastApplied = _BLOCKS["AppliedStats"] = struct_of("FastApplied", _FastApplied, F.APPLIED, _BLOCKS, frozen=True)
+FastDropped = _BLOCKS["Dropped"] = struct_of("FastDropped", _FastDropped, F.DROPPED, _BLOCKS, frozen=True)
 FastReport = _BLOCKS["Report"] = struct_of("FastReport", _FastReport, F.REPORT, _BLOCKS, frozen=False)
 
 
@@ -234,6 +240,7 @@ _get_order = operator.attrgetter("order")
 _chain = itertools.chain.from_iterable
 _get_local, _get_applied = operator.attrgetter("local"), operator.attrgetter("applied")
 _get_kind = operator.attrgetter("kind")
+_get_dropped = operator.attrgetter("dropped")
 #: What :func:`~auditor.contract.rules.shape_rules` and :func:`~auditor.contract.rules.group_rules`
 #: read of a report, besides spec and group_ranks.
 _SHAPE = operator.attrgetter("world_size", "rank", "microbatch", "num_microbatches", "sizes", "coords", "order",
@@ -256,6 +263,7 @@ def batch_holds(reports: list) -> bool:
     The rules are checked per batch rather than per report (the per-report Python rules
     cost ~2 µs of the ~2.8 µs decode, docs/performance.md "Decode"):
 
+    * the ``dropped`` block's rule (:func:`~auditor.contract.values.dropped_rules`), report by report;
     * names, specs and rank groups once per distinct text (:class:`_TextRule`, the
       ``TextCache`` caches);
     * :func:`~auditor.contract.rules.shape_rules` and :func:`~auditor.contract.rules.group_rules`
@@ -268,6 +276,9 @@ def batch_holds(reports: list) -> bool:
     """
     for rule in _TEXT_RULES:
         rule.check(reports)
+    for d in map(_get_dropped, reports):
+        if d is not None:
+            dropped_rules(d)
     specs, ranks, cores, facts = _decode_texts(reports)
 
     def exact(r) -> None:  # every rule of one report, by the exact functions

@@ -105,6 +105,15 @@ LOCAL = (
 
 APPLIED = (_number("count"), _number("sum"), _number("sum_sq"), _number("mean"), _number("var"))
 
+#: Reports of this (run, statistic, rank) the client dropped at hand-over (issue 24: its ring
+#: of device reports or its queue was full) since it last delivered one: how many, and the
+#: steps they were for. Attached by the client to the next report of that series it delivers.
+DROPPED = (
+    WireField("count", int, ge=1, le=MAX_STEP),
+    WireField("first_step", int, ge=0, le=MAX_STEP),
+    WireField("last_step", int, ge=0, le=MAX_STEP),
+)
+
 REPORT = (
     WireField("run_id", str, min_length=1, max_length=NAME_MAX, pattern=RUN_ID_PATTERN, after=addressable),
     WireField("statistic", str, min_length=1, max_length=NAME_MAX, pattern=STATISTIC_PATTERN, after=addressable),
@@ -131,10 +140,18 @@ REPORT = (
     # Where the rank's layout came from (``megatron.core.parallel_state``, ``megatron.core.mpu``,
     # ``device_mesh``, ``AUDITOR_TOPOLOGY``, ... or why none: DESIGN.md §3.1); informational.
     WireField("topology_source", str, None, optional=True, pattern=SOURCE_PATTERN),
+    # Reports of this series the client dropped before this one (DROPPED): the service counts
+    # them on the series (``reports_dropped``) once, when this report is first stored.
+    WireField("dropped", "Dropped", None, optional=True, description=(
+        "reports of this run, statistic and rank the client dropped at hand-over (its ring or queue was full) "
+        "since the last one it delivered: count (>= 1) and the steps first_step <= last_step they were for. "
+        "Counted once per stored report (an identical re-send is not counted again); the run's audit then has "
+        "gaps: never 'consistent'.")),
 )
 
 #: Every block by the name its fields use.
-BLOCKS = {"Coords": COORDS, "Sizes": SIZES, "LocalStats": LOCAL, "AppliedStats": APPLIED, "Report": REPORT}
+BLOCKS = {"Coords": COORDS, "Sizes": SIZES, "LocalStats": LOCAL, "AppliedStats": APPLIED, "Dropped": DROPPED,
+          "Report": REPORT}
 #: Every block's fields by name.
 BLOCK_FIELDS = {block: {f.name: f for f in table} for block, table in BLOCKS.items()}
 

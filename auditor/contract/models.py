@@ -21,7 +21,8 @@ from auditor.contract.fields import MAX_ORDER, CoordsAPI, Dim, Kind, SizesAPI, T
 from auditor.contract.names import StatisticName
 from auditor.contract.rules import (normalised_placement, registration_rules, report_rules, spec_field_rules,
                                     spec_kind_rules)
-from auditor.contract.values import RuleError, applied_rules, is_empty_identity, local_rules, range_error
+from auditor.contract.values import (RuleError, applied_rules, dropped_rules, is_empty_identity, local_rules,
+                                     range_error)
 from auditor.core.types import DIMS, Spec
 
 
@@ -181,6 +182,16 @@ class _AppliedStats(_Strict):
         return self
 
 
+class _Dropped(_Strict):
+    """Reports of this run, statistic and rank the client dropped at hand-over since it last
+    delivered one (issue 24): ``count`` and the steps ``first_step`` to ``last_step``."""
+
+    @model_validator(mode="after")
+    def _rules(self) -> "_Dropped":
+        located("Dropped", dropped_rules, self)
+        return self
+
+
 class _Report(_Strict):
     """One rank's statistics of one (run, statistic, step, microbatch); see DESIGN.md §3.
 
@@ -208,6 +219,7 @@ Coords = _BLOCKS["Coords"] = model_of("Coords", _Coords, F.COORDS, _BLOCKS)
 Sizes = _BLOCKS["Sizes"] = model_of("Sizes", _Sizes, F.SIZES, _BLOCKS)
 LocalStats = _BLOCKS["LocalStats"] = model_of("LocalStats", _LocalStats, F.LOCAL, _BLOCKS)
 AppliedStats = _BLOCKS["AppliedStats"] = model_of("AppliedStats", _AppliedStats, F.APPLIED, _BLOCKS)
+Dropped = _BLOCKS["Dropped"] = model_of("Dropped", _Dropped, F.DROPPED, _BLOCKS)
 Report = _BLOCKS["Report"] = model_of("Report", _Report, F.REPORT, _BLOCKS)
 
 

@@ -180,6 +180,8 @@ class Run(_Document):
     steps_incomplete: int = 0
     steps_unverified: int = 0
     refused_reports: int = 0
+    #: reports the trainers' clients dropped before sending them (issue 24): the audit has gaps
+    reports_dropped: int = 0
     steps_audit_error: int = 0
     #: Megatron's rank order, when registered or reported
     order: str | None = field(default=None, metadata=OMIT_NONE)
@@ -339,7 +341,8 @@ class StatisticReport(_Document):
     """The report of one statistic of a run: verdict counts, first/last bad step, fault
     counts by kind, the latest and the worst σ figures (with the steps of the worst), the
     details of up to ``bad_steps`` bad steps (``bad_steps_shown`` of ``bad_steps_total``),
-    the reports refused (409) for contradicting its stored ones, and where its ranks are
+    the reports refused (409) for contradicting its stored ones, those the clients dropped
+    before sending them, and where its ranks are
     (``progress``, ``ranks_behind``) when reports are missing."""
 
     statistic: str
@@ -377,6 +380,11 @@ class StatisticReport(_Document):
     refused_last_step: int | None = None
     refused_at: float | None = None
     refused_kind: str | None = None
+    #: reports of this statistic the trainers' clients dropped before sending them (their
+    #: ring or queue was full, issue 24), and the steps they were for: the audit has gaps
+    reports_dropped: int = 0
+    dropped_first_step: int | None = None
+    dropped_last_step: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -402,6 +410,8 @@ class Report(_Document):
     status: str = ""
     #: reports refused (409) for contradicting the run's stored ones (a reused run id)
     refused_reports: int = 0
+    #: reports the trainers' clients dropped before sending them (issue 24): the audit has gaps
+    reports_dropped: int = 0
     topology: str | None = field(default=None, metadata=OMIT_NONE)
     #: where the ranks' layout came from (``megatron``, ``megatron.core.mpu``, ``device_mesh``, ...)
     topology_source: str | None = None
@@ -415,10 +425,12 @@ class Report(_Document):
         return _build(cls, _with_status(data))
 
     def check(self, *, allow_incomplete: bool = False, allow_refused: bool = False,
-              min_steps: int = 0, allow_pending: bool = False, allow_unverified: bool = False) -> tuple[bool, list[str]]:
+              min_steps: int = 0, allow_pending: bool = False, allow_unverified: bool = False,
+              allow_dropped: bool = False) -> tuple[bool, list[str]]:
         """``auditor check`` of this report: ``(passed, lines)`` (:func:`auditor.status.check`)."""
         return check_report(self.raw, allow_incomplete=allow_incomplete, allow_refused=allow_refused,
-                            min_steps=min_steps, allow_pending=allow_pending, allow_unverified=allow_unverified)
+                            min_steps=min_steps, allow_pending=allow_pending, allow_unverified=allow_unverified,
+                            allow_dropped=allow_dropped)
 
     @property
     def raw(self) -> dict[str, Any]:

@@ -184,6 +184,12 @@ def applied_rules(a) -> None:
         raise RuleError(f"sum_sq must be >= 0, got {ss}", "sum_sq")
 
 
+def dropped_rules(d) -> None:
+    """The rule of a ``dropped`` block (:class:`~auditor.contract.models.Dropped` or its
+    fast-decoder twin): ``first_step <= last_step``."""
+    if d.first_step > d.last_step:
+        raise RuleError(f"first_step must be <= last_step ({d.last_step}), got {d.first_step}", "first_step")
+
 
 #: The smallest positive normal number of each wire dtype (tf32 and bfloat16 keep float32's
 #: 8-bit exponent): below it a square or a partial sum may be subnormal or flushed to zero.

@@ -98,20 +98,38 @@ class RunStatements(Statements):
         that does not exist is skipped (nothing of a refused batch is stored, so a new
         run's series never is). Returns the number of series updated. One UPDATE per
         series, in series id order (the order :meth:`record_verdicts` locks them in)."""
+        return self._count_reports(conn, [r[:5] for r in refused], "refused_reports", "refused_first_step",
+                                   "refused_last_step", [{"refused_at": now, "refused_kind": r[5][:32]} for r in refused])
+
+    def record_dropped(self, conn: sa.Connection, dropped: Sequence[tuple[str, str, int, int, int]]) -> int:
+        """Count reports a trainer's client dropped at hand-over (wire field ``dropped``,
+        issue 24): per ``(run_id, statistic, n, first_step, last_step)`` add ``n`` to
+        ``reports_dropped`` and widen ``dropped_first_step``/``dropped_last_step`` to the
+        steps. A series that does not exist is skipped. Returns the number of series
+        updated; one UPDATE per series, in series id order, as :meth:`record_refused`."""
+        return self._count_reports(conn, dropped, "reports_dropped", "dropped_first_step", "dropped_last_step")
+
+    def _count_reports(self, conn: sa.Connection, rows: Sequence[tuple[str, str, int, int, int]], count: str,
+                       first: str, last: str, extra: Sequence[dict] | None = None) -> int:
+        """Per ``(run_id, statistic, n, lo, hi)`` (and its ``extra`` column values): add
+        ``n`` to the series' column ``count`` and widen ``first``/``last`` to ``lo``/``hi``."""
         c = series.c
-        keys = {(r[0], r[1]) for r in refused}
+        keys = {(r[0], r[1]) for r in rows}
+        if not keys:
+            return 0
         ids = {(row.run_id, row.statistic): row.id for row in conn.execute(
             sa.select(c.id, c.run_id, c.statistic).where(c.run_id.in_(sorted({k[0] for k in keys}))))
             if (row.run_id, row.statistic) in keys}
+        more = extra or [{}] * len(rows)
         done = 0
-        for sid, (_, _, n, lo, hi, kind) in sorted((ids[(r[0], r[1])], r) for r in refused if (r[0], r[1]) in ids):
+        for sid, (_, _, n, lo, hi), values in sorted(((ids[(r[0], r[1])], r, e) for r, e in zip(rows, more)
+                                                      if (r[0], r[1]) in ids), key=lambda x: x[0]):
+            lo_c, hi_c = c[first], c[last]
             done += conn.execute(series.update().where(c.id == sid).values(
-                refused_reports=c.refused_reports + n,
-                refused_first_step=sa.case((c.refused_first_step.is_(None), lo), (c.refused_first_step > lo, lo),
-                                           else_=c.refused_first_step),
-                refused_last_step=sa.case((c.refused_last_step.is_(None), hi), (c.refused_last_step < hi, hi),
-                                          else_=c.refused_last_step),
-                refused_at=now, refused_kind=kind[:32],
+                **{count: c[count] + n,
+                   first: sa.case((lo_c.is_(None), lo), (lo_c > lo, lo), else_=lo_c),
+                   last: sa.case((hi_c.is_(None), hi), (hi_c < hi, hi), else_=hi_c)},
+                **values,
             )).rowcount
         return done
 

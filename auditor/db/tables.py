@@ -86,6 +86,12 @@ series = sa.Table(
     sa.Column("refused_last_step", BigInt),
     sa.Column("refused_at", sa.Float),
     sa.Column("refused_kind", sa.String(32)),
+    # reports the trainer's client dropped at hand-over (its ring or queue was full) and told
+    # with a later report of this series (wire field ``dropped``, issue 24): how many, their
+    # steps. Nonzero: the statistic's audit has gaps, never ``consistent`` (auditor.status)
+    sa.Column("reports_dropped", BigInt, nullable=False, server_default="0"),
+    sa.Column("dropped_first_step", BigInt),
+    sa.Column("dropped_last_step", BigInt),
     sa.UniqueConstraint("run_id", "statistic"),
     sa.Index("ix_series_updated_at", "updated_at"),
 )

@@ -126,7 +126,8 @@ class ViewStatements(Statements):
         Each dict: ``run_id``, ``statistic``, ``steps`` (verdict → verdicts ever recorded:
         current + superseded by re-audits, so the exported counters never go down),
         ``faults`` (kind → findings ever recorded), ``cp_disagreement_sigma``,
-        ``applied_error_sigma``, ``last_audited_step``, ``ranks_behind``. At most ``max_series`` series (the
+        ``applied_error_sigma``, ``last_audited_step``, ``ranks_behind``, ``reports_dropped``
+        (reports the trainers' clients dropped before sending them). At most ``max_series`` series (the
         most recently active) get their own dict; the others are summed into one with
         ``run_id`` and ``statistic`` ``"_other"`` (gauges: their maximum), so a scrape is
         bounded however many runs exist.
@@ -136,7 +137,8 @@ class ViewStatements(Statements):
         fsum = series_faults.c.count + series_faults.c.superseded
         with self.read() as conn:
             q = (sa.select(s.id, s.run_id, s.statistic, s.cp_disagreement_sigma, s.applied_error_sigma,
-                           s.last_audited_step, s.ranks_behind, *[c.label(v) for v, c in verdict_cols])
+                           s.last_audited_step, s.ranks_behind, s.reports_dropped,
+                           *[c.label(v) for v, c in verdict_cols])
                  .where(s.updated_at >= since).order_by(s.updated_at.desc(), s.id))
             if max_series is not None:
                 q = q.limit(max_series)
@@ -152,7 +154,7 @@ class ViewStatements(Statements):
             out = [{"run_id": r["run_id"], "statistic": r["statistic"], "steps": {v: r[v] for v in VERDICTS},
                     "faults": fcounts.get(r["id"], {}),
                     **{k: r[k] for k in ("cp_disagreement_sigma", "applied_error_sigma", "last_audited_step",
-                                         "ranks_behind")}}
+                                         "ranks_behind", "reports_dropped")}}
                    for r in rows]
             if max_series is None or len(rows) < max_series:
                 return out
@@ -173,7 +175,8 @@ def _status_is(status: str) -> Any:
 
     bad = some(sa.or_(c.steps_inconsistent > 0, c.steps_audit_error > 0))
     unverified = some(c.steps_unverified > 0)
-    incomplete = some(c.steps_incomplete > 0)
+    # consistent steps of a statistic whose client dropped reports: gaps (auditor.status)
+    incomplete = some(sa.or_(c.steps_incomplete > 0, sa.and_(c.steps_consistent > 0, c.reports_dropped > 0)))
     ok = some(c.steps_consistent > 0)
     return {"inconsistent": bad, "unverified": sa.and_(~bad, unverified),
             "incomplete": sa.and_(~bad, ~unverified, incomplete),
@@ -189,7 +192,8 @@ def _metric_other(conn: sa.Connection, since: float, ids: list[int], verdict_col
     agg = conn.execute(
         sa.select(sa.func.count(), *[sa.func.coalesce(sa.func.sum(c), 0) for _, c in verdict_cols],
                   sa.func.max(s.cp_disagreement_sigma), sa.func.max(s.applied_error_sigma),
-                  sa.func.max(s.last_audited_step), sa.func.max(s.ranks_behind)).where(rest)
+                  sa.func.max(s.last_audited_step), sa.func.max(s.ranks_behind),
+                  sa.func.coalesce(sa.func.sum(s.reports_dropped), 0)).where(rest)
     ).one()
     if not agg[0]:
         return None
@@ -202,4 +206,4 @@ def _metric_other(conn: sa.Connection, since: float, ids: list[int], verdict_col
             "steps": {v: int(agg[1 + i]) for i, v in enumerate(VERDICTS)},
             "faults": {k: int(n) for k, n in kinds.items()},
             "cp_disagreement_sigma": agg[1 + n_v], "applied_error_sigma": agg[2 + n_v],
-            "last_audited_step": agg[3 + n_v], "ranks_behind": agg[4 + n_v]}
+            "last_audited_step": agg[3 + n_v], "ranks_behind": agg[4 + n_v], "reports_dropped": int(agg[5 + n_v])}

@@ -47,6 +47,7 @@ EXPORTED_METRICS: tuple[str, ...] = (
     "auditor_applied_error_sigma",
     "auditor_last_audited_step",
     "auditor_ranks_behind",
+    "auditor_reports_dropped_total",
     "auditor_ingest_duration_seconds",
     "auditor_body_bytes_in_flight",
 )
@@ -213,8 +214,15 @@ class AuditCollector:
             "audited incomplete (0 once a newer step is complete); which ranks: the report's progress.",
             labels=["run", "statistic"],
         )
+        dropped = CounterMetricFamily(
+            "auditor_reports_dropped",
+            "Reports the trainers' clients dropped before sending them (their ring of device reports or their queue "
+            "was full), as told by later reports: the statistic's audit has gaps (its status is never consistent).",
+            labels=["run", "statistic"],
+        )
         for r in rows:
             labels = [r["run_id"], r["statistic"]]
+            dropped.add_metric(labels, r.get("reports_dropped") or 0)
             if r.get("ranks_behind") is not None:
                 behind.add_metric(labels, r["ranks_behind"])
             for verdict, n in r["steps"].items():
@@ -227,4 +235,4 @@ class AuditCollector:
                 err.add_metric(labels, r["applied_error_sigma"])
             if r["last_audited_step"] is not None:
                 last.add_metric(labels, r["last_audited_step"])
-        yield from (steps, faults, cp, err, last, behind)
+        yield from (steps, faults, cp, err, last, behind, dropped)

@@ -106,13 +106,20 @@ class Service:
         reports that contradicted a stored series are counted against it in a small write
         transaction of their own (:meth:`auditor.service.ingest.Ingest.record_refused`; ``record_refused=False``: not,
         e.g. while ``auditor audit`` bisects a batch), so the report can say that a run id
-        was reused or a rank re-sent different values. The ConflictError is raised either way."""
+        was reused or a rank re-sent different values. The ConflictError is raised either way.
+
+        Reports that tell of reports their client dropped at hand-over (wire field
+        ``dropped``, counted once, with the report's first storing) are counted on their
+        series after the commit, the same way (:meth:`auditor.service.ingest.Ingest.record_dropped`)."""
         try:
-            return self.ingestion.ingest(batch, now)
+            out = self.ingestion.ingest(batch, now)
         except ConflictError as exc:
             if record_refused and exc.against_stored:
                 self.ingestion.record_refused(exc, batch, time.time() if now is None else now)
             raise
+        if out.dropped:
+            self.ingestion.record_dropped(out.dropped)
+        return out
 
     def _ingest(self, batch: Sequence[Report], now: float | None = None, in_hand: bool = True,
                 bulk: bool = True) -> IngestOutcome:

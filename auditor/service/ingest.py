@@ -48,6 +48,9 @@ class IngestOutcome:
     accepted: int = 0
     duplicates: int = 0
     audited: list[tuple[int, int, str]] = field(default_factory=list)  # (series_id, step, verdict)
+    #: reports the trainers' clients dropped, told by the reports this ingest stored (wire
+    #: field ``dropped``): (run_id, statistic, count, first_step, last_step) per series
+    dropped: list[tuple[str, str, int, int, int]] = field(default_factory=list)
 
 
 class Mode(NamedTuple):
@@ -126,6 +129,7 @@ class Txn:
     #: for the open-step rows, after the commit: steps left open, steps complete
     grown: list[tuple[tuple[int, int], tuple[str, float], list[tuple], int]] = field(default_factory=list)
     done: list[tuple[int, int]] = field(default_factory=list)
+    told: list[tuple] = field(default_factory=list)  # keys of reports carrying ``dropped``
 
 
 @dataclass
@@ -215,6 +219,38 @@ class Ingest:
         except Exception:  # noqa: BLE001 - counting must never turn the 409 into a 500
             log.exception("could not count the reports refused by a %s", exc.error)
 
+    @staticmethod
+    def told_drops(t: Txn, stored: Stored) -> list[tuple[str, str, int, int, int]]:
+        """The ``dropped`` blocks of the reports this attempt stored (not of re-sends: each
+        is counted once, with the report that carried it), summed per series:
+        ``(run_id, statistic, count, first_step, last_step)``."""
+        per: dict[tuple[str, str], list[int]] = {}
+        inserted = stored.keys
+        for key in t.told:
+            if key not in inserted:
+                continue
+            r = t.batch[t.index_of[key]]
+            d = r.dropped
+            gap = per.get((r.run_id, r.statistic))
+            if gap is None:
+                per[(r.run_id, r.statistic)] = [d.count, d.first_step, d.last_step]
+            else:
+                gap[0] += d.count
+                gap[1], gap[2] = min(gap[1], d.first_step), max(gap[2], d.last_step)
+        return [(rid, st, *gap) for (rid, st), gap in per.items()]
+
+    def record_dropped(self, dropped: Sequence[tuple[str, str, int, int, int]]) -> None:
+        """Count the reports the clients dropped (:attr:`IngestOutcome.dropped`) on their
+        series (``series.reports_dropped``, ``dropped_first_step``/``dropped_last_step``), in
+        a write transaction after the ingest's: one pass over series rows in id order, never
+        inside the audit's (whose series locks come after its step rows). Never raises: a
+        failure is logged (the reports stay stored; the count is what is lost)."""
+        try:
+            with self.store.write() as conn:
+                self.store.record_dropped(conn, dropped)
+        except Exception:  # noqa: BLE001 - the batch is stored: its answer must stay a 200
+            log.exception("could not count %d report(s) the clients dropped", sum(d[2] for d in dropped))
+
     # ------------------------------------------------------------------------- stages
     def attempt(self, batch: Sequence[Report], now: float | None = None, mode: Mode = Mode()) -> IngestOutcome:
         """Store a validated batch in one transaction and audit the steps it completes.
@@ -233,6 +269,8 @@ class Ingest:
             self.lock_series(t)
             self.rows_of(t)
             stored = self.store_rows(t)
+            if t.told:
+                t.out.dropped = self.told_drops(t, stored)
             due, fresh_of = self.count_steps(t, stored)
             if due or fresh_of:
                 t.out.audited += self.judge.audit_steps(conn, due, now, fresh_of)
@@ -296,6 +334,8 @@ class Ingest:
                 continue
             t.rows[key] = row
             t.index_of[key] = i
+            if r.dropped is not None:
+                t.told.append(key)
             sk = key[:2]
             n = pl[0] * r.num_microbatches  # placed ranks × microbatches (expected_reports without placement)
             if t.expected.setdefault(sk, n) != n:

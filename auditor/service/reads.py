@@ -131,6 +131,7 @@ class Reads:
         out["steps_incomplete"] = sum(s["steps_incomplete"] for s in out["statistics"])
         out["steps_unverified"] = sum(s["steps_unverified"] for s in out["statistics"])
         out["refused_reports"] = sum(s["refused_reports"] for s in out["statistics"])
+        out["reports_dropped"] = sum(s["reports_dropped"] for s in out["statistics"])
         return out
 
     def _series_report(self, conn: sa.Connection, s, topo: Topology, bad_rows: Sequence, cap: tuple[int, int],
@@ -176,6 +177,9 @@ class Reads:
             "refused_reports": s["refused_reports"], "refused_first_step": s["refused_first_step"],
             "refused_last_step": s["refused_last_step"], "refused_at": s["refused_at"],
             "refused_kind": s["refused_kind"],
+            # reports the trainers' clients dropped before sending them (issue 24): gaps
+            "reports_dropped": s["reports_dropped"], "dropped_first_step": s["dropped_first_step"],
+            "dropped_last_step": s["dropped_last_step"],
         }
 
     def _rank_table(self, conn: sa.Connection, info: SeriesInfo, topo: Topology, row) -> list[core.RankRow]:
@@ -322,6 +326,7 @@ def _run_summary(r: RunRow, srows) -> dict:
         "steps_incomplete": sum(s["steps_incomplete"] for s in srows),
         "steps_unverified": sum(s["steps_unverified"] for s in srows),
         "refused_reports": sum(s["refused_reports"] for s in srows),
+        "reports_dropped": sum(s["reports_dropped"] for s in srows),
         "status": state, "consistent": statuses.is_consistent(state),
     }
 

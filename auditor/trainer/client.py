@@ -42,7 +42,9 @@ or an identical re-send), ``rejected`` (the service refused them: 409 conflicts,
 later also counted ``sent`` when replayed), ``replayed`` (of ``sent``: delivered from the
 spool), ``dropped`` (lost: counted, logged), ``retries`` (failed requests that were retried),
 ``reports_dropped`` (of ``dropped``: refused at hand-over because the ring or the queue was
-full, or the client closed — reports that never left the training thread).
+full, or the client closed — reports that never left the training thread; unless the client
+was closed, the next report of the same run and statistic it delivers says how many and
+their steps, wire field ``dropped``, so the service shows the run's audit has gaps).
 """
 
 from __future__ import annotations
@@ -61,7 +63,7 @@ import httpx
 from auditor.trainer.deferred import RING_SIZE, Deferred, Ring
 from auditor.trainer.delivery import CONFIGURATION_ERRORS, MAX_BACKOFF, Outcome, deliver, encode
 from auditor.trainer.destination import destination, open_http
-from auditor.trainer.handover import HandOver
+from auditor.trainer.handover import Gaps, HandOver
 from auditor.trainer.settings import read_settings, valid_number
 from auditor.trainer.spool import Spool, append_lines, dead_letter_path, default_spool_dir, default_spool_name
 
@@ -166,6 +168,7 @@ class AuditorClient(HandOver):
         self._ring_half = max(1, ring_size // 2)  # the sender is woken from here
         self._ring_spill = max(1, ring_size * 3 // 4)  # the spill thread reads slots from here
         self._said: set[str] = set()  # conditions of reports_dropped already logged
+        self._gaps = Gaps()  # reports dropped at hand-over, told with the next report of their series
         self.spool: Spool | None = (
             Spool(Path(spool_dir or default_spool_dir()) / default_spool_name(rank),
                   None if self.file_only else self.url) if spool else None)
@@ -324,16 +327,20 @@ class AuditorClient(HandOver):
     def _resolved(self, item) -> dict | None:
         """``item`` as a wire dict: a deferred report is read from its ring slot and built
         here, on a background thread. One that cannot be built (or builds None) is logged,
-        counted ``dropped`` and settled: None."""
-        if not isinstance(item, Deferred):
-            return item
-        try:
-            report, first = item.resolve()
-        except Exception:  # noqa: BLE001 - a bad report must not stop the others
-            log.exception("auditor client: could not build a deferred report; dropped")
-            report, first = None, True
-        if report is None and first:
-            self._settle(1, "dropped")
+        counted ``dropped`` and settled: None. The reports of its series dropped at
+        hand-over and not told yet ride on it (field ``dropped``, :class:`~auditor.trainer.handover.Gaps`)."""
+        report = item
+        if isinstance(item, Deferred):
+            try:
+                report, first = item.resolve()
+            except Exception:  # noqa: BLE001 - a bad report must not stop the others
+                log.exception("auditor client: could not build a deferred report; dropped")
+                report, first = None, True
+            if report is None and first:
+                self._settle(1, "dropped")
+        if self._gaps.pending and isinstance(report, dict):
+            with self._lock:
+                report = self._gaps.attach(report)
         return report
 
     # ------------------------------------------------------------------ sender thread

@@ -112,12 +112,15 @@ class Ring:
 
 class Deferred:
     """A queued report whose numbers sit in a :class:`Ring` slot: :meth:`resolve` (on a
-    background thread) gives the wire dict ``finish(values)`` builds, or None."""
+    background thread) gives the wire dict ``finish(values)`` builds, or None. ``about``:
+    what is known of the report on the training thread (a dict with its ``run_id``,
+    ``statistic`` and ``step``), for counting it if it is dropped."""
 
-    __slots__ = ("ring", "handle", "finish", "report")
+    __slots__ = ("ring", "handle", "finish", "report", "about")
 
-    def __init__(self, ring: Ring, handle: tuple[int, int, bool], finish: Callable[[list[float]], dict | None]):
-        self.ring, self.handle, self.finish = ring, handle, finish
+    def __init__(self, ring: Ring, handle: tuple[int, int, bool], finish: Callable[[list[float]], dict | None],
+                 about: dict | None = None):
+        self.ring, self.handle, self.finish, self.about = ring, handle, finish, about
         self.report: dict | None = None
 
     def resolve(self) -> tuple[dict | None, bool]:

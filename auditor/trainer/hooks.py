@@ -264,7 +264,7 @@ def submit(client, body: dict, payload: torch.Tensor, blocks) -> None:
 
     deferred = getattr(client, "report_deferred", None)
     if deferred is not None:
-        deferred(payload, finish)
+        deferred(payload, finish, body)  # body: run_id, statistic, step of a report the client may drop
     else:
         client.report(finish(payload.tolist()))
 

@@ -52,6 +52,7 @@ def environment() -> jinja2.Environment:
     env.globals["shown_sizes"] = shown_sizes
     env.globals["status_of"] = statuses.status_of
     env.globals["refused_line"] = statuses.refused_line
+    env.globals["dropped_line"] = statuses.dropped_line
     env.globals["incomplete_line"] = statuses.incomplete_line
     env.globals["unverified_line"] = statuses.unverified_line
     env.globals["reports_missing"] = statuses.reports_missing

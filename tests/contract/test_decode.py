@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from pydantic import BaseModel, ValidationError
 
 from auditor import schemas
-from auditor.contract.fast import FastReport, decode_report_batch
-from auditor.contract.models import Report
+from auditor.contract.fast import FastDropped, FastReport, decode_report_batch
+from auditor.contract.models import Dropped, Report
 from auditor.contract.parse import parse_report_batch, validate_report_batch
 
 
@@ -56,7 +56,7 @@ def same_surface(fast: FastReport, slow: Report) -> None:
 def test_the_structs_have_the_models_fields():
     pairs = [(schemas.FastReport, schemas.Report), (schemas.FastCoords, schemas.Coords),
              (schemas.FastSizes, schemas.Sizes), (schemas.FastLocal, schemas.LocalStats),
-             (schemas.FastApplied, schemas.AppliedStats)]
+             (schemas.FastApplied, schemas.AppliedStats), (FastDropped, Dropped)]
     for fast, model in pairs:
         assert set(fast.__struct_fields__) == set(model.model_fields), fast
 
@@ -156,6 +156,10 @@ def report(draw):
         if draw(st.booleans()):
             spec["over_microbatches"] = draw(st.booleans())
         r["spec"] = spec
+    if draw(st.integers(0, 3)) == 0:  # reports the client dropped before this one (issue 24)
+        lo = draw(st.integers(0, 2**62))
+        r["dropped"] = {"count": draw(st.integers(1, 5)), "first_step": lo,
+                        "last_step": draw(st.sampled_from([lo, min(lo + 3, 2**62), max(lo - 1, 0)]))}
     return r
 
 

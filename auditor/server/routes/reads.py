@@ -31,7 +31,7 @@ async def list_runs(
 ):
     """Runs, newest first: ``{"runs": [{run_id, world_size, sizes, created_at,
     last_activity, statistics, steps_audited, steps_inconsistent, steps_incomplete,
-    steps_unverified, refused_reports, status, consistent}],
+    steps_unverified, refused_reports, reports_dropped, status, consistent}],
     "next_cursor": str | null}``. Pass ``next_cursor`` back as ``cursor`` for the next
     page (opaque; null on the last page). Times are Unix seconds."""
     after = decode_cursor(cursor, runs_key)
