@@ -33,6 +33,7 @@ import sqlalchemy as sa
 
 from auditor.core import DIMS, REPLACEABLE
 from auditor.db.store import ReportsExist, RowDeleted, StepRowExists, Store, report_row
+from auditor.contract.fields import MAX_STEP
 from auditor.contract.models import DEFAULT_SPECS, Report, RunRegistration, StatisticSpec
 from auditor.service import errors
 from auditor.service.caches import Caches, by_step
@@ -221,30 +222,19 @@ class Ingest:
 
     @staticmethod
     def told_drops(t: Txn, stored: Stored) -> list[tuple[str, str, int, int, int]]:
-        """The ``dropped`` blocks of the reports this attempt stored (not of re-sends: each
-        is counted once, with the report that carried it), summed per series:
-        ``(run_id, statistic, count, first_step, last_step)``."""
-        per: dict[tuple[str, str], list[int]] = {}
-        inserted = stored.keys
-        for key in t.told:
-            if key not in inserted:
-                continue
-            r = t.batch[t.index_of[key]]
-            d = r.dropped
-            gap = per.get((r.run_id, r.statistic))
-            if gap is None:
-                per[(r.run_id, r.statistic)] = [d.count, d.first_step, d.last_step]
-            else:
-                gap[0] += d.count
-                gap[1], gap[2] = min(gap[1], d.first_step), max(gap[2], d.last_step)
+        """The ``dropped`` blocks of the reports this attempt stored (a re-send's count
+        nothing), summed per series: ``(run_id, statistic, count, first_step, last_step)``."""
+        per: dict[tuple[str, str], tuple[int, int, int]] = {}
+        for r in (t.batch[t.index_of[k]] for k in t.told if k in stored.keys):
+            d, had = r.dropped, per.get((r.run_id, r.statistic), (0, MAX_STEP, 0))
+            per[(r.run_id, r.statistic)] = (had[0] + d.count, min(had[1], d.first_step), max(had[2], d.last_step))
         return [(rid, st, *gap) for (rid, st), gap in per.items()]
 
     def record_dropped(self, dropped: Sequence[tuple[str, str, int, int, int]]) -> None:
-        """Count the reports the clients dropped (:attr:`IngestOutcome.dropped`) on their
-        series (``series.reports_dropped``, ``dropped_first_step``/``dropped_last_step``), in
-        a write transaction after the ingest's: one pass over series rows in id order, never
-        inside the audit's (whose series locks come after its step rows). Never raises: a
-        failure is logged (the reports stay stored; the count is what is lost)."""
+        """Count :attr:`IngestOutcome.dropped` on the series (``series.reports_dropped``,
+        ``dropped_first_step``/``_last_step``) in a write transaction after the ingest's, as
+        :meth:`record_refused` (never inside the audit's, whose series locks follow its step
+        rows). Never raises: a failure is logged (the reports stay stored, the count is lost)."""
         try:
             with self.store.write() as conn:
                 self.store.record_dropped(conn, dropped)
