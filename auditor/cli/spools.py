@@ -137,7 +137,7 @@ def audit_spools(
         None, "--database-url", help="Store into this database instead of a temporary SQLite file."),
     check: bool = typer.Option(False, "--check", help="Exit 1 unless every audited run passes `auditor check`: "
                                                       "no inconsistent, unverified or incomplete step, no refused "
-                                                      "report."),
+                                                      "or dropped report."),
     allow_incomplete: bool = AllowIncomplete,
     allow_refused: bool = AllowRefused,
     allow_dropped: bool = AllowDropped,

@@ -132,3 +132,36 @@ def test_a_resent_report_does_not_count_its_drops_twice(live_server, run_id):
     bad = {**rep, "step": 5, "dropped": {"count": 1, "first_step": 4, "last_step": 1}}
     r = live_server.post("/v1/reports", json={"reports": [bad]})
     assert r.status_code == 422 and "reports[0].dropped.first_step" in json.dumps(r.json()), r.text
+
+
+def test_spooled_reports_carry_the_drops_and_an_offline_audit_fails_on_them(tmp_path):
+    """File-only client, one ring slot, a starved spill thread: steps 1-2 are dropped, the
+    spooled step-3 report carries ``dropped`` {2, 1, 2}; ``auditor audit --check`` of the
+    spool stores it and fails naming the dropped reports (passes with --allow-dropped)."""
+    import torch
+    from factory import world_reports
+
+    from auditor.trainer.client import AuditorClient
+
+    spool = tmp_path / "spool"
+    client = AuditorClient(f"file://{spool}", rank=0, ring_size=1)
+
+    def report(step: int) -> None:
+        (body,) = world_reports("offline-gaps", step=step, dp=1, cp=1)
+        client.report_deferred(torch.zeros(1, dtype=torch.float64), lambda v, b=body: b, body)
+
+    with client._ring.resolve_lock:
+        for step in range(3):
+            report(step)
+    assert client.flush(timeout=30)
+    report(3)
+    assert client.flush(timeout=30)
+    client.close()
+    (f,) = spool.glob("*.jsonl")
+    lines = [json.loads(x) for x in f.read_text().splitlines()]
+    assert [(r["step"], r.get("dropped")) for r in lines] == [
+        (0, {"count": 2, "first_step": 1, "last_step": 2}), (3, None)]  # the slot's report was built after the drops
+    out = run_auditor("audit", str(spool), "--check")
+    assert out.returncode == 1 and "DROPPED REPORTS — 2 report(s)" in out.stdout + out.stderr, out.stdout + out.stderr
+    out = run_auditor("audit", str(spool), "--check", "--allow-dropped")
+    assert out.returncode == 0, out.stdout + out.stderr
