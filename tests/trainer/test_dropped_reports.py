@@ -97,6 +97,8 @@ def test_dropped_reports_reach_the_service_and_the_run_is_not_consistent(live_se
         out = run_auditor("check", run_id, "--allow-dropped", *source)
         assert out.returncode == 0, out.stdout + out.stderr
         assert "(allowed by --allow-dropped)" in out.stdout
+    out = run_auditor("report", run_id, "--url", live_server.url)
+    assert "INCOMPLETE" in out.stdout.splitlines()[0] and "gaps: 3 report(s) were dropped" in out.stdout, out.stdout
 
     from auditor import Reader
 
