@@ -77,14 +77,15 @@ def _applied(st: Step, kind: str) -> tuple[float, float, float] | float:
 
 
 def run_series(run_id: str, statistic: str, kind: str, spec: Spec, sizes: Coord,
-               steps: Iterable[tuple[int, Sequence[RankReport]]], *, num_microbatches: int = 1,
+               steps: Iterable[tuple[int, Sequence[RankReport]]], *, num_microbatches: int | Mapping[int, int] = 1,
                dims: tuple[str, ...] = DIMS) -> RunSeries:
     """One run's series of one statistic from its reports, step by step.
 
     ``steps``: (step number, that step's reports) pairs, each step once, any order (an
     iterable: a caller may stream pages of stored reports); ``sizes``: the run's sizes along
     ``dims`` (dense dp, cp, tp, pp or expert edp, ep, etp, pp); ``num_microbatches``: the
-    micro-batches per step (the step expects world × that reports). A step enters the series
+    micro-batches per step (the step expects world × that reports), or per step number (a
+    mapping: steps it lacks have 1). A step enters the series
     when every expected report is there and every local value is finite; the others are
     listed in :attr:`RunSeries.skipped` (never compared: the step audit reports them).
 
@@ -97,15 +98,20 @@ def run_series(run_id: str, statistic: str, kind: str, spec: Spec, sizes: Coord,
     """
     if kind not in ("moments", "sum", "norm"):
         raise ValueError(f"statistic {statistic!r}: kind {kind!r} is not moments, sum or norm")
-    whole = covers_whole_step(spec, kind, dict(zip(dims, sizes)), num_microbatches)
+    per_step = num_microbatches if isinstance(num_microbatches, Mapping) else None
+    sized = dict(zip(dims, sizes))
     cols: dict[str, list[float]] = {k: [] for k in ("step", "a", "b", "c", "ranks", "an", "am", "av")}
     skipped: dict[str, list[int]] = {}
     dtypes: set[str] = set()
+    most_mb = 1
     for number, reports in steps:
         if not reports:
             skipped.setdefault("empty", []).append(int(number))
             continue
-        st = Step(list(reports), sizes, spec, kind, num_microbatches, dims)
+        nmb = max(1, int(per_step.get(number, 1) if per_step is not None else num_microbatches))
+        most_mb = max(most_mb, nmb)
+        whole = covers_whole_step(spec, kind, sized, nmb)
+        st = Step(list(reports), sizes, spec, kind, nmb, dims)
         p = st.part(st.axes, dedupe=True)
         if not bool(p.complete[0]):
             skipped.setdefault("incomplete", []).append(int(number))
@@ -141,4 +147,4 @@ def run_series(run_id: str, statistic: str, kind: str, spec: Spec, sizes: Coord,
     dtype = max(dtypes, key=lambda d: stats.UNIT_ROUNDOFF.get(d, stats.UNIT_ROUNDOFF["float32"]), default="float32")
     if dtype not in stats.UNIT_ROUNDOFF:
         dtype = "float32"  # the step audit reads an unknown name as float32 too (dtype_columns)
-    return RunSeries(series, dtype, max(1, int(num_microbatches)), {k: sorted(v) for k, v in skipped.items()})
+    return RunSeries(series, dtype, most_mb, {k: sorted(v) for k, v in skipped.items()})
