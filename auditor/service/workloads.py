@@ -201,9 +201,11 @@ def _verdict(runs: int, compared: int, stats: list[dict]) -> tuple[str, str]:
     variant = [s["statistic"] for s in stats if s["verdict"] == "variant"]
     if variant:
         return "variant", f"statistic(s) {', '.join(variant)} differ between layouts"
+    if runs < 2:
+        return "not_comparable", f"only {runs} run: at least two are needed to compare"
     if compared < 2:
-        return "not_comparable", (f"{compared} of {runs} run(s) can be compared (a known topology is needed): at "
-                                  "least two are needed")
+        return "not_comparable", (f"only {compared} of the {runs} runs have a known topology (which ranks hold the "
+                                  "same data): at least two are needed to compare")
     if not stats:
         return "not_comparable", "the runs audited no statistic"
     blind = [s["statistic"] for s in stats if s["verdict"] == "not_comparable"]
