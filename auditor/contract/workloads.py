@@ -48,7 +48,9 @@ class WorkloadRun(_Document):
     #: the statistics it audited, sorted
     statistics: list[str]
     #: steps left out of the comparison per reason (``incomplete``, ``non_finite``, ``empty``,
-    #: ``truncated``: past the steps or reports a read may take), over its statistics
+    #: ``truncated``: past the steps or reports a read may take), over its statistics; and
+    #: ``not_comparable_spec``: statistics not compared (expert factorisation, placement, a
+    #: norm with replicated_along: :func:`auditor.core.invariance_series.comparable`)
     skipped: dict[str, int] = field(default_factory=dict)
     #: why the run is not compared at all (its topology unknown), else None
     not_compared: str | None = field(default=None, metadata=OMIT_NONE)
