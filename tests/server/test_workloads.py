@@ -8,6 +8,7 @@ exit codes."""
 
 from __future__ import annotations
 
+import json
 import uuid
 
 import httpx
@@ -147,3 +148,12 @@ def test_reader_and_cli_exit_codes(live_server, invariant):
                        clean=True).returncode == 0
     missing = run_auditor("compare", "--url", live_server.url, "--workload", f"{w}-none", clean=True)
     assert missing.returncode == 2 and "no run is labelled workload" in missing.stderr
+    # the database itself (auditor.cli.sources.LocalSource): the same documents
+    local = run_auditor("compare", "--database-url", live_server.database_url, *runs[:3], "--format", "json",
+                        clean=True)
+    assert local.returncode == 0, local.stderr
+    assert json.loads(local.stdout) == live_server.get("/v1/compare", params={"run": runs[:3]}).json()
+    assert run_auditor("compare", "--database-url", live_server.database_url, runs[0], "no-such-run",
+                       clean=True).returncode == 2
+    both = run_auditor("compare", "--url", live_server.url, runs[0], "--workload", w, clean=True)
+    assert both.returncode == 2 and "either RUN_ID" in both.stderr
