@@ -112,6 +112,8 @@ class Source:
         except self.not_found as e:
             what = f"no run is labelled workload {workload!r}" if workload else f"a run was not found ({e})"
             raise UsageError(f"{what} at {self.where}") from None
+        except ValueError as e:  # the database's own limits (more runs than a comparison takes)
+            raise UsageError(str(e)) from None
 
     def runs(self, status: str | None = None) -> list[dict]:
         """Every run of ``GET /v1/runs`` (all pages; ``status``: of that status only), newest first."""
