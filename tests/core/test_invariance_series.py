@@ -125,3 +125,18 @@ def test_the_series_is_the_step_audits_group_statistic_bit_for_bit(data):
     p = Step(norm, (1, 1, 2, 1), spec, "norm", 1).part(("dp", "cp", "tp", "pp", "mb"))
     assert got.value[0] == p.vals["value"][0] == 1.5 + 2.5 + 0.25 and got.applied[0] == 4.25
     assert list(got.step) == [7]
+
+
+def test_normalisation_per_microbatch_is_other_data_of_equal_count(data):
+    """loss_terms divided by each micro-batch's tokens (4 micro-batches) instead of the
+    step's: every run is consistent within itself, the comparison finds the mean ×~4 with
+    equal counts and names the micro-batches as the likely factor."""
+    runs = [_series(rid, layout_reports(rid, data, dp=dp, mb=mb, fault=fault, loss_terms=True), dp=dp, mb=mb)
+            for rid, dp, mb, fault in (("one", 1, 1, None), ("dp2", 2, 1, None), ("mb4", 2, 4, "per_microbatch"))]
+    found = inv.compare_workload([lay for lay, _ in runs], [f.series for _, fs in runs for f in fs])
+    assert [(f.statistic, f.run, f.moment, f.diagnosis) for f in found] == [
+        ("loss_terms", "mb4", "mean", "different_data")]
+    (f,) = found
+    assert (f.reference, f.first_step, f.steps) == ("one", 0, 2)
+    assert "micro-batches" in f.message, f.message
+    assert f.evidence["run_value"] / f.evidence["reference_value"] == pytest.approx(4.0, rel=0.01)
