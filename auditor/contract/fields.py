@@ -103,6 +103,17 @@ LOCAL = (
     _number("min"), _number("max"), _number("replicated_sum_sq"),
 )
 
+#: ``workload``: the label of the workload a run belongs to (runs of one workload see the same
+#: data per step at different layouts: GET /v1/workloads/{workload}, DESIGN.md §3.2). A
+#: report's and a registration's (``RunRegistration.workload``): the first value given is the
+#: run's, another later is a 409 ``workload_conflict``. Same characters and length as a run id.
+WORKLOAD = WireField("workload", str, None, optional=True, min_length=1, max_length=NAME_MAX, pattern=RUN_ID_PATTERN,
+                     after=addressable, description=(
+                         "The workload this run belongs to: runs of one workload see the same data per step at "
+                         "different parallel layouts and are compared step by step (GET /v1/workloads/{workload}). "
+                         "Optional; the first value a run is given is its label, another later is a 409 "
+                         "workload_conflict. Same characters and length as a run id."))
+
 APPLIED = (_number("count"), _number("sum"), _number("sum_sq"), _number("mean"), _number("var"))
 
 #: Reports of this (run, statistic, rank) the client dropped at hand-over (issue 24: its ring
@@ -147,6 +158,7 @@ REPORT = (
         "since the last one it delivered: count (>= 1) and the steps first_step <= last_step they were for. "
         "Counted once per stored report (an identical re-send is not counted again); the run's audit then has "
         "gaps: never 'consistent'.")),
+    WORKLOAD,
 )
 
 #: Every block by the name its fields use.

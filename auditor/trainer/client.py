@@ -93,6 +93,9 @@ class AuditorClient(HandOver):
         Slots for reports whose numbers are still on the device
         (:meth:`report_deferred`; 128 bytes each, pinned on CUDA); beyond it those are
         dropped and counted (``reports_dropped``).
+    workload:
+        Label put on every report that names none (``AUDITOR_WORKLOAD``): runs of one
+        workload at different layouts are compared (``GET /v1/workloads/{workload}``).
     timeout:
         Per-request HTTP timeout, seconds: one POST — connecting, sending, the whole answer
         (at most a few KiB read, :func:`auditor.trainer.delivery.answer_limit`) — ends within it.
@@ -147,12 +150,15 @@ class AuditorClient(HandOver):
         max_backoff: float = MAX_BACKOFF,
         rank: int | str | None = None,
         ring_size: int = RING_SIZE,
+        workload: str | None = None,
     ) -> None:
         (batch_size, flush_interval, max_queue, timeout, spool_after, fsync_interval, flush_timeout, max_backoff,
          ring_size) = _valid_numbers(batch_size, flush_interval, max_queue, timeout, spool_after, fsync_interval,
                                      flush_timeout, max_backoff, ring_size)
         self.file_only, url, spool_dir, spool = destination(url, token, spool_dir, spool)
         self.url = url.rstrip("/")
+        #: put on every report that names none (on the sender/spill thread: :meth:`_resolved`)
+        self.workload = workload
         self.batch_size = batch_size
         self.flush_interval = flush_interval
         self.max_queue = max_queue
@@ -328,7 +334,8 @@ class AuditorClient(HandOver):
         """``item`` as a wire dict: a deferred report is read from its ring slot and built
         here, on a background thread. One that cannot be built (or builds None) is logged,
         counted ``dropped`` and settled: None. The reports of its series dropped at
-        hand-over and not told yet ride on it (field ``dropped``, :class:`~auditor.trainer.handover.Gaps`)."""
+        hand-over and not told yet ride on it (field ``dropped``, :class:`~auditor.trainer.handover.Gaps`),
+        and the client's ``workload`` label on a report that names none."""
         report = item
         if isinstance(item, Deferred):
             try:
@@ -338,7 +345,11 @@ class AuditorClient(HandOver):
                 report, first = None, True
             if report is None and first:
                 self._settle(1, "dropped")
-        if self._gaps.pending and isinstance(report, dict):
+        if not isinstance(report, dict):
+            return report
+        if self.workload is not None:
+            report.setdefault("workload", self.workload)
+        if self._gaps.pending:
             with self._lock:
                 report = self._gaps.attach(report)
         return report
@@ -482,7 +493,7 @@ def client_from_env(**kwargs: Any) -> AuditorClient | None:
     settings = read_settings()
     if settings.url is None:
         return None
-    conf: dict[str, Any] = {"token": settings.token}
+    conf: dict[str, Any] = {"token": settings.token, "workload": settings.workload}
     for key in ("flush_timeout", "max_queue"):
         value = getattr(settings, key)  # parsed (and a malformed value logged) once, here
         if value is not None:
