@@ -68,6 +68,10 @@ class Layout:
         """``2x1`` (dp × cp), ``1x1-mb4`` with 4 micro-batches: the run id's suffix."""
         return f"{self.dp}x{self.cp}" + (f"-mb{self.microbatches}" if self.microbatches > 1 else "")
 
+    def run_id(self, prefix: str) -> str:
+        """The run id of this layout's run: ``{prefix}-{name}``."""
+        return f"{prefix}-{self.name}"
+
     def text(self) -> str:
         """``dp=2, cp=1`` (``, 4 micro-batches`` when more than one), for messages."""
         mb = f", {self.microbatches} micro-batches" if self.microbatches > 1 else ""
@@ -191,7 +195,7 @@ def run_layouts(body: Callable[..., Any], layouts: Iterable, *, url: str, worklo
     prefix = prefix or workload
     runs = []
     for layout in todo:
-        run_id = f"{prefix}-{layout.name}"
+        run_id = layout.run_id(prefix)
         out = spawn_world(_layout_rank, layout.world, (body, layout, run_id, workload, url, args, timeout),
                           timeout, preload=PRELOAD)
         runs.append(LayoutRun(layout, run_id, [o[0] for o in out], all(o[1] for o in out), [o[2] for o in out]))
@@ -259,8 +263,7 @@ def assert_layout_invariant(body: Callable[..., Any], layouts: Iterable, *, url:
     from auditor.reader import Reader
 
     runs = run_layouts(body, layouts, url=url, workload=workload, args=args, prefix=prefix, timeout=timeout)
-    names = {r.layout.name: r.run_id for r in runs}
-    bad = {names.get(Layout.of(x).name) for x in expect_inconsistent}
+    bad = {Layout.of(x).run_id(prefix or workload) for x in expect_inconsistent}
     if settle is not None:
         settle()
     own = reader is None
