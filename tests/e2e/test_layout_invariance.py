@@ -187,3 +187,38 @@ def _token_mean_loss() -> float:
     """The step's token-mean loss of lw.SAMPLES, float64."""
     losses = [lw.token_losses(i, s.response).astype(np.float64) for i, s in enumerate(lw.SAMPLES)]
     return float(sum(x.sum() for x in losses) / sum(len(x) for x in losses))
+
+
+#: The seed's table at 1x1, 2x1, 1x2, 2x2 (columns: 1x1, 2x1, 1x2 cp0, 1x2 cp1, 2x2 cp0, 2x2 cp1).
+#: CURRENT: at cp = 2 each CP rank whitens with its own slice's statistics (the seed's
+#: +1.707037 / +1.273883; at 2x2 the DP group without CP joins the two replicas' slices of one
+#: CP rank: the same tokens as 1x2's); FIXED: the single-rank value everywhere.
+DEMO_TABLES = {
+    "CURRENT": [["+1.439168", "+1.439168", "+1.707037", "+1.273883", "+1.707037", "+1.273883"],
+                ["-0.616786", "-0.616786", "-0.457986", "-0.740629", "-0.457986", "-0.740629"],
+                ["-1.130775", "-1.130775", "-0.999241", "-1.244257", "-0.999241", "-1.244257"]],
+    "FIXED": [["+1.439168"] * 6, ["-0.616786"] * 6, ["-1.130775"] * 6],
+}
+
+
+def test_auditor_demo_layouts_prints_the_seed_table_and_the_verdicts(auditor_service):
+    """`auditor demo --layouts 1x1,2x1,1x2,2x2 --url …` as a user runs it: both tables to 6
+    decimals, each run's verdict (the buggy ones inconsistent exactly at cp = 2) and each
+    workload's comparison."""
+    from auditor.testing.cli import run_auditor
+
+    out = run_auditor("demo", "--layouts", "1x1,2x1,1x2,2x2", "--url", auditor_service.url, clean=True,
+                      timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    for title, rows in DEMO_TABLES.items():
+        table = text[text.index(f"Whitened advantage per sequence — {title}"):]
+        header = next(ln for ln in table.splitlines() if "seq" in ln and "(T, R)" in ln)
+        assert [c.strip() for c in header.split("┃")[4:-1]] == ["1x1", "2x1", "1x2 cp0", "1x2 cp1", "2x2 cp0",
+                                                                 "2x2 cp1"]
+        body = [ln for ln in table.splitlines() if ln.startswith("│")][:3]
+        assert [[c.strip() for c in ln.split("│")[4:-1]] for ln in body] == rows, table
+    assert "buggy: runs 1x1 consistent, 2x1 consistent, 1x2 INCONSISTENT, 2x2 INCONSISTENT" in text
+    assert "fixed: runs 1x1 consistent, 2x1 consistent, 1x2 consistent, 2x2 consistent" in text
+    fixed = text[text.index("fixed: runs"):]
+    assert "the 4 layouts agree at every step (0 findings)" in fixed.splitlines()[1]
