@@ -225,9 +225,9 @@ class _TextRule:
 _TEXTS = F.BLOCK_FIELDS["Report"]
 #: The patterned fields, each with its regex for Python's ``re.search`` (``names.search_pattern``).
 _TEXT_RULES = (_TextRule(_TEXTS["run_id"], RUN_ID_RE, 1 << 16), _TextRule(_TEXTS["statistic"], STATISTIC_RE, 1 << 16),
-               _TextRule(_TEXTS["topology_source"], SOURCE_RE, 1 << 12))
-assert {f.name for f in F.REPORT if f.pattern} == {"run_id", "statistic", "topology_source"}
-assert _TEXTS["run_id"].after is _TEXTS["statistic"].after is addressable
+               _TextRule(_TEXTS["topology_source"], SOURCE_RE, 1 << 12), _TextRule(_TEXTS["workload"], RUN_ID_RE, 1 << 12))
+assert {f.name for f in F.REPORT if f.pattern} == {"run_id", "statistic", "topology_source", "workload"}
+assert _TEXTS["run_id"].after is _TEXTS["statistic"].after is _TEXTS["workload"].after is addressable
 _get_spec, _get_group_ranks = operator.attrgetter("spec"), operator.attrgetter("group_ranks")
 _get_order = operator.attrgetter("order")
 #: Rows of tuples as one flat iterator (``np.fromiter`` reads None as NaN and bools as 0/1).

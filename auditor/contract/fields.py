@@ -103,6 +103,17 @@ LOCAL = (
     _number("min"), _number("max"), _number("replicated_sum_sq"),
 )
 
+#: ``workload``: the label of the workload a run belongs to (runs of one workload see the same
+#: data per step at different layouts: GET /v1/workloads/{workload}, DESIGN.md §3.2). A
+#: report's and a registration's (``RunRegistration.workload``): the first value given is the
+#: run's, another later is a 409 ``workload_conflict``. Same characters and length as a run id.
+WORKLOAD = WireField("workload", str, None, optional=True, min_length=1, max_length=NAME_MAX, pattern=RUN_ID_PATTERN,
+                     after=addressable, description=(
+                         "The workload this run belongs to: runs of one workload see the same data per step at "
+                         "different parallel layouts and are compared step by step (GET /v1/workloads/{workload}). "
+                         "Optional; the first value a run is given is its label, another later is a 409 "
+                         "workload_conflict. Same characters and length as a run id."))
+
 APPLIED = (_number("count"), _number("sum"), _number("sum_sq"), _number("mean"), _number("var"))
 
 REPORT = (
@@ -131,6 +142,7 @@ REPORT = (
     # Where the rank's layout came from (``megatron.core.parallel_state``, ``megatron.core.mpu``,
     # ``device_mesh``, ``AUDITOR_TOPOLOGY``, ... or why none: DESIGN.md §3.1); informational.
     WireField("topology_source", str, None, optional=True, pattern=SOURCE_PATTERN),
+    WORKLOAD,
 )
 
 #: Every block by the name its fields use.

@@ -69,6 +69,10 @@ def _annotation(f: WireField, blocks: dict[str, type]) -> Any:
     return Optional[t] if f.optional else t
 
 
+#: ``RunRegistration.workload``: the report's field (:data:`auditor.contract.fields.WORKLOAD`), or None.
+WorkloadName = _annotation(F.WORKLOAD, {})
+
+
 def model_of(name: str, base: type[BaseModel], table: tuple[WireField, ...], blocks: dict[str, type]) -> type:
     """The pydantic model ``name`` of a block: ``base`` (its docstring, validators and
     methods) with the fields of ``table`` (:mod:`auditor.contract.fields`); nested blocks
@@ -229,13 +233,15 @@ class StatisticRegistration(_Strict):
 
 
 class RunRegistration(_Strict):
-    """Body of ``PUT /v1/runs/{run_id}``: fixes the topology (and optionally statistic specs)."""
+    """Body of ``PUT /v1/runs/{run_id}``: fixes the topology (and optionally statistic specs
+    and the run's ``workload`` label)."""
 
     world_size: PosInt
     sizes: Sizes = Field(default_factory=Sizes)  # type: ignore[valid-type]
     order: Annotated[str, Field(max_length=MAX_ORDER)] | None = None
     topology: Topology = "known"
     statistics: dict[StatisticName, StatisticRegistration] = Field(default_factory=dict)
+    workload: WorkloadName = Field(None, description=F.WORKLOAD.description)
 
     @model_validator(mode="after")
     def _world(self) -> "RunRegistration":

@@ -14,6 +14,8 @@ declared once as a frozen standard-library dataclass.
 :class:`StepPage`      a page of ``GET .../statistics/{statistic}/steps/{step}``
 :class:`Fault`         one finding of a step
 :class:`RankRow`       one rank (and microbatch) of a step's per-rank table
+:class:`Workload`      a workload comparison (``GET /v1/workloads/{workload}``;
+                       :mod:`auditor.contract.workloads`, with what it nests)
 =====================  ==========================================================
 
 Each has ``from_json(data)`` (a JSON object, as :func:`json.loads` gives it, to the
@@ -45,7 +47,8 @@ from auditor.status import check as check_report
 from auditor.status import status_of
 
 __all__ = ["ShapeError", "OMIT_NONE", "declared", "Run", "RunsPage", "Report", "StatisticReport", "Progress", "ProgressAt",
-           "StepSummary", "StepsPage", "StepDetail", "StepPage", "Fault", "RankRow", "DOCUMENTS"]
+           "StepSummary", "StepsPage", "StepDetail", "StepPage", "Fault", "RankRow", "Workload", "WorkloadRun",
+           "WorkloadStatistic", "WorkloadFinding", "DOCUMENTS"]
 
 #: ``field(metadata=OMIT_NONE)``: ``to_json`` leaves the field out when it is None.
 OMIT_NONE: Mapping[str, bool] = types.MappingProxyType({"omit_none": True})
@@ -187,6 +190,8 @@ class Run(_Document):
     topology: str | None = field(default=None, metadata=OMIT_NONE)
     #: where the ranks' layout came from (``megatron``, ``megatron.core.mpu``, ``device_mesh``, ...)
     topology_source: str | None = None
+    #: the workload label it was given (``Report.workload``), when given
+    workload: str | None = field(default=None, metadata=OMIT_NONE)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -434,6 +439,9 @@ class Report(_Document):
                        f"{[s.statistic for s in self.statistics]}")
 
 
+# the workload comparison's documents (GET /v1/workloads/{workload}): their own module, built on _Document
+from auditor.contract.workloads import Workload, WorkloadFinding, WorkloadRun, WorkloadStatistic  # noqa: E402
+
 #: Every read document.
 DOCUMENTS = (Run, RunsPage, Report, StatisticReport, Progress, ProgressAt, StepSummary, StepsPage, StepDetail,
-             StepPage, Fault, RankRow)
+             StepPage, Fault, RankRow, Workload, WorkloadRun, WorkloadStatistic, WorkloadFinding)

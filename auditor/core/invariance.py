@@ -185,6 +185,8 @@ class InvarianceFinding:
     message: str
     evidence: dict
     kind: str = LAYOUT_VARIANCE
+    #: the differing steps, in step order (``steps`` of them; the workload page marks them)
+    at: tuple[int, ...] = ()
 
 
 # ---------------------------------------------------------------- tolerances
@@ -427,4 +429,5 @@ def _diagnose(ref: Reference, r: _Run, a: _Run, name: str, steps: np.ndarray, ia
     diagnosis, message, evidence = diagnose(ref, r, a, name, steps, ia, ib, compared)
     return InvarianceFinding(statistic=a.series.statistic, moment=name, run=a.layout.run_id,
                              reference=r.layout.run_id, first_step=int(steps[0]), steps=len(steps),
-                             compared=compared, diagnosis=diagnosis, message=message, evidence=evidence)
+                             compared=compared, diagnosis=diagnosis, message=message, evidence=evidence,
+                             at=tuple(steps.tolist()))

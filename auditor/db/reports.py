@@ -171,6 +171,15 @@ class ReportStatements(Statements):
             rows = [(*r[:a], bool(r[a]), *r[a + 1:]) for r in rows]
         return rows
 
+    def steps_report_rows(self, conn: sa.Connection, series_id: int, first: int, last: int) -> list[tuple]:
+        """Every stored report of the steps ``first``..``last`` (inclusive) of a series, as
+        ``reports`` row tuples (:data:`COLUMNS` order) in step order: one indexed range read
+        over the primary key; the caller bounds the range (the rows it may hold)."""
+        c = reports.c
+        q = (sa.select(*(c[n] for n in COLUMNS)).where(c.series_id == series_id, c.step >= first, c.step <= last)
+             .order_by(c.step))
+        return [tuple(r) for r in conn.execute(q)]
+
     def step_reports(self, conn: sa.Connection, series_id: int, step: int) -> list[RankReport]:
         """Every stored report of one step, as the engine's reports (:func:`rank_report`:
         ``group_ranks`` as the stored text)."""

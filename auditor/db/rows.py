@@ -63,6 +63,8 @@ class RunRow:
     known: bool = True
     #: where the first report's layout came from (``Report.topology_source``), if it said
     source: str | None = None
+    #: the workload label it was given first (``Report.workload``), if any
+    workload: str | None = None
 
     @classmethod
     def of(cls, row: Any) -> "RunRow":
@@ -70,7 +72,7 @@ class RunRow:
         that reads the expert factorisation: (edp, ep, etp, pp) when ``edp`` is stored."""
         expert = (row.edp, row.ep, row.etp, row.pp) if row.edp is not None else None
         return cls(row.run_id, row.world_size, (row.dp, row.cp, row.tp, row.pp), row.created_at, expert,
-                   row.rank_order, row.topology != "unknown", row.topology_source)
+                   row.rank_order, row.topology != "unknown", row.topology_source, getattr(row, "workload", None))
 
 
 class _Row(Mapping):

@@ -39,6 +39,17 @@ class RunStatements(Statements):
             raise RowDeleted(f"run {run_id!r}")
         return RunRow.of(row)
 
+    def label_workload(self, conn: sa.Connection, run_id: str, workload: str) -> str | None:
+        """Give run ``run_id`` the label ``workload`` unless it has one; return the run's label
+        (``workload``, or the one it had: the caller compares) or None when the run is gone."""
+        conn.execute(sa.update(runs).where(runs.c.run_id == run_id, runs.c.workload.is_(None)).values(workload=workload))
+        return conn.execute(sa.select(runs.c.workload).where(runs.c.run_id == run_id)).scalar_one_or_none()
+
+    def workload_runs(self, conn: sa.Connection, workload: str, limit: int) -> list[RunRow]:
+        """The runs labelled ``workload``, by run id, at most ``limit`` (indexed read)."""
+        rows = conn.execute(sa.select(runs).where(runs.c.workload == workload).order_by(runs.c.run_id).limit(limit))
+        return [RunRow.of(r) for r in rows]
+
     def runs_created_at(self, conn: sa.Connection, run_ids: Iterable[str]) -> dict[str, float]:
         """``{run_id: created_at}`` of those of ``run_ids`` that exist (one indexed read;
         :meth:`_fetch_in`)."""

@@ -38,6 +38,9 @@ runs = sa.Table(
     # where the first report's layout came from (Report.topology_source), informational
     sa.Column("topology_source", sa.String(96)),
     sa.Column("topology", sa.String(16), nullable=False, server_default="known"),
+    # the workload label (Report.workload / RunRegistration.workload; NULL: none), the first given
+    sa.Column("workload", sa.String(128)),
+    sa.Index("ix_runs_workload_run_id", "workload", "run_id"),  # GET /v1/workloads/{workload}
 )
 
 # One row per (run, statistic): its kind and spec, and the running aggregates that

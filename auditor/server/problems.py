@@ -40,6 +40,7 @@ TITLES: dict[str, str] = {
     "coordinate_conflict": "Two ranks claim the same coordinates",
     "topology_conflict": "Report contradicts the run's topology",
     "spec_conflict": "Report contradicts the statistic's kind or spec",
+    "workload_conflict": "Report or registration contradicts the run's workload label",
     "placement_conflict": "Report from a rank outside the statistic's placement",
     "too_large": "Request too large",
     "unsupported_media_type": "Request body is not JSON (Content-Type)",

@@ -11,6 +11,8 @@
   :meth:`Service.list_runs`, :meth:`Service.get_run`, ...: the JSON the API and the CLI
   serve; :class:`LocalReader`, the read protocol of :class:`auditor.reader.Reader` over a
   database.
+* :mod:`~auditor.service.workloads` — :meth:`Service.compare_workload`,
+  :meth:`Service.compare_runs`: runs of one workload compared across layouts (issue 26).
 * :mod:`~auditor.service.errors` (409/422/404/503 and their wording),
   :mod:`~auditor.service.model` (:class:`Topology`, :class:`SeriesInfo`),
   :mod:`~auditor.service.caches` (the process's caches and their proofs).
@@ -44,12 +46,13 @@ from auditor.service.reads import (
     REPORT_AUDIT_BUDGET, REPORT_FAULT_RANKS, REPORT_RANK_ROWS, REPORT_ROWS_BUDGET, STEP_RANK_ROWS,
     STEP_RANK_ROWS_MAX, LocalReader, Reads, _cp_sigma, _row_json, _run_summary,
 )
+from auditor.service.workloads import WORKLOAD_RUNS, WORKLOAD_STEPS, WORKLOAD_STEPS_MAX, Workloads
 
 __all__ = [
     "ConflictError", "Contended", "IngestOutcome", "LimitError", "LocalReader", "NotFound", "OPEN_STEP_ROWS",
     "PROGRESS_LOOKBACK_REPORTS", "PROGRESS_WINDOW", "REPORT_AUDIT_BUDGET", "REPORT_FAULT_RANKS",
     "REPORT_RANK_ROWS", "REPORT_ROWS_BUDGET", "STEP_RANK_ROWS", "STEP_RANK_ROWS_MAX", "SeriesInfo", "Service",
-    "Topology",
+    "Topology", "WORKLOAD_RUNS", "WORKLOAD_STEPS", "WORKLOAD_STEPS_MAX",
 ]
 
 #: Names of the single-module service that other code (tests) imported, kept importable.
@@ -77,6 +80,7 @@ class Service:
         self.ingestion = Ingest(store, self.caches, self.judge, max_statistics_per_run)
         self.lifecycle = Lifecycle(store, self.caches, self.judge)
         self.reads = Reads(store)
+        self.workloads = Workloads(store)
 
     @classmethod
     def from_engine(cls, engine: sa.Engine, **limits) -> "Service":
@@ -174,6 +178,18 @@ class Service:
     def metric_series(self, since: float, max_series: int | None = None) -> list[dict]:
         """Per-series figures for /metrics (:meth:`auditor.db.store.Store.metric_series`)."""
         return self.reads.metric_series(since, max_series)
+
+    def compare_workload(self, workload: str, *, start: int | None = None, stop: int | None = None,
+                         max_steps: int = WORKLOAD_STEPS, curves: bool = False) -> dict:
+        """The runs labelled ``workload`` compared across layouts
+        (:meth:`auditor.service.workloads.Workloads.compare_workload`); raises :class:`NotFound`."""
+        return self.workloads.compare_workload(workload, start=start, stop=stop, max_steps=max_steps, curves=curves)
+
+    def compare_runs(self, run_ids: Sequence[str], *, start: int | None = None, stop: int | None = None,
+                     max_steps: int = WORKLOAD_STEPS) -> dict:
+        """The runs ``run_ids`` compared across layouts
+        (:meth:`auditor.service.workloads.Workloads.compare_runs`); raises :class:`NotFound`."""
+        return self.workloads.compare_runs(run_ids, start=start, stop=stop, max_steps=max_steps)
 
     # ------------------------------------------------------------------ caches (tests)
     @property

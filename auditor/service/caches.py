@@ -143,6 +143,8 @@ class Caches:
     def __init__(self, open_step_rows: int = OPEN_STEP_ROWS):
         self.runs: dict[str, tuple[Topology, float]] = {}  # run_id: (topology, created_at)
         self.series: dict[tuple[str, str], SeriesInfo] = {}
+        #: the workload label a committed transaction gave or read per run (valid while the run is)
+        self.workloads: dict[str, str] = {}
         #: reports this process stored of open steps (``open_step_rows`` rows at most; 0: none)
         self.open = OpenStepRows(open_step_rows)
 
@@ -171,11 +173,13 @@ class Caches:
         """Drop everything (a run was deleted under this process: the retry starts afresh)."""
         self.runs.clear()
         self.series.clear()
+        self.workloads.clear()
         self.open.clear()
 
     def forget(self, run_id: str) -> None:
         """Drop what is cached of ``run_id`` (deleted by this process)."""
         self.runs.pop(run_id, None)
+        self.workloads.pop(run_id, None)
         self.open.forget(run_id)
         for key in [k for k in self.series if k[0] == run_id]:
             self.series.pop(key, None)

@@ -23,7 +23,7 @@ class ConflictError(Exception):
     """A batch contradicts what is stored (HTTP 409); nothing of the batch was stored.
 
     ``error`` is ``conflicting_report``, ``coordinate_conflict``, ``topology_conflict``,
-    ``spec_conflict`` or ``placement_conflict``; ``conflicts`` lists ``{"index": i, "fields": [wire names], ...}`` per
+    ``spec_conflict``, ``workload_conflict`` or ``placement_conflict``; ``conflicts`` lists ``{"index": i, "fields": [wire names], ...}`` per
     offending report.
     """
 
@@ -90,6 +90,24 @@ def topology_conflict(run_id: str, stored: "Topology", topo: "Topology", index: 
         "nothing of this batch was stored",
         where,
     )
+
+
+def workload_conflict(run_id: str, stored: str, sent: str, index: int | None, first: int | None = None) -> ConflictError:
+    """409 ``workload_conflict``: run ``run_id`` is labelled workload ``stored`` (or, ``first``:
+    report ``first`` of this batch says so); report ``index`` (None: the registration) says
+    ``sent``. A run's label is the first one given; it never changes."""
+    where = [{"index": index, "field": "workload"}] if index is not None else []
+    if first is not None:
+        return ConflictError(
+            "workload_conflict",
+            f"reports[{first}] and reports[{index}] of this batch give run {run_id!r} two workloads, {stored!r} "
+            f"and {sent!r}; every report of a run must give the same workload (or none); nothing of this batch "
+            "was stored", [{**w, "other_index": first} for w in where], against_stored=False)
+    said = "this registration says" if index is None else "this report says"
+    return ConflictError(
+        "workload_conflict",
+        f"run {run_id!r} belongs to workload {stored!r} (the first label it was given; it never changes); "
+        f"{said} {sent!r}; nothing of this {'registration' if index is None else 'batch'} was stored", where)
 
 
 def spec_conflict(info: "SeriesInfo", kind: str, spec: "StatisticSpec | None", index: int | None) -> ConflictError:

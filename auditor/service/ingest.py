@@ -23,6 +23,7 @@ The stages of one attempt (:meth:`Ingest.attempt`), each relying on the proof it
 from __future__ import annotations
 
 import logging
+import operator
 import sys
 import time
 from collections import Counter, defaultdict
@@ -40,6 +41,7 @@ from auditor.service.errors import StaleCaches
 from auditor.service.judge import Judge, _Due, _Fresh
 from auditor.service.model import SeriesInfo, Topology
 
+_get_workload = operator.attrgetter("workload")
 log = logging.getLogger("auditor.service")
 
 
@@ -126,6 +128,8 @@ class Txn:
     #: for the open-step rows, after the commit: steps left open, steps complete
     grown: list[tuple[tuple[int, int], tuple[str, float], list[tuple], int]] = field(default_factory=list)
     done: list[tuple[int, int]] = field(default_factory=list)
+    #: the workload labels this transaction checked: run_id -> workload
+    workloads: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -182,6 +186,8 @@ class Ingest:
         def attempt(_mode: Mode) -> None:
             with self.store.write() as conn:
                 self.ensure_run(conn, run_id, topo, now, index=None)
+                if reg.workload is not None:
+                    self.label_workload(conn, run_id, reg.workload, None)
                 for name, st in reg.statistics.items():
                     self.ensure_series(conn, run_id, name, st.kind, st.spec, now, index=None)
 
@@ -230,6 +236,7 @@ class Ingest:
         with self.store.write() as conn:
             t = Txn(conn, now, batch, mode, self.caches.check(self.store, conn, {r.run_id for r in batch}))
             self.resolve_series(t)
+            self.label_workloads(t)
             self.lock_series(t)
             self.rows_of(t)
             stored = self.store_rows(t)
@@ -237,6 +244,7 @@ class Ingest:
             if due or fresh_of:
                 t.out.audited += self.judge.audit_steps(conn, due, now, fresh_of)
         self.caches.after_commit(t.grown, t.done, t.new_runs, t.new_series)
+        self.caches.workloads.update(t.workloads)
         return t.out
 
     def resolve_series(self, t: Txn) -> None:
@@ -267,6 +275,36 @@ class Ingest:
                                           use_cache=r.run_id in t.cached)
                 t.series_of[skey] = info
                 t.new_series[skey] = info
+
+    def label_workloads(self, t: Txn) -> None:
+        """Each run's ``workload`` label: the first a run is given is kept (the run's row);
+        a report of the batch that gives another — than the stored one or than an earlier
+        report of the batch — is a 409 ``workload_conflict``. A label this process saw
+        committed for a run :meth:`Caches.check <auditor.service.caches.Caches.check>`
+        verified is not read again."""
+        labels = set(map(_get_workload, t.batch))
+        if labels == {None}:
+            return
+        want: dict[str, tuple[str, int]] = {}
+        for i, r in enumerate(t.batch):
+            w = r.workload
+            if w is None:
+                continue
+            prev = want.setdefault(r.run_id, (w, i))
+            if prev[0] != w:
+                raise errors.workload_conflict(r.run_id, prev[0], w, i, first=prev[1])
+        for run_id, (w, i) in want.items():
+            if run_id in t.cached and self.caches.workloads.get(run_id) == w:
+                continue
+            self.label_workload(t.conn, run_id, w, i)
+            t.workloads[run_id] = w
+
+    def label_workload(self, conn: sa.Connection, run_id: str, workload: str, index: int | None) -> None:
+        """Label the stored run ``run_id`` with ``workload`` unless it has a label; raise
+        :class:`ConflictError` when it has another (``index``: the report; None: a registration)."""
+        stored = self.store.label_workload(conn, run_id, workload)
+        if stored is not None and stored != workload:
+            raise errors.workload_conflict(run_id, stored, workload, index)
 
     def lock_series(self, t: Txn) -> None:
         """Hold the batch's series until the transaction ends (:meth:`auditor.db.store.Store.lock_series`);

@@ -323,6 +323,7 @@ def _run_summary(r: RunRow, srows) -> dict:
         "steps_unverified": sum(s["steps_unverified"] for s in srows),
         "refused_reports": sum(s["refused_reports"] for s in srows),
         "status": state, "consistent": statuses.is_consistent(state),
+        **({"workload": r.workload} if r.workload is not None else {}),
     }
 
 

@@ -91,6 +91,9 @@ class AuditorClient(HandOver):
         Slots for reports whose numbers are still on the device
         (:meth:`report_deferred`; 128 bytes each, pinned on CUDA); beyond it those are
         dropped and counted (``reports_dropped``).
+    workload:
+        Label put on every report that names none (``AUDITOR_WORKLOAD``): runs of one
+        workload at different layouts are compared (``GET /v1/workloads/{workload}``).
     timeout:
         Per-request HTTP timeout, seconds: one POST — connecting, sending, the whole answer
         (at most a few KiB read, :func:`auditor.trainer.delivery.answer_limit`) — ends within it.
@@ -145,12 +148,15 @@ class AuditorClient(HandOver):
         max_backoff: float = MAX_BACKOFF,
         rank: int | str | None = None,
         ring_size: int = RING_SIZE,
+        workload: str | None = None,
     ) -> None:
         (batch_size, flush_interval, max_queue, timeout, spool_after, fsync_interval, flush_timeout, max_backoff,
          ring_size) = _valid_numbers(batch_size, flush_interval, max_queue, timeout, spool_after, fsync_interval,
                                      flush_timeout, max_backoff, ring_size)
         self.file_only, url, spool_dir, spool = destination(url, token, spool_dir, spool)
         self.url = url.rstrip("/")
+        #: put on every report that names none (on the sender/spill thread: :meth:`_resolved`)
+        self.workload = workload
         self.batch_size = batch_size
         self.flush_interval = flush_interval
         self.max_queue = max_queue
@@ -326,6 +332,8 @@ class AuditorClient(HandOver):
         here, on a background thread. One that cannot be built (or builds None) is logged,
         counted ``dropped`` and settled: None."""
         if not isinstance(item, Deferred):
+            if self.workload is not None and isinstance(item, dict):
+                item.setdefault("workload", self.workload)
             return item
         try:
             report, first = item.resolve()
@@ -334,6 +342,8 @@ class AuditorClient(HandOver):
             report, first = None, True
         if report is None and first:
             self._settle(1, "dropped")
+        elif report is not None and self.workload is not None:
+            report.setdefault("workload", self.workload)
         return report
 
     # ------------------------------------------------------------------ sender thread
@@ -475,7 +485,7 @@ def client_from_env(**kwargs: Any) -> AuditorClient | None:
     settings = read_settings()
     if settings.url is None:
         return None
-    conf: dict[str, Any] = {"token": settings.token}
+    conf: dict[str, Any] = {"token": settings.token, "workload": settings.workload}
     for key in ("flush_timeout", "max_queue"):
         value = getattr(settings, key)  # parsed (and a malformed value logged) once, here
         if value is not None:

@@ -20,6 +20,9 @@ variable                    meaning
                             ``TORCHELASTIC_RUN_ID`` unless ``none``, else one agreed per job
                             (:mod:`auditor.trainer.runid`)
 ``TORCHELASTIC_RUN_ID``     torchrun's rendezvous id (``none`` unless ``--rdzv-id``/standalone)
+``AUDITOR_WORKLOAD``        workload label put on every report (runs of one workload at other
+                            layouts are compared: GET /v1/workloads/{workload}); a run id's
+                            characters, else ignored (said once)
 ``AUDITOR_STATISTIC``       statistic name of the wrapped whitening (default ``advantages``)
 ``AUDITOR_TOPOLOGY``        explicit sizes, e.g. ``dp=4,cp=2,tp=2`` (:mod:`auditor.trainer.topology`)
 ``AUDITOR_RANK_ORDER``      rank order of that topology, fastest dim first (``tp-cp-ep-dp-pp``)
@@ -115,6 +118,7 @@ class TrainerSettings:
     topology: str | None = None
     rank_order: str = DEFAULT_RANK_ORDER
     mesh_dims: Mapping[str, str] | None = None
+    workload: str | None = None
 
     @property
     def flush_timeout(self) -> float | None:
@@ -169,7 +173,7 @@ def valid_number(name: str, value, default, minimum: float, integer: bool = Fals
 #: The variables :func:`read_settings` reads (``HOME``: the default spool directory).
 _VARIABLES = ("AUDITOR_URL", "AUDITOR_TOKEN", "AUDITOR_SPOOL_DIR", "AUDITOR_RUN_ID", "AUDITOR_STATISTIC", "RANK",
               "AUDITOR_FLUSH_TIMEOUT", "AUDITOR_MAX_QUEUE", "TORCHELASTIC_RUN_ID", "AUDITOR_TOPOLOGY",
-              "AUDITOR_RANK_ORDER", "AUDITOR_MESH_DIMS", "HOME")
+              "AUDITOR_RANK_ORDER", "AUDITOR_MESH_DIMS", "AUDITOR_WORKLOAD", "HOME")
 _last: tuple[tuple, "TrainerSettings"] | None = None
 
 
@@ -228,4 +232,17 @@ def _parse(env: Mapping[str, str]) -> TrainerSettings:
         topology=(env.get("AUDITOR_TOPOLOGY") or "").strip() or None,
         rank_order=(env.get("AUDITOR_RANK_ORDER") or "").strip() or DEFAULT_RANK_ORDER,
         mesh_dims=mesh,
+        workload=_workload_setting(env.get("AUDITOR_WORKLOAD")),
     )
+
+
+def _workload_setting(raw: str | None) -> str | None:
+    """``AUDITOR_WORKLOAD`` stripped (unset or empty: None); one the service would refuse
+    (not a run id's characters, DESIGN.md §3) is ignored, said once, so that no report is
+    refused for it."""
+    label = (raw or "").strip() or None
+    if label is None or _WIRE_RUN_ID.fullmatch(label):
+        return label
+    warn_once(f"AUDITOR_WORKLOAD={raw}", "auditor: ignoring AUDITOR_WORKLOAD=%r (a workload is 1 to 128 of A-Z a-z "
+              "0-9 . _ : -, not only dots); reports carry no workload", raw)
+    return None

@@ -324,3 +324,35 @@ def count_points(figure: dict) -> int:
 def bad_steps_of(steps: Iterable[dict[str, Any]]) -> list[int]:
     """Steps whose verdict is not consistent, ascending."""
     return sorted(s["step"] for s in steps if s.get("verdict") in ("inconsistent", "incomplete"))
+
+
+#: Colours of the runs of a workload figure, in run-id order (cycled).
+RUN_COLOURS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22", "#17becf")
+
+
+def workload_figure(stat: dict[str, Any], curves: dict[str, dict[str, list]]) -> dict:
+    """One statistic of a workload comparison (``GET /v1/workloads/{workload}``'s
+    ``statistics[i]``): every run's correct statistic per step overlaid (``curves``: per run
+    id, ``step`` and ``value`` lists — the mean of a ``moments`` statistic, the value of a
+    ``sum``/``norm``), at most :data:`MAX_POINTS` points a run (evenly strided), and each
+    finding's differing steps (``at``) marked on its run's line with a red ×."""
+    data, steps_seen = [], []
+    label = "mean μ" if stat.get("kind", "moments") == "moments" else VALUE_LABELS.get(stat.get("kind"), ("value",))[0]
+    for i, run_id in enumerate(sorted(curves)):
+        c = curves[run_id]
+        stride = max(1, math.ceil(len(c["step"]) / MAX_POINTS))
+        x, y = c["step"][::stride], c["value"][::stride]
+        steps_seen += x
+        name = run_id + (" (reference)" if run_id == stat.get("reference") else "")
+        data.append({"type": "scatter", "mode": "lines+markers", "name": name, "x": x, "y": y,
+                     "line": {"color": RUN_COLOURS[i % len(RUN_COLOURS)], "width": 1.5}, "marker": {"size": 4}})
+    for f in stat.get("findings") or []:
+        c = curves.get(f["run"]) or {"step": [], "value": []}
+        where = dict(zip(c["step"], c["value"]))
+        at = [s for s in f.get("at") or [] if s in where][:MAX_POINTS]
+        data.append({"type": "scatter", "mode": "markers", "name": f"{f['run']}: {f['diagnosis']} ({f['moment']})",
+                     "x": at, "y": [where[s] for s in at], "hovertext": f["message"][:300],
+                     "marker": {"symbol": "x", "size": 10, "color": "#c62828"}})
+    layout = {**_LAYOUT, "title": {"text": f"{stat['statistic']}: {label} per step, every run"},
+              "xaxis": step_axis(steps_seen), "yaxis": {"title": {"text": label}, "exponentformat": "e"}}
+    return {"data": data, "layout": layout}

@@ -1,5 +1,5 @@
 """The HTML pages (Jinja2 templates of :mod:`auditor.web`): ``/`` (runs), ``/runs/{run_id}``
-(the run page with its plots), ``/runbook``, the sign-in form (``/login``), and the assets
+(the run page with its plots), ``/workloads/{workload}`` (a workload's runs compared), ``/runbook``, the sign-in form (``/login``), and the assets
 they load (``/static``: plotly.js from the plotly package, our CSS/JS), all served by this
 process: no CDN, so air-gapped clusters see the pages. None is in the OpenAPI document."""
 
@@ -22,9 +22,10 @@ from auditor.server.bodies import BodyTimeout, BodyTooLarge, disconnected, read_
 from auditor.server.cursors import decode_cursor, encode_cursor, runs_key
 from auditor.server.limits import throttled
 from auditor.server.problems import RETRY_AFTER, problem
-from auditor.server.routes.params import RunIdPath
+from auditor.server.routes.params import RunIdPath, WorkloadPath
 from auditor.server.state import ClientDep, RootPathDep, SettingsDep, StateDep
 from auditor.service import LocalReader
+from auditor.web.workload import render_workload_page
 
 router = APIRouter()
 
@@ -139,15 +140,34 @@ def run_page(
     summaries, so it holds a few MB whatever the run's length); past it a 503 with
     Retry-After."""
     if not state.page_slots.acquire(blocking=False):
-        limit = state.settings.max_concurrent_pages
-        throttled.warning("pages", "more than %d run pages rendering (AUDITOR_MAX_CONCURRENT_PAGES): "
-                                   "answering 503", limit)
-        return problem(503, "overloaded", f"more than {limit} run pages rendering at once "
-                                          "(AUDITOR_MAX_CONCURRENT_PAGES); retry later", request.url.path,
-                       headers={"Retry-After": RETRY_AFTER})
+        return _overloaded(state, request)
     try:
         page = web.gather_run_page(LocalReader(state.service), run_id, statistic=statistic, step=step,
                                    from_row=(from_rank, from_mb) if (from_rank, from_mb) != (0, 0) else None)
         return HTMLResponse(web.render_run_page(**page, root_path=root))
+    finally:
+        state.page_slots.release()
+
+
+def _overloaded(state, request: Request) -> Response:
+    """503 with Retry-After: ``max_concurrent_pages`` pages render already."""
+    limit = state.settings.max_concurrent_pages
+    throttled.warning("pages", "more than %d run pages rendering (AUDITOR_MAX_CONCURRENT_PAGES): answering 503", limit)
+    return problem(503, "overloaded", f"more than {limit} run pages rendering at once "
+                                      "(AUDITOR_MAX_CONCURRENT_PAGES); retry later", request.url.path,
+                   headers={"Retry-After": RETRY_AFTER})
+
+
+@router.get("/workloads/{workload}", response_class=HTMLResponse, name="workload_page", include_in_schema=False)
+def workload_page(request: Request, state: StateDep, root: RootPathDep, workload: str = WorkloadPath) -> Response:
+    """The workload page: the runs of ``workload`` at their layouts, each statistic's verdict
+    and findings, every run's statistic overlaid per step with the differing steps marked
+    (the comparison of ``GET /v1/workloads/{workload}``: bounded as it is). Shares the run
+    pages' ``max_concurrent_pages`` slots."""
+    if not state.page_slots.acquire(blocking=False):
+        return _overloaded(state, request)
+    try:
+        return HTMLResponse(render_workload_page(state.service.compare_workload(workload, curves=True),
+                                                 root_path=root))
     finally:
         state.page_slots.release()

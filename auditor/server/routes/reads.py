@@ -8,12 +8,14 @@ from __future__ import annotations
 from typing import Literal
 
 from fastapi import APIRouter, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
 
-from auditor.contract.names import STATISTIC_PATTERN
+from auditor.contract.names import RUN_ID_PATTERN, RUN_ID_RE, STATISTIC_PATTERN
 from auditor.server.cursors import decode_cursor, encode_cursor, rank_key, runs_key, step_key
-from auditor.server.routes.params import RunIdPath
+from auditor.server.routes.params import RunIdPath, WorkloadPath
 from auditor.server.state import StateDep
-from auditor.service import REPORT_RANK_ROWS, REPORT_ROWS_BUDGET, STEP_RANK_ROWS, STEP_RANK_ROWS_MAX
+from auditor.service import (REPORT_RANK_ROWS, REPORT_ROWS_BUDGET, STEP_RANK_ROWS, STEP_RANK_ROWS_MAX, WORKLOAD_RUNS,
+                             WORKLOAD_STEPS, WORKLOAD_STEPS_MAX)
 
 router = APIRouter()
 
@@ -131,3 +133,48 @@ async def get_step(state: StateDep, run_id: str = RunIdPath,
         last = out.pop("last")
         return {**out, "next_cursor": encode_cursor(list(last)) if last is not None else None}
     return await state.read(page)
+
+
+
+_STEPS = Query(WORKLOAD_STEPS, ge=1, le=WORKLOAD_STEPS_MAX, description="Steps per run and statistic compared "
+               "(the first from `from`).")
+_FROM = Query(None, alias="from", ge=0, le=2**62, description="First step (inclusive).")
+_TO = Query(None, alias="to", ge=0, le=2**62, description="Last step (inclusive).")
+
+
+@router.get("/v1/workloads/{workload}", tags=["workloads"],
+            summary="Layout invariance: the runs of one workload compared step by step")
+async def get_workload(request: Request, state: StateDep, workload: str = WorkloadPath,
+                       start: int | None = _FROM, stop: int | None = _TO, steps: int = _STEPS):
+    """The runs labelled ``workload`` (``Report.workload``) compared across their layouts,
+    statistic by statistic and step by step: per step each run's correct global statistic
+    (count, mean, population variance; or the sum/norm) recomputed from its stored reports
+    (all the data of the step, replicas once), and what it applied where its reduction
+    covers the step, against a reference run (the world-size-1 run, else the majority)
+    within the two runs' rounding bound (docs/tolerance.md §6). ``{workload, runs: [{run_id,
+    world_size, sizes, microbatches, dtype, layout, statistics, skipped}], statistics:
+    [{statistic, kind, runs, reference, reference_rule, reference_text, compared, findings:
+    [{kind: layout_variance, statistic, moment, run, reference, first_step, steps, compared,
+    diagnosis, message, evidence}], verdict, reason}], verdict, reason, findings,
+    steps_compared, runs_truncated, page}``. ``verdict``: ``invariant``, ``variant`` or
+    ``not_comparable`` (fewer than two runs sharing steps: never ``invariant`` unchecked).
+    Bounded: at most 64 runs (the first by run id), ``steps`` steps per run and statistic,
+    2²¹ stored reports read. 404 when no run carries the label."""
+    page = str(request.url_for("workload_page", workload=workload))
+    return await state.read(lambda: {**state.service.compare_workload(workload, start=start, stop=stop,
+                                                                      max_steps=steps), "page": page})
+
+
+@router.get("/v1/compare", tags=["workloads"], summary="Layout invariance: runs named one by one compared")
+async def get_compare(state: StateDep,
+                      run: list[str] = Query(..., min_length=1, max_length=WORKLOAD_RUNS,
+                                             description="A run id; repeat it: ?run=a&run=b."),
+                      start: int | None = _FROM, stop: int | None = _TO, steps: int = _STEPS):
+    """The runs ``run`` compared as one workload whatever their labels: the document of
+    ``GET /v1/workloads/{workload}`` with ``workload`` null. 404 naming an unknown run, 422
+    naming a malformed run id."""
+    bad = [r for r in run if len(r) > 128 or RUN_ID_RE.search(r) is None]
+    if bad:
+        raise RequestValidationError([{"loc": ("query", "run"), "type": "value_error", "input": bad[0][:140],
+                                       "msg": f"not a run id ({RUN_ID_PATTERN}, 1 to 128 characters)"}])
+    return await state.read(lambda: state.service.compare_runs(run, start=start, stop=stop, max_steps=steps))
