@@ -22,7 +22,7 @@ from rich.table import Table
 
 from auditor.demo.reference import (DEFAULT_TIMEOUT, REFERENCE_SAMPLES, DemoResult, Sample, _fmt, check_world,
                                     run_workers)
-from auditor.testing.layouts import PRELOAD, Layout
+from auditor.testing.layouts import PRELOAD, Layout, workload_findings
 
 #: The two workloads of the demo, in the order of its tables: the bug, the fix.
 VARIANTS = (("buggy", "CURRENT: get_data_parallel_group() (CP excluded)"),
@@ -123,24 +123,22 @@ def _get(http: httpx.Client, path: str) -> dict | None:
 def verdict_lines(demo: LayoutDemo, variant: str) -> list[str]:
     """The verdict of one variant: each run's status, then the workload's comparison (its
     findings' messages, or that the layouts agree)."""
-    runs = ", ".join(f"{x.name} {_word(demo.statuses.get(demo.run_id(x, variant)))}" for x in demo.layouts)
+    runs = ", ".join(f"{x.name} {_word(demo.statuses.get(demo.run_id(x, variant)), 'consistent')}"
+                     for x in demo.layouts)
     lines = [f"{variant}: runs {runs}"]
     doc = demo.comparisons.get(variant)
     if doc is None:
         lines.append(f"  workload {demo.workload(variant)}: the comparison could not be fetched")
         return lines
-    findings = doc.get("findings") or []
-    if not findings:
-        lines.append(f"  workload {demo.workload(variant)}: the {len(demo.layouts)} layouts agree at every step "
-                     f"(0 findings)")
-    for f in findings:
-        lines.append(f"  workload {demo.workload(variant)}: {f['message']}")
+    lines.append(f"  workload {demo.workload(variant)}: {_word(doc['verdict'], 'invariant')}: {doc['reason']}")
+    lines += [f"    {f['message']}" for f in workload_findings(doc)]
     return lines
 
 
-def _word(status: str | None) -> str:
-    """``consistent``, else the status in capitals (``INCONSISTENT``; ``NOT FETCHED``)."""
-    return "consistent" if status == "consistent" else (status or "not fetched").upper()
+def _word(status: str | None, good: str) -> str:
+    """``status`` as is when it is ``good`` (``consistent``, ``invariant``), else in capitals
+    (``INCONSISTENT``, ``VARIANT``; ``NOT FETCHED`` for None)."""
+    return good if status == good else (status or "not fetched").replace("_", " ").upper()
 
 
 def _print_verdicts(console: Console, demo: LayoutDemo) -> None:

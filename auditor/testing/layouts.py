@@ -33,6 +33,7 @@ import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Sequence
+from urllib.parse import quote
 
 from auditor.testing.world import spawn_world
 
@@ -202,52 +203,78 @@ def run_layouts(body: Callable[..., Any], layouts: Iterable, *, url: str, worklo
     return runs
 
 
-def check_layouts(reader, workload: str, runs: Sequence[LayoutRun], *,
+def check_layouts(url: str, workload: str, runs: Sequence[LayoutRun], *, reader=None,
                   expect_inconsistent: Iterable[str] = ()) -> list[str]:
-    """What is wrong with ``runs`` of ``workload``, one text per problem (empty: all is well).
+    """What is wrong with ``runs`` of ``workload`` on the service at ``url``, one text per
+    problem (empty: all is well).
 
     (a) Every run must have delivered its reports and be consistent (``auditor check``'s
     status, :meth:`auditor.reader.Report.check`) — except the run ids in
     ``expect_inconsistent`` (a known bug reproduced on purpose), which must be inconsistent;
-    (b) the workload must be invariant: no ``layout_variance`` finding in
-    ``GET /v1/workloads/{workload}`` (:meth:`auditor.reader.Reader.workload`). Every text
-    names the layout (and the run) and the first step concerned. ``reader``: an
-    :class:`auditor.reader.Reader` of the service the runs reported to, after their steps were
-    audited (the ranks have exited and flushed; the in-process service of the pytest plugin
-    is settled by it).
+    (b) the workload must be ``invariant`` (``GET /v1/workloads/{workload}``,
+    :func:`workload_comparison`): no ``layout_variance`` finding, and something compared —
+    ``not_comparable`` (one layout, no shared step) is a problem too, never a pass. Every
+    text names the layout (and the run) and the first step concerned. Call it after the
+    runs' steps were audited (the ranks have exited and flushed; the pytest plugin's
+    in-process service is settled first). ``reader``: an :class:`auditor.reader.Reader` of
+    ``url`` (default: one opened here).
     """
     from auditor.pytest_plugin import diagnosis
+    from auditor.reader import Reader
 
+    own = reader is None
+    reader = reader or Reader(url)
+    try:
+        problems = [p for run in runs for p in _run_problems(reader, run, run.run_id in set(expect_inconsistent),
+                                                             diagnosis)]
+    finally:
+        if own:
+            reader.close()
+    doc = workload_comparison(url, workload)
     by_run = {r.run_id: r for r in runs}
-    bad = set(expect_inconsistent)
-    problems = []
-    for run in runs:
-        where = f"layout {run.layout.text()} (run {run.run_id!r})"
-        if not run.delivered:
-            problems.append(f"{where}: reports not all delivered: {run.stats}")
-        report = reader.report(run.run_id)
-        if run.run_id in bad:
-            if report.status != "inconsistent":
-                problems.append(f"{where}: expected INCONSISTENT (a known bug), but the run is {report.status}")
-            continue
-        passed, lines = report.check()
-        if not passed:
-            problems.append(f"{where}: " + (diagnosis(report) if report.status in ("inconsistent", "incomplete")
-                                            else "; ".join(lines)))
-    for f in workload_findings(reader, workload):
+    for f in workload_findings(doc):
         run, ref = by_run.get(f["run"]), by_run.get(f["reference"])
         name = f"layout {run.layout.text()}" if run else "a layout not run here"
         against = f"layout {ref.layout.text()}" if ref else f"run {f['reference']!r}"
         problems.append(f"{name} (run {f['run']!r}) differs from {against} at step {f['first_step']} "
                         f"({f['statistic']}, {f['moment']}: {f['diagnosis']}): {f['message']}")
+    if doc["verdict"] == "not_comparable":
+        problems.append(f"workload {workload!r} is not comparable: {doc['reason']}")
     return problems
 
 
-def workload_findings(reader, workload: str) -> list[dict]:
-    """The ``layout_variance`` findings of ``workload`` as JSON objects (``run``,
-    ``reference``, ``statistic``, ``moment``, ``first_step``, ``diagnosis``, ``message``,
-    ``evidence``, ...: :class:`auditor.core.invariance.InvarianceFinding`)."""
-    return list(reader.workload_json(workload).get("findings", []))
+def _run_problems(reader, run: LayoutRun, bad: bool, diagnosis) -> list[str]:
+    """What is wrong with one run: reports not delivered; not consistent (or, ``bad``: not
+    inconsistent)."""
+    where = f"layout {run.layout.text()} (run {run.run_id!r})"
+    out = [] if run.delivered else [f"{where}: reports not all delivered: {run.stats}"]
+    report = reader.report(run.run_id)
+    if bad:
+        if report.status != "inconsistent":
+            out.append(f"{where}: expected INCONSISTENT (a known bug), but the run is {report.status}")
+        return out
+    passed, lines = report.check()
+    if not passed:
+        out.append(f"{where}: " + (diagnosis(report) if report.status in ("inconsistent", "incomplete")
+                                   else "; ".join(lines)))
+    return out
+
+
+def workload_comparison(url: str, workload: str, timeout: float = 60.0) -> dict:
+    """``GET /v1/workloads/{workload}`` of the service at ``url``: the comparison document
+    (:class:`auditor.contract.workloads.Workload` as JSON). Raises ``httpx.HTTPStatusError``
+    (404: no run carries the label) or ``httpx.HTTPError``."""
+    import httpx
+
+    with httpx.Client(base_url=url.rstrip("/"), timeout=timeout) as http:
+        return http.get(f"/v1/workloads/{quote(workload, safe='')}").raise_for_status().json()
+
+
+def workload_findings(doc: dict) -> list[dict]:
+    """The ``layout_variance`` findings of a comparison document, over its statistics (each a
+    JSON object: ``run``, ``reference``, ``statistic``, ``moment``, ``first_step``,
+    ``diagnosis``, ``message``, ``evidence``, ...)."""
+    return [f for s in doc.get("statistics", []) for f in s.get("findings", [])]
 
 
 def assert_layout_invariant(body: Callable[..., Any], layouts: Iterable, *, url: str, workload: str,
@@ -260,19 +287,11 @@ def assert_layout_invariant(body: Callable[..., Any], layouts: Iterable, *, url:
     ``settle``: called after the ranks exit and before the check (the pytest plugin's
     ``auditor_service.settle``: audit what is still open); ``reader``: an
     :class:`auditor.reader.Reader` (default: one on ``url``)."""
-    from auditor.reader import Reader
-
     runs = run_layouts(body, layouts, url=url, workload=workload, args=args, prefix=prefix, timeout=timeout)
     bad = {Layout.of(x).run_id(prefix or workload) for x in expect_inconsistent}
     if settle is not None:
         settle()
-    own = reader is None
-    reader = reader or Reader(url)
-    try:
-        problems = check_layouts(reader, workload, runs, expect_inconsistent=bad)
-    finally:
-        if own:
-            reader.close()
+    problems = check_layouts(url, workload, runs, reader=reader, expect_inconsistent=bad)
     if problems:
         raise AssertionError(f"workload {workload!r} at {len(runs)} layouts:\n" + "\n".join(problems))
     return runs

@@ -16,6 +16,7 @@ The layouts' worlds are forked from one preloaded server (~8 s once, then ~1 s a
 
 from __future__ import annotations
 
+import re
 import uuid
 
 import numpy as np
@@ -23,7 +24,7 @@ import pytest
 
 import layout_workloads as lw
 from auditor.demo.reference import whiten_reference
-from auditor.testing.layouts import SEED_LAYOUTS, check_layouts, run_layouts, workload_findings
+from auditor.testing.layouts import SEED_LAYOUTS, check_layouts, run_layouts, workload_comparison, workload_findings
 
 pytestmark = pytest.mark.multiprocess
 
@@ -51,6 +52,14 @@ def faults(auditor_service):
     return out
 
 
+def _findings(service, workload: str) -> list[dict]:
+    """The findings of ``GET /v1/workloads/{workload}``; its verdict says the same."""
+    doc = workload_comparison(service.url, workload)
+    found = workload_findings(doc)
+    assert doc["verdict"] == ("variant" if found else "invariant"), doc["reason"]
+    return found
+
+
 def _by_run(findings: list[dict]) -> dict[str, dict]:
     found = {}
     for f in findings:
@@ -74,23 +83,43 @@ def test_fixed_whitening_is_invariant_across_the_six_layouts(audited):
         for rank in run.results:
             for i, value in rank.items():
                 assert value == pytest.approx(baseline[i], abs=1e-6), (run.layout, i)
-    assert workload_findings(audited.service.reader, workload) == []
+    assert _findings(audited.service, workload) == []
 
 
-def test_the_seed_bug_is_flagged_per_run_as_before(audited):
+def test_the_seed_bug_is_flagged_per_run_and_by_the_comparison(auditor_service):
     """The seed's bug (the DP group without CP) at the six layouts: the runs with cp > 1 are
-    inconsistent (wrong_group), those with cp = 1 consistent — the per-run audit, unchanged."""
+    inconsistent (wrong_group), those with cp = 1 consistent — the per-run audit, unchanged;
+    the comparison finds their data the same (count, mean, var agree) but what they applied
+    not (``applied_differs``: the median over the ranks of the count each applied is half a
+    CP split's, e.g. at 1×2 the slices of 1,065 and 85 tokens: 575 against 1,150)."""
     workload = f"buggy-{uuid.uuid4().hex[:8]}"
-    runs = audited.layouts(lw.whiten_seed, SEED_LAYOUTS, workload=workload, args=(lw.SAMPLES, False),
-                           expect_inconsistent=[x for x in SEED_LAYOUTS if x[1] > 1])
-    reader = audited.service.reader
+    runs = run_layouts(lw.whiten_seed, SEED_LAYOUTS, url=auditor_service.url, workload=workload,
+                       args=(lw.SAMPLES, False))
+    auditor_service.settle()
+    ids = {r.layout.name: r.run_id for r in runs}
     for run in runs:
-        (stat,) = reader.report(run.run_id).statistics
+        (stat,) = auditor_service.reader.report(run.run_id).statistics
         assert ("wrong_group" in stat.faults) == (run.layout.cp > 1), (run.layout, stat.faults)
-    # at cp = 2 the halves of sequence 0 disagree as in the seed (+1.707037 / +1.273883 with its
-    # three sequences; here with the prompt-heavy fourth, whose tokens all sit on CP rank 0)
-    one_by_two = next(r for r in runs if r.layout.name == "1x2")
-    assert one_by_two.results[0][0] != pytest.approx(one_by_two.results[1][0], abs=1e-3)
+    found = _by_run(_findings(auditor_service, workload))
+    assert set(found) == {ids["1x2"], ids["2x2"], ids["1x4"]}
+    for name, applied in (("1x2", 575), ("2x2", 575), ("1x4", 43.5)):
+        f = found[ids[name]]
+        assert (f["moment"], f["diagnosis"], f["reference"]) == ("applied_count", "applied_differs", ids["1x1"])
+        assert (f["evidence"]["run_value"], f["evidence"]["reference_value"]) == (applied, 1150)
+    # check_layouts with the bug expected: the runs pass as inconsistent, the comparison does not
+    problems = check_layouts(auditor_service.url, workload, runs, reader=auditor_service.reader,
+                             expect_inconsistent=[ids[n] for n in ("1x2", "2x2", "1x4")])
+    assert [p.split(" (run ")[0] for p in problems] == ["layout dp=1, cp=2", "layout dp=1, cp=4",
+                                                        "layout dp=2, cp=2"], problems
+    # at 1×2 each CP rank whitens with its own slice's statistics (the seed's table, here with
+    # the prompt-heavy fourth sequence, whose tokens all sit on CP rank 0)
+    for c, rank in enumerate(runs[2].results):
+        expected = whiten_reference(lw.SAMPLES, 1, 2, 0, c, over_cp=False)
+        assert rank.keys() == expected.keys()
+        for i, value in rank.items():  # float32 whitening against float64: |error| < 1e-5 at |values| < 6
+            assert value == pytest.approx(expected[i], abs=1e-5), (c, i)
+    halves = [rank[0] for rank in runs[2].results]
+    assert abs(halves[0] - halves[1]) > 0.5, halves  # sequence 0's two halves, as in the seed
 
 
 def test_every_fault_run_is_consistent_on_its_own(faults, auditor_service):
@@ -110,7 +139,7 @@ def test_a_cp_slice_that_drops_chunks_is_tokens_dropped(faults, auditor_service)
     and (40, 12) its 9 + 3; at cp = 4 also 7 of (64, 48): 1,012 and 1,019 tokens dropped
     against the 1×1 run, at step 0; the 1×1 run itself is the reference."""
     workload, runs = faults["drop"]
-    found = _by_run(workload_findings(auditor_service.reader, workload))
+    found = _by_run(_findings(auditor_service, workload))
     ids = {r.layout.name: r.run_id for r in runs}
     assert set(found) == {ids["1x2"], ids["2x2"], ids["1x4"]}
     for name, dropped in (("1x2", 1012), ("2x2", 1012), ("1x4", 1019)):
@@ -128,7 +157,7 @@ def test_a_denominator_divided_by_dp_twice_is_a_factor_of_dp(faults, auditor_ser
     and = cp at 2×2), ×4 at dp = 4, nothing at dp = 1 (1×2 agrees); the token count itself
     (``loss_tokens``) agrees at every layout."""
     workload, runs = faults["dp-twice"]
-    found = _by_run(workload_findings(auditor_service.reader, workload))
+    found = _by_run(_findings(auditor_service, workload))
     ids = {r.layout.name: r.run_id for r in runs}
     assert set(found) == {ids["2x1"], ids["2x2"], ids["4x1"]}
     loss = _token_mean_loss()
@@ -145,7 +174,7 @@ def test_dp_shards_that_overlap_by_one_sample_are_tokens_duplicated(faults, audi
     """Contiguous DP shards each taking the next shard's first sample: at dp = 2 sample 2
     (12 response tokens) is counted twice, at dp = 4 samples 1, 2, 3 (90 + 12 + 1000)."""
     workload, runs = faults["overlap"]
-    found = _by_run(workload_findings(auditor_service.reader, workload))
+    found = _by_run(_findings(auditor_service, workload))
     ids = {r.layout.name: r.run_id for r in runs}
     assert set(found) == {ids["2x1"], ids["2x2"], ids["4x1"]}
     for name, duplicated in (("2x1", 12), ("2x2", 12), ("4x1", 1102)):
@@ -160,7 +189,7 @@ def test_a_loss_normalised_per_microbatch_differs_with_four_microbatches(faults,
     four (one sample each) the mean of the samples' token-means — another sum, not an integer
     factor, with the ratio of the two means."""
     workload, runs = faults["microbatch"]
-    (f,) = workload_findings(auditor_service.reader, workload)
+    (f,) = _findings(auditor_service, workload)
     ids = {r.layout.name: r.run_id for r in runs}
     assert (f["run"], f["reference"]) == (ids["1x1-mb4"], ids["1x1"])
     assert (f["statistic"], f["moment"], f["diagnosis"], f["first_step"]) == ("loss", "sum", "different_sum", 0)
@@ -176,7 +205,7 @@ def test_the_failure_text_names_the_layout_and_the_step(faults, auditor_service)
     """check_layouts on the overlapping shards: one line per differing layout, naming it, its
     run, the reference layout and the step; every run consistent, so nothing else."""
     workload, runs = faults["overlap"]
-    problems = check_layouts(auditor_service.reader, workload, runs)
+    problems = check_layouts(auditor_service.url, workload, runs, reader=auditor_service.reader)
     assert len(problems) == 3
     first = next(p for p in problems if p.startswith("layout dp=2, cp=1 "))
     assert first.startswith(f"layout dp=2, cp=1 (run '{runs[1].run_id}') differs from layout dp=1, cp=1 at step 0 "
@@ -220,5 +249,6 @@ def test_auditor_demo_layouts_prints_the_seed_table_and_the_verdicts(auditor_ser
         assert [[c.strip() for c in ln.split("│")[4:-1]] for ln in body] == rows, table
     assert "buggy: runs 1x1 consistent, 2x1 consistent, 1x2 INCONSISTENT, 2x2 INCONSISTENT" in text
     assert "fixed: runs 1x1 consistent, 2x1 consistent, 1x2 consistent, 2x2 consistent" in text
+    prefix = re.search(r"workloads (\S+)-buggy, ", text)[1]
     fixed = text[text.index("fixed: runs"):]
-    assert "the 4 layouts agree at every step (0 findings)" in fixed.splitlines()[1]
+    assert fixed.splitlines()[1].startswith(f"  workload {prefix}-fixed: invariant: "), fixed
