@@ -250,5 +250,9 @@ def test_auditor_demo_layouts_prints_the_seed_table_and_the_verdicts(auditor_ser
     assert "buggy: runs 1x1 consistent, 2x1 consistent, 1x2 INCONSISTENT, 2x2 INCONSISTENT" in text
     assert "fixed: runs 1x1 consistent, 2x1 consistent, 1x2 consistent, 2x2 consistent" in text
     prefix = re.search(r"workloads (\S+)-buggy, ", text)[1]
+    buggy = text[text.index("buggy: runs"):text.index("fixed: runs")].splitlines()
+    assert buggy[1] == f"  workload {prefix}-buggy: VARIANT: statistic(s) advantages differ between layouts"
+    for line, name in zip(buggy[2:], ("1x2", "2x2")):  # each CP rank applied the count of its own slice
+        assert line.startswith(f"    advantages: run '{prefix}-{name}-buggy' ") and ": 75 against 150," in line, line
     fixed = text[text.index("fixed: runs"):]
     assert fixed.splitlines()[1].startswith(f"  workload {prefix}-fixed: invariant: "), fixed
