@@ -27,7 +27,9 @@ is missing for good), then fails the test with the auditor's diagnosis if a run 
 wrote to is inconsistent — or if no report arrived at all (``min_steps``), which would
 otherwise pass silently. ``audited.expect_inconsistent(run_id)`` inverts the check for a
 run that reproduces a known bug; ``audited.runs()``/``audited.report(run_id)`` give typed
-results (:mod:`auditor.reader`).
+results (:mod:`auditor.reader`). ``audited.layouts(body, layouts, workload=...)`` is the CI
+one-liner of layout invariance: ``body`` on every rank of a gloo world per (dp, cp) layout,
+then every run consistent and the workload invariant (:mod:`auditor.testing.layouts`).
 
 A run audited without a known layout (no Megatron ``parallel_state`` or ``megatron.core.mpu``
 accessors, no DeviceMesh, no ``AUDITOR_TOPOLOGY``: each rank could be checked only against
