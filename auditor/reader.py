@@ -47,7 +47,7 @@ from auditor import bounded_http
 # The read documents are declared once, in the contract (standard library only); they are
 # re-exported here: ``from auditor.reader import Report`` keeps working.
 from auditor.contract.reads import (Fault, Progress, ProgressAt, RankRow, Report, Run, ShapeError, StatisticReport,
-                                    StepDetail, StepPage, StepSummary)
+                                    StepDetail, StepPage, StepSummary, Workload)
 
 __all__ = ["Reader", "ReaderError", "NotFoundError", "Run", "Report", "StatisticReport", "StepSummary",
            "StepDetail", "StepPage", "RankRow", "Fault", "Progress", "ProgressAt"]
@@ -307,6 +307,34 @@ class Reader:
         takes)."""
         return self._pages(f"/v1/runs/{_seg(run_id)}/statistics/{_seg(statistic)}/steps", "steps",
                            {"from": start, "to": stop, "verdict": verdict, "limit": page_size}, StepSummary)
+
+
+    def workload(self, workload: str, *, start: int | None = None, stop: int | None = None,
+                 steps: int | None = None) -> Workload:
+        """The runs labelled ``workload`` compared across their layouts (``GET
+        /v1/workloads/{workload}``: :class:`auditor.contract.workloads.Workload`), over steps
+        in [``start``, ``stop``], at most ``steps`` per run and statistic (the service's
+        default when None); :class:`NotFoundError` when no run carries the label."""
+        return self._document(Workload, f"/v1/workloads/{_seg(workload)}",
+                              {"from": start, "to": stop, "steps": steps})[0]
+
+    def workload_json(self, workload: str, *, start: int | None = None, stop: int | None = None,
+                      steps: int | None = None) -> dict:
+        """:meth:`workload` as the service's JSON."""
+        return self._document(Workload, f"/v1/workloads/{_seg(workload)}",
+                              {"from": start, "to": stop, "steps": steps})[1]
+
+    def compare(self, run_ids: list[str], *, start: int | None = None, stop: int | None = None,
+                steps: int | None = None) -> Workload:
+        """The runs ``run_ids`` compared as one workload (``GET /v1/compare?run=…``);
+        :class:`NotFoundError` naming an unknown run."""
+        return Workload.from_json(self.compare_json(run_ids, start=start, stop=stop, steps=steps))
+
+    def compare_json(self, run_ids: list[str], *, start: int | None = None, stop: int | None = None,
+                     steps: int | None = None) -> dict:
+        """:meth:`compare` as the service's JSON."""
+        return self._document(Workload, "/v1/compare", {"run": list(run_ids), "from": start, "to": stop,
+                                                         "steps": steps})[1]
 
 
 #: Largest answer :class:`Reader` reads by default, bytes: the service's largest documents

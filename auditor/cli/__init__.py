@@ -5,6 +5,7 @@
 ``serve``     :mod:`auditor.cli.serve`: the HTTP service
 ``db``        :mod:`auditor.cli.db`: schema migrations
 ``report``    :mod:`auditor.cli.report`: one run's report; ``check``, the CI verdict
+``compare``   :mod:`auditor.cli.compare`: runs of one workload compared across layouts
 ``runs``      :mod:`auditor.cli.runs`: list runs, delete one
 ``demo``      :mod:`auditor.cli.demo`: the reference case on real gloo ranks
 ``import``    :mod:`auditor.cli.spools`: upload spools; ``audit``, audit them offline
@@ -15,9 +16,9 @@
 (:mod:`auditor.cli.errors`).
 """
 
-# Imported in the order `auditor --help` lists them: commands (serve, report, check, demo,
+# Imported in the order `auditor --help` lists them: commands (serve, report, check, compare, demo,
 # import, audit) in the order they register, then the groups (db, runs).
-from auditor.cli import db, serve, report, runs, demo, spools  # noqa: F401, I001  (registers the commands)
+from auditor.cli import db, serve, report, compare, runs, demo, spools  # noqa: F401, I001  (registers the commands)
 from auditor.cli.root import app, main
 from auditor.cli.db import database_shown
 from auditor.cli.errors import BROKEN_PIPE_EXIT, UsageError, database_url_hint, http_error_message

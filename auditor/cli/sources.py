@@ -97,6 +97,24 @@ class Source:
                   after: tuple[int, int] | None = None) -> dict:
         return self.reads().step_json(run_id, statistic, step, limit=limit, after=after)
 
+    def compare(self, run_ids: list[str], workload: str | None, steps: int | None = None) -> dict:
+        """``GET /v1/workloads/{workload}`` (``workload`` given) or ``GET /v1/compare?run=…``:
+        the comparison document; an unknown workload or run raises :class:`UsageError`."""
+        from auditor.trainer.settings import is_wire_run_id
+
+        bad = [n for n in ([workload] if workload else run_ids) if not is_wire_run_id(n)]
+        if bad:
+            raise UsageError(f"{bad[0]!r} is not a {'workload' if workload else 'run id'}: 1 to 128 of "
+                             "A-Z a-z 0-9 . _ : - (not only dots)")
+        try:
+            r = self.reads()
+            return r.workload_json(workload, steps=steps) if workload else r.compare_json(run_ids, steps=steps)
+        except self.not_found as e:
+            what = f"no run is labelled workload {workload!r}" if workload else f"a run was not found ({e})"
+            raise UsageError(f"{what} at {self.where}") from None
+        except ValueError as e:  # the database's own limits (more runs than a comparison takes)
+            raise UsageError(str(e)) from None
+
     def runs(self, status: str | None = None) -> list[dict]:
         """Every run of ``GET /v1/runs`` (all pages; ``status``: of that status only), newest first."""
         return list(self.reads().runs_json(status=status, page_size=1000))

@@ -1,7 +1,8 @@
 """The read documents of a workload comparison (``GET /v1/workloads/{workload}``, ``auditor
 compare``; issue 26): runs of one workload at different parallel layouts compared step by
 step (:mod:`auditor.core.invariance`). Declared like the other read documents
-(:mod:`auditor.contract.reads`, whose ``DOCUMENTS`` lists these too).
+(:mod:`auditor.contract.documents`; :mod:`auditor.contract.reads` re-exports them and
+its ``DOCUMENTS`` lists them).
 
 =========================  ==================================================================
 :class:`Workload`          the comparison: runs, statistics, verdict and why
@@ -22,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from auditor.contract.reads import OMIT_NONE, _Document
+from auditor.contract.documents import OMIT_NONE, _Document
 
 #: Most differing steps a finding lists (``at``).
 AT_STEPS = 1000
@@ -47,7 +48,9 @@ class WorkloadRun(_Document):
     #: the statistics it audited, sorted
     statistics: list[str]
     #: steps left out of the comparison per reason (``incomplete``, ``non_finite``, ``empty``,
-    #: ``truncated``: past the steps or reports a read may take), over its statistics
+    #: ``truncated``: past the steps or reports a read may take), over its statistics; and
+    #: ``not_comparable_spec``: statistics not compared (expert factorisation, placement, a
+    #: norm with replicated_along: :func:`auditor.core.invariance_series.comparable`)
     skipped: dict[str, int] = field(default_factory=dict)
     #: why the run is not compared at all (its topology unknown), else None
     not_compared: str | None = field(default=None, metadata=OMIT_NONE)

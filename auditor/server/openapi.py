@@ -19,6 +19,8 @@ OPENAPI_TAGS = [
     {"name": "ingest", "description": "What trainer ranks send: reports (wire contract v1) and run registrations."},
     {"name": "runs", "description": "Runs and their consistency reports."},
     {"name": "steps", "description": "Per-step history and detail of one statistic of a run."},
+    {"name": "workloads", "description": "Layout invariance: runs of one workload at different parallel layouts "
+                                         "compared step by step."},
     {"name": "operations", "description": "Probes and metrics for orchestrators and Prometheus."},
 ]
 
@@ -32,6 +34,8 @@ _ERRORS: dict[tuple[str, str], tuple[int, ...]] = {
     ("get", "/v1/runs/{run_id}/report"): (404, 422, 503),
     ("get", "/v1/runs/{run_id}/statistics/{statistic}/steps"): (404, 422, 503),
     ("get", "/v1/runs/{run_id}/statistics/{statistic}/steps/{step}"): (404, 422, 503),
+    ("get", "/v1/workloads/{workload}"): (404, 422, 503),
+    ("get", "/v1/compare"): (404, 422, 503),
     ("get", "/readyz"): (503,),
     ("get", "/metrics"): (503,),
 }

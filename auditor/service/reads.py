@@ -15,7 +15,7 @@ import sqlalchemy as sa
 
 from auditor import core
 from auditor import status as statuses
-from auditor.contract.reads import Report, Run, StepPage, StepSummary
+from auditor.contract.reads import Report, Run, StepPage, StepSummary, Workload
 from auditor.core import REPLACEABLE
 from auditor.db.store import RunRow, Store, json_safe
 from auditor.service.errors import NotFound
@@ -416,3 +416,24 @@ class LocalReader:
     def step(self, run_id: str, statistic: str, step: int, *, page_size: int = 10_000) -> StepPage:
         """One step's verdict, faults and whole per-rank table, decoded."""
         return StepPage.from_json(self.step_json(run_id, statistic, step, page_size=page_size))
+
+    # ------------------------------------------------------------------- workloads
+    def workload_json(self, workload: str, *, start: int | None = None, stop: int | None = None,
+                      steps: int | None = None) -> dict:
+        """``GET /v1/workloads/{workload}`` (less ``page``)."""
+        from auditor.service.workloads import WORKLOAD_STEPS
+        return self.service.compare_workload(workload, start=start, stop=stop, max_steps=steps or WORKLOAD_STEPS)
+
+    def workload(self, workload: str, **kw) -> Workload:
+        """:meth:`workload_json` decoded."""
+        return Workload.from_json(self.workload_json(workload, **kw))
+
+    def compare_json(self, run_ids: list[str], *, start: int | None = None, stop: int | None = None,
+                     steps: int | None = None) -> dict:
+        """``GET /v1/compare?run=…``."""
+        from auditor.service.workloads import WORKLOAD_STEPS
+        return self.service.compare_runs(run_ids, start=start, stop=stop, max_steps=steps or WORKLOAD_STEPS)
+
+    def compare(self, run_ids: list[str], **kw) -> Workload:
+        """:meth:`compare_json` decoded."""
+        return Workload.from_json(self.compare_json(run_ids, **kw))

@@ -1,8 +1,9 @@
 """The workload comparison (``GET /v1/workloads/{workload}``, ``auditor compare``; issue 26):
 the runs of one workload, or runs named one by one, compared statistic by statistic and step
 by step. Each run's stored reports are read in bounded pages of whole steps
-(:meth:`auditor.db.store.Store.steps_report_rows`), turned into its series by the one
-function that does so (:func:`auditor.core.invariance_series.run_series`) and compared by
+(:meth:`auditor.db.store.Store.steps_report_rows`), turned into its series by the one code
+that does so (:class:`auditor.core.invariance_series.SeriesBuilder`, each page of rows as
+columns: :func:`auditor.db.store.elements`) and compared by
 :func:`auditor.core.invariance.compare_workload_detail`; the document is
 :class:`auditor.contract.workloads.Workload`."""
 
@@ -11,12 +12,13 @@ from __future__ import annotations
 from collections import Counter
 from typing import Iterator, Sequence
 
+import numpy as np
 import sqlalchemy as sa
 
 from auditor.contract.workloads import AT_STEPS
 from auditor.core import invariance
-from auditor.core.invariance_series import RunSeries, run_layout, run_series
-from auditor.db.store import RunRow, Store, json_safe, rank_report
+from auditor.core.invariance_series import RunSeries, SeriesBuilder, comparable, run_layout
+from auditor.db.store import RunRow, Store, elements, json_safe
 from auditor.service.errors import NotFound
 from auditor.service.model import SeriesInfo, Topology
 
@@ -110,22 +112,24 @@ class Workloads:
         for s in self.store.series_rows(conn, row.run_id, ordered=True):
             info = SeriesInfo.of(s)
             doc["statistics"].append(info.statistic)
-            if info.engine_spec.placement:
-                skipped["placement"] += 1
+            if comparable(info.engine_spec, info.kind) is not None:
+                skipped["not_comparable_spec"] += 1
                 continue
             steps = self.store.step_rows(conn, info.id, start=start, stop=stop, limit=max_steps + 1)
             if len(steps) > max_steps:
                 skipped["truncated"] += 1
                 steps = steps[:max_steps]
-            placed = topo.placed_count(info.engine_spec)
-            nmb = {int(r["step"]): max(1, int(r["expected"]) // max(1, placed)) for r in steps}
-            dims, sizes = topo.dims_sizes(info.engine_spec)
-            pages = _pages(conn, self.store, info.id, steps, budget)
-            rs = run_series(row.run_id, info.statistic, info.kind, info.engine_spec, sizes, pages,
-                            num_microbatches=nmb, dims=dims)
-            read = len(rs.series.step) + sum(len(v) for v in rs.skipped.values())
+            builder = SeriesBuilder(row.run_id, info.statistic, info.kind, info.engine_spec, topo.sizes)
+            placed = max(1, topo.placed_count(info.engine_spec))
+            read = 0
+            for page, rows in _pages(conn, self.store, info.id, steps, budget):
+                numbers = np.array([int(r["step"]) for r in page], dtype=np.int64)
+                nmb = np.array([max(1, int(r["expected"]) // placed) for r in page], dtype=np.int64)
+                builder.add(numbers, elements(rows), nmb)
+                read += len(page)
             if read < len(steps):
                 skipped["truncated"] += len(steps) - read
+            rs = builder.result()
             skipped.update({k: len(v) for k, v in rs.skipped.items()})
             found.append((info.kind, rs))
         doc["skipped"] = dict(skipped)
@@ -133,9 +137,9 @@ class Workloads:
 
 
 def _pages(conn: sa.Connection, store: Store, series_id: int, steps: Sequence, budget: list[int]) -> Iterator:
-    """(step, its reports) of ``steps`` (step rows in step order), read in pages of whole
-    steps of at most :data:`PAGE_ROWS` reports; stops where ``budget`` (reports left to
-    read, shared by the comparison) runs out."""
+    """(step rows, each step's ``reports`` rows) of ``steps`` (step rows in step order), in
+    pages of whole steps of at most :data:`PAGE_ROWS` reports (one range read each); stops
+    where ``budget`` (reports left to read, shared by the comparison) runs out."""
     i = 0
     while i < len(steps):
         j, rows = i, 0
@@ -147,8 +151,8 @@ def _pages(conn: sa.Connection, store: Store, series_id: int, steps: Sequence, b
         budget[0] -= rows
         by_step: dict[int, list] = {int(s["step"]): [] for s in steps[i:j]}
         for r in store.steps_report_rows(conn, series_id, int(steps[i]["step"]), int(steps[j - 1]["step"])):
-            by_step[r[1]].append(rank_report(r))
-        yield from by_step.items()
+            by_step[r[1]].append(r)
+        yield steps[i:j], list(by_step.values())
         i = j
 
 
@@ -201,9 +205,11 @@ def _verdict(runs: int, compared: int, stats: list[dict]) -> tuple[str, str]:
     variant = [s["statistic"] for s in stats if s["verdict"] == "variant"]
     if variant:
         return "variant", f"statistic(s) {', '.join(variant)} differ between layouts"
+    if runs < 2:
+        return "not_comparable", f"only {runs} run: at least two are needed to compare"
     if compared < 2:
-        return "not_comparable", (f"{compared} of {runs} run(s) can be compared (a known topology is needed): at "
-                                  "least two are needed")
+        return "not_comparable", (f"only {compared} of the {runs} runs have a known topology (which ranks hold the "
+                                  "same data): at least two are needed to compare")
     if not stats:
         return "not_comparable", "the runs audited no statistic"
     blind = [s["statistic"] for s in stats if s["verdict"] == "not_comparable"]

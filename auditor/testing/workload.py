@@ -10,7 +10,8 @@ local sums, applied a float32 ring add of the partials over dp·cp then whitened
 layouts give the same data in different summation orders: a correct auditor finds them
 invariant. ``fault`` injects a data-sharding fault consistent within the run:
 ``cp_drop`` (the last CP rank forgets its second chunk), ``dp_twice`` (the token count
-divided by dp on every rank: a denominator ÷dp twice).
+divided by dp on every rank: a denominator ÷dp twice), ``per_microbatch`` (``loss_terms``
+normalised by the tokens of each micro-batch instead of the step's).
 """
 
 from __future__ import annotations
@@ -55,44 +56,70 @@ def _ring(parts) -> np.float32:
     return acc
 
 
+def _moments(v: np.ndarray) -> tuple:
+    """(count, float32 sum, float32 sum of squares, min, max) of one shard's values."""
+    return (float(len(v)), float(np.sum(v, dtype=np.float32)), float(np.sum(v * v, dtype=np.float32)),
+            float(v.min()) if len(v) else None, float(v.max()) if len(v) else None)
+
+
+def _whitened(loc: dict, mb: int) -> dict[int, dict]:
+    """Per micro-batch the applied block of a whitening over dp·cp: a float32 ring add of
+    the shards' (count, sum, sum_sq), then slime's one-pass mean and sample variance."""
+    applied = {}
+    for m in range(mb):
+        keys = sorted(k for k in loc if k[2] == m)
+        n, s, ss = (_ring(loc[k][i] for k in keys) for i in range(3))
+        mean = np.float32(s / n)
+        var = np.float32((np.float32(ss / n) - mean * mean) * np.float32(n / (n - np.float32(1))))
+        applied[m] = {"count": float(n), "sum": float(s), "sum_sq": float(ss), "mean": float(mean), "var": float(var)}
+    return applied
+
+
+def _local(moments: tuple) -> dict:
+    n, s, ss, lo, hi = moments
+    return {"count": n, "sum": s, "sum_sq": ss, **({"min": lo, "max": hi} if lo is not None else {})}
+
+
+def _statistics(shard: dict, dp: int, mb: int, fault: str | None, loss_terms: bool) -> dict[str, tuple[dict, dict]]:
+    """Per statistic of one step: (local moments per shard key, applied block per micro-batch)."""
+    loc = {k: _moments(v) for k, v in shard.items()}
+    out = {"advantages": (loc, _whitened(loc, mb))}
+    if loss_terms:
+        per_mb = {m: sum(len(v) for k, v in shard.items() if k[2] == m) for m in range(mb)}
+        total = sum(per_mb.values())
+        loss = {k: _moments(v / np.float32(per_mb[k[2]] if fault == "per_microbatch" else total))
+                for k, v in shard.items()}
+        out["loss_terms"] = (loss, _whitened(loss, mb))
+    return out
+
+
 def layout_reports(run_id: str, data: list[tuple[np.ndarray, np.ndarray]], dp: int = 1, cp: int = 1, tp: int = 1,
-                   mb: int = 1, fault: str | None = None, workload: str | None = None) -> list[dict]:
+                   mb: int = 1, fault: str | None = None, workload: str | None = None,
+                   loss_terms: bool = False) -> list[dict]:
     """Every rank's wire reports of every step of ``data`` at layout dp × cp × tp with ``mb``
     micro-batches (rank = tp_index + tp·(cp_index + cp·dp_index), Megatron-core's default
-    order). ``workload``: the label put on every report (None: none)."""
+    order). ``workload``: the label put on every report (None: none). ``loss_terms``: also
+    the statistic ``loss_terms`` (moments of value / tokens of the step in float32, whitened
+    like ``advantages``: a token-mean loss's terms; with ``fault="per_microbatch"`` divided by
+    the tokens of the micro-batch instead, a normalisation per micro-batch)."""
     world = dp * cp * tp
     out = []
     for step, (lengths, values) in enumerate(data):
-        sl = _slices(lengths, dp, cp, mb, fault)
-        loc = {}
-        for k, parts in sl.items():
-            v = np.concatenate([values[a:b] for a, b in parts]) if parts else np.zeros(0, np.float32)
-            loc[k] = (float(len(v)), float(np.sum(v, dtype=np.float32)), float(np.sum(v * v, dtype=np.float32)),
-                      float(v.min()) if len(v) else None, float(v.max()) if len(v) else None)
-        applied = {}
-        for m in range(mb):  # whitening over dp·cp of the micro-batch
-            keys = sorted(k for k in loc if k[2] == m)
-            n, s, ss = (_ring(loc[k][i] for k in keys) for i in range(3))
-            mean = np.float32(s / n)
-            var = np.float32((np.float32(ss / n) - mean * mean) * np.float32(n / (n - np.float32(1))))
-            applied[m] = {"count": float(n), "sum": float(s), "sum_sq": float(ss), "mean": float(mean),
-                          "var": float(var)}
-        tok = {k: float(np.float32(loc[k][0] / dp)) if fault == "dp_twice" else loc[k][0] for k in loc}
+        shard = {k: np.concatenate([values[a:b] for a, b in parts]) if parts else np.zeros(0, np.float32)
+                 for k, parts in _slices(lengths, dp, cp, mb, fault).items()}
+        stats = _statistics(shard, dp, mb, fault, loss_terms)
+        count = {k: float(len(v)) for k, v in shard.items()}
+        tok = {k: float(np.float32(n / dp)) if fault == "dp_twice" else n for k, n in count.items()}
         tok_total = float(_ring(tok[k] for k in sorted(tok, key=lambda k: (k[2], k[0], k[1]))))
         for d, c, t, m in itertools.product(range(dp), range(cp), range(tp), range(mb)):
-            n, s, ss, lo, hi = loc[(d, c, m)]
             base = {"run_id": run_id, "step": step, "microbatch": m, "num_microbatches": mb,
                     "rank": t + tp * (c + cp * d), "world_size": world,
                     "coords": {"dp": d, "cp": c, "tp": t, "pp": 0}, "sizes": {"dp": dp, "cp": cp, "tp": tp, "pp": 1},
-                    "dtype": "float32"}
-            if workload is not None:
-                base["workload"] = workload
-            local = {"count": n, "sum": s, "sum_sq": ss}
-            if lo is not None:
-                local.update(min=lo, max=hi)
-            out.append({**base, "statistic": "advantages", "kind": "moments", "local": local,
-                        "applied": applied[m]})
+                    "dtype": "float32", **({"workload": workload} if workload is not None else {})}
+            for name, (loc, applied) in stats.items():
+                out.append({**base, "statistic": name, "kind": "moments", "local": _local(loc[(d, c, m)]),
+                            "applied": applied[m]})
             out.append({**base, "statistic": "tokens", "kind": "sum",
                         "spec": {"reduce_over": ["dp", "cp"], "replicas": ["tp"], "over_microbatches": True},
-                        "local": {"sum": tok[(d, c, m)], "count": n}, "applied": {"sum": tok_total}})
+                        "local": {"sum": tok[(d, c, m)], "count": count[(d, c, m)]}, "applied": {"sum": tok_total}})
     return out

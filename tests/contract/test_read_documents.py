@@ -50,13 +50,14 @@ def runs(service) -> list[str]:
     """Runs in every state; their ids."""
     tag = f"reads-{time.time_ns()}"
     ok, bad, blind, lost, open_, reused = (f"{tag}-{n}" for n in ("ok", "bad", "blind", "lost", "open", "reused"))
-    ordered = [dict(r, order="tp-cp-dp-pp") for s in range(2) for r in world_reports(ok, step=s)]
+    label = {"workload": f"{tag}-w"}  # ok, bad, blind, lost: one workload (compared: a variant, a run not compared)
+    ordered = [dict(r, order="tp-cp-dp-pp", **label) for s in range(2) for r in world_reports(ok, step=s)]
     service.ingest(_wire(ordered))                                            # consistent, with an order
-    service.ingest(_wire(reference_reports(bad, buggy=True)))                # inconsistent, faults
+    service.ingest(_wire([dict(r, **label) for r in reference_reports(bad, buggy=True)]))  # inconsistent, faults
     service.ingest(_wire(reference_reports(bad, buggy=False, step=1)))
-    service.ingest(_unknown(blind, (2.0, 2.0), (4.0, 4.0)))                  # unverified, topology unknown
+    service.ingest([r.model_copy(update=label) for r in _unknown(blind, (2.0, 2.0), (4.0, 4.0))])  # topology unknown
     for s in range(3):                                                       # rank 1 behind: incomplete
-        service.ingest(_wire(world_reports(lost, step=s, skip_ranks=(1,))))
+        service.ingest(_wire([dict(r, **label) for r in world_reports(lost, step=s, skip_ranks=(1,))]))
     service.sweep(grace_seconds=0.0, now=time.time() + 1)
     late = [r for r in world_reports(lost, step=0) if r["rank"] == 1]
     service.ingest(_wire(late))                                              # step 0 re-audited
@@ -73,6 +74,10 @@ def _documents(service, run_ids: list[str]):
     first, last = service.runs_page(limit=1)
     yield reads.RunsPage, {"runs": first, "next_cursor": "c" if last else None}
     yield reads.RunsPage, {"runs": service.runs_page()[0], "next_cursor": None}
+    labels = {service.get_run(r).get("workload") for r in run_ids} - {None}
+    for w in sorted(labels):
+        yield reads.Workload, {**service.compare_workload(w), "page": f"http://auditor/workloads/{w}"}
+    yield reads.Workload, service.compare_runs(run_ids[:2])
     for run_id in run_ids:
         yield reads.Run, service.get_run(run_id)
         report = service.report(run_id)

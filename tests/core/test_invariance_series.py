@@ -94,3 +94,49 @@ def test_layouts_of_the_same_data_are_invariant_and_faults_are_named(data):
     lost = int(sum(n * 3 // 4 - n * 2 // 4 for n in lengths.tolist()))
     assert by[("advantages", "drop")].evidence["tokens"] == -lost == -49994
     assert "dp" in by[("tokens", "twice")].message and by[("tokens", "twice")].reference == "r1x1x1"
+
+
+def test_the_series_is_the_step_audits_group_statistic_bit_for_bit(data):
+    """Per step, exactly what Step.part over every axis gives (the step audit's correct group
+    statistic): same elements, same order, same merge — moments with tp replicas and
+    micro-batches, a sum over micro-batches, a norm with a replicated part."""
+    from auditor.core.step import Step
+
+    reports = layout_reports("b", data, dp=2, cp=2, tp=2, mb=2)
+    for stat, kind in (("advantages", "moments"), ("tokens", "sum")):
+        first = next(r for r in reports if r["statistic"] == stat)
+        spec = StatisticSpec(**first["spec"]).to_core() if first.get("spec") else StatisticSpec().to_core()
+        steps = [(s, [_rank_report(r) for r in reports if r["statistic"] == stat and r["step"] == s]) for s in (0, 1)]
+        got = run_series("b", stat, kind, spec, (2, 2, 2, 1), steps, num_microbatches=2).series
+        for i, (_, reps) in enumerate(steps):
+            p = Step(reps, (2, 2, 2, 1), spec, kind, 2).part(("dp", "cp", "tp", "pp", "mb"))
+            if kind == "moments":
+                assert (got.count[i], got.mean[i], got.var[i]) == (p.vals["count"][0], p.vals["mean"][0],
+                                                                  p.vals["m2"][0] / p.vals["count"][0])
+            else:
+                assert (got.value[i], got.abs_terms[i], got.terms[i]) == (p.vals["value"][0], p.vals["abs"][0],
+                                                                         p.vals["terms"][0])
+            assert got.ranks[i] == 8.0  # dp·cp·mb distinct partials, tp replicas once
+    norm = [core.RankReport(rank=r, microbatch=0, dp=0, cp=0, tp=r, pp=0, dtype="float32", local_count=None,
+                            local_sum=None, local_sum_sq=1.5 + r, local_replicated_sum_sq=0.25, applied_sum_sq=4.25)
+            for r in range(2)]
+    spec = StatisticSpec(reduce_over=["tp", "pp"], replicas=["dp", "cp"]).to_core()
+    got = run_series("n", "grad_norm", "norm", spec, (1, 1, 2, 1), [(7, norm)]).series
+    p = Step(norm, (1, 1, 2, 1), spec, "norm", 1).part(("dp", "cp", "tp", "pp", "mb"))
+    assert got.value[0] == p.vals["value"][0] == 1.5 + 2.5 + 0.25 and got.applied[0] == 4.25
+    assert list(got.step) == [7]
+
+
+def test_normalisation_per_microbatch_is_other_data_of_equal_count(data):
+    """loss_terms divided by each micro-batch's tokens (4 micro-batches) instead of the
+    step's: every run is consistent within itself, the comparison finds the mean ×~4 with
+    equal counts and names the micro-batches as the likely factor."""
+    runs = [_series(rid, layout_reports(rid, data, dp=dp, mb=mb, fault=fault, loss_terms=True), dp=dp, mb=mb)
+            for rid, dp, mb, fault in (("one", 1, 1, None), ("dp2", 2, 1, None), ("mb4", 2, 4, "per_microbatch"))]
+    found = inv.compare_workload([lay for lay, _ in runs], [f.series for _, fs in runs for f in fs])
+    assert [(f.statistic, f.run, f.moment, f.diagnosis) for f in found] == [
+        ("loss_terms", "mb4", "mean", "different_data")]
+    (f,) = found
+    assert (f.reference, f.first_step, f.steps) == ("one", 0, 2)
+    assert "micro-batches" in f.message, f.message
+    assert f.evidence["run_value"] / f.evidence["reference_value"] == pytest.approx(4.0, rel=0.01)

@@ -37,7 +37,7 @@ def test_reads_need_a_token_and_a_read_token_only_reads(tmp_path, run_id):
     try:
         assert post(s, reference_reports(run_id, buggy=False), headers=w).status_code == 200
         for path in ("/v1/runs", f"/v1/runs/{run_id}", f"/v1/runs/{run_id}/report", "/docs", "/openapi.json",
-                     f"/v1/runs/{run_id}/statistics/advantages/steps/0"):
+                     f"/v1/runs/{run_id}/statistics/advantages/steps/0", f"/v1/compare?run={run_id}"):
             r = s.get(path)
             assert_problem(r, 401, "unauthorized")
             assert r.headers["www-authenticate"].startswith("Bearer")

@@ -76,3 +76,24 @@ def test_local_reader_documents_equal_the_http_readers(live_server, local, run_i
             assert isinstance(detail, StepDetail) and detail == http.step(rid, "advantages", step, page_size=1)
     with pytest.raises(NotFound):
         local.report("never-ran")
+
+
+def test_local_reader_workload_documents_equal_the_http_readers(live_server, local, run_id):
+    """The workload comparison read locally equals the HTTP Reader's (less ``page``), typed too."""
+    from auditor.testing.workload import layout_reports, workload_data
+
+    data = workload_data(steps=2, sequences=8, tokens=4_000)
+    w = f"{run_id}-w"
+    for name, dp in ((f"{run_id}-a", 1), (f"{run_id}-b", 2)):
+        r = live_server.post("/v1/reports", json={"reports": layout_reports(name, data, dp=dp, workload=w)})
+        assert r.status_code == 200, r.text
+    with Reader(live_server.url) as http:
+        doc = http.workload_json(w)
+        assert doc["verdict"] == "invariant" and "page" in doc
+        assert _json(local.workload_json(w)) == _no_page(doc)
+        assert local.workload(w) == http.workload(w).__class__.from_json(_no_page(doc))
+        pair = [f"{run_id}-a", f"{run_id}-b"]
+        assert _json(local.compare_json(pair)) == http.compare_json(pair)
+        assert local.compare(pair).verdict == http.compare(pair).verdict == "invariant"
+    with pytest.raises(NotFound):
+        local.workload_json(f"{w}-none")

@@ -184,3 +184,27 @@ def test_waits_that_cannot_work_fall_back_instead_of_hanging_or_raising(tmp_path
     other = AuditorClient("http://127.0.0.1:9", spool_dir=tmp_path, rank=1, flush_timeout=1e308)
     assert other.flush_timeout == 5.0
     other.close(timeout=0.1)
+
+
+def test_the_workload_label_goes_on_every_report(tmp_path, caplog):
+    """AuditorClient(workload=...) (AUDITOR_WORKLOAD through client_from_env) puts the label
+    on every report that names none — plain and deferred (built on the sender thread) — and
+    leaves one a report names; AUDITOR_WORKLOAD the service would refuse is said once and
+    not used."""
+    import torch
+
+    from auditor.trainer.settings import read_settings
+
+    client = AuditorClient(f"file://{tmp_path}", rank=0, workload="wl-7")
+    client.report({"run_id": "r", "step": 0})
+    client.report({"run_id": "r", "step": 1, "workload": "own"})
+    client.report_deferred(torch.tensor([2.0], dtype=torch.float64), lambda v: {"run_id": "r", "step": int(v[0])})
+    client.close()
+    (found,) = spool_files([tmp_path])
+    lines = [json.loads(x) for x in found.read_text().splitlines()]
+    assert sorted((x["step"], x["workload"]) for x in lines) == [(0, "wl-7"), (1, "own"), (2, "wl-7")]
+    for _ in range(2):
+        assert read_settings({"AUDITOR_WORKLOAD": "my workload"}).workload is None
+    assert sum("ignoring AUDITOR_WORKLOAD='my workload'" in r.getMessage() for r in caplog.records) == 1
+    assert read_settings({"AUDITOR_WORKLOAD": " qwen3-4b:grpo "}).workload == "qwen3-4b:grpo"
+    assert read_settings({}).workload is None

@@ -5,12 +5,12 @@ worker thread (:meth:`AppState.read`); listings are keyset-paginated
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Request
-from fastapi.exceptions import RequestValidationError
+from pydantic import Field
 
-from auditor.contract.names import RUN_ID_PATTERN, RUN_ID_RE, STATISTIC_PATTERN
+from auditor.contract.names import RUN_ID_PATTERN, STATISTIC_PATTERN
 from auditor.server.cursors import decode_cursor, encode_cursor, rank_key, runs_key, step_key
 from auditor.server.routes.params import RunIdPath, WorkloadPath
 from auditor.server.state import StateDep
@@ -136,6 +136,8 @@ async def get_step(state: StateDep, run_id: str = RunIdPath,
 
 
 
+#: A run id in a query list (``?run=a&run=b``): the wire pattern on each item.
+RunIdItem = Annotated[str, Field(min_length=1, max_length=128, pattern=RUN_ID_PATTERN)]
 _STEPS = Query(WORKLOAD_STEPS, ge=1, le=WORKLOAD_STEPS_MAX, description="Steps per run and statistic compared "
                "(the first from `from`).")
 _FROM = Query(None, alias="from", ge=0, le=2**62, description="First step (inclusive).")
@@ -167,14 +169,10 @@ async def get_workload(request: Request, state: StateDep, workload: str = Worklo
 
 @router.get("/v1/compare", tags=["workloads"], summary="Layout invariance: runs named one by one compared")
 async def get_compare(state: StateDep,
-                      run: list[str] = Query(..., min_length=1, max_length=WORKLOAD_RUNS,
-                                             description="A run id; repeat it: ?run=a&run=b."),
+                      run: list[RunIdItem] = Query(..., min_length=1, max_length=WORKLOAD_RUNS,
+                                                   description="A run id; repeat it: ?run=a&run=b."),
                       start: int | None = _FROM, stop: int | None = _TO, steps: int = _STEPS):
     """The runs ``run`` compared as one workload whatever their labels: the document of
     ``GET /v1/workloads/{workload}`` with ``workload`` null. 404 naming an unknown run, 422
     naming a malformed run id."""
-    bad = [r for r in run if len(r) > 128 or RUN_ID_RE.search(r) is None]
-    if bad:
-        raise RequestValidationError([{"loc": ("query", "run"), "type": "value_error", "input": bad[0][:140],
-                                       "msg": f"not a run id ({RUN_ID_PATTERN}, 1 to 128 characters)"}])
     return await state.read(lambda: state.service.compare_runs(run, start=start, stop=stop, max_steps=steps))
