@@ -16,7 +16,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-import httpx
 from rich.console import Console
 from rich.table import Table
 
@@ -102,22 +101,24 @@ def _table(demo: LayoutDemo, variant: str, title: str) -> Table:
 
 
 def _fetch(url: str, demo: LayoutDemo) -> None:
-    """Each run's status and each workload's comparison, from the service."""
-    with httpx.Client(base_url=url.rstrip("/"), timeout=30.0) as http:
+    """Each run's status and each workload's comparison, read from the service
+    (:class:`auditor.reader.Reader`); None where the read failed."""
+    from auditor.reader import Reader, ReaderError
+
+    def get(read):
+        try:
+            return read()
+        except ReaderError:
+            return None
+
+    with Reader(url) as reader:
         for x in demo.layouts:
             for variant, _ in VARIANTS:
                 run_id = demo.run_id(x, variant)
-                doc = _get(http, f"/v1/runs/{run_id}/report")
-                demo.statuses[run_id] = doc.get("status") if doc else None
+                report = get(lambda: reader.report(run_id))
+                demo.statuses[run_id] = report.status if report else None
         for variant, _ in VARIANTS:
-            demo.comparisons[variant] = _get(http, f"/v1/workloads/{demo.workload(variant)}")
-
-
-def _get(http: httpx.Client, path: str) -> dict | None:
-    try:
-        return http.get(path).raise_for_status().json()
-    except (httpx.HTTPError, ValueError):
-        return None
+            demo.comparisons[variant] = get(lambda: reader.workload_json(demo.workload(variant)))
 
 
 def verdict_lines(demo: LayoutDemo, variant: str) -> list[str]:

@@ -33,7 +33,6 @@ import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Sequence
-from urllib.parse import quote
 
 from auditor.testing.world import spawn_world
 
@@ -203,34 +202,26 @@ def run_layouts(body: Callable[..., Any], layouts: Iterable, *, url: str, worklo
     return runs
 
 
-def check_layouts(url: str, workload: str, runs: Sequence[LayoutRun], *, reader=None,
+def check_layouts(reader, workload: str, runs: Sequence[LayoutRun], *,
                   expect_inconsistent: Iterable[str] = ()) -> list[str]:
-    """What is wrong with ``runs`` of ``workload`` on the service at ``url``, one text per
-    problem (empty: all is well).
+    """What is wrong with ``runs`` of ``workload``, one text per problem (empty: all is well).
 
     (a) Every run must have delivered its reports and be consistent (``auditor check``'s
     status, :meth:`auditor.reader.Report.check`) — except the run ids in
     ``expect_inconsistent`` (a known bug reproduced on purpose), which must be inconsistent;
     (b) the workload must be ``invariant`` (``GET /v1/workloads/{workload}``,
-    :func:`workload_comparison`): no ``layout_variance`` finding, and something compared —
-    ``not_comparable`` (one layout, no shared step) is a problem too, never a pass. Every
-    text names the layout (and the run) and the first step concerned. Call it after the
-    runs' steps were audited (the ranks have exited and flushed; the pytest plugin's
-    in-process service is settled first). ``reader``: an :class:`auditor.reader.Reader` of
-    ``url`` (default: one opened here).
+    :meth:`auditor.reader.Reader.workload_json`): no ``layout_variance`` finding, and
+    something compared — ``not_comparable`` (one layout, no shared step) is a problem too,
+    never a pass. Every text names the layout (and the run) and the first step concerned.
+    ``reader``: an :class:`auditor.reader.Reader` of the service the runs reported to, called
+    after their steps were audited (the ranks have exited and flushed; the pytest plugin's
+    in-process service is settled first).
     """
     from auditor.pytest_plugin import diagnosis
-    from auditor.reader import Reader
 
-    own = reader is None
-    reader = reader or Reader(url)
-    try:
-        problems = [p for run in runs for p in _run_problems(reader, run, run.run_id in set(expect_inconsistent),
-                                                             diagnosis)]
-    finally:
-        if own:
-            reader.close()
-    doc = workload_comparison(url, workload)
+    bad = set(expect_inconsistent)
+    problems = [p for run in runs for p in _run_problems(reader, run, run.run_id in bad, diagnosis)]
+    doc = reader.workload_json(workload)
     by_run = {r.run_id: r for r in runs}
     for f in workload_findings(doc):
         run, ref = by_run.get(f["run"]), by_run.get(f["reference"])
@@ -260,18 +251,9 @@ def _run_problems(reader, run: LayoutRun, bad: bool, diagnosis) -> list[str]:
     return out
 
 
-def workload_comparison(url: str, workload: str, timeout: float = 60.0) -> dict:
-    """``GET /v1/workloads/{workload}`` of the service at ``url``: the comparison document
-    (:class:`auditor.contract.workloads.Workload` as JSON). Raises ``httpx.HTTPStatusError``
-    (404: no run carries the label) or ``httpx.HTTPError``."""
-    import httpx
-
-    with httpx.Client(base_url=url.rstrip("/"), timeout=timeout) as http:
-        return http.get(f"/v1/workloads/{quote(workload, safe='')}").raise_for_status().json()
-
-
 def workload_findings(doc: dict) -> list[dict]:
-    """The ``layout_variance`` findings of a comparison document, over its statistics (each a
+    """The ``layout_variance`` findings of a comparison document (``GET /v1/workloads/…``
+    as JSON: :meth:`auditor.reader.Reader.workload_json`), over its statistics (each a
     JSON object: ``run``, ``reference``, ``statistic``, ``moment``, ``first_step``,
     ``diagnosis``, ``message``, ``evidence``, ...)."""
     return [f for s in doc.get("statistics", []) for f in s.get("findings", [])]
@@ -287,11 +269,19 @@ def assert_layout_invariant(body: Callable[..., Any], layouts: Iterable, *, url:
     ``settle``: called after the ranks exit and before the check (the pytest plugin's
     ``auditor_service.settle``: audit what is still open); ``reader``: an
     :class:`auditor.reader.Reader` (default: one on ``url``)."""
+    from auditor.reader import Reader
+
     runs = run_layouts(body, layouts, url=url, workload=workload, args=args, prefix=prefix, timeout=timeout)
     bad = {Layout.of(x).run_id(prefix or workload) for x in expect_inconsistent}
     if settle is not None:
         settle()
-    problems = check_layouts(url, workload, runs, reader=reader, expect_inconsistent=bad)
+    own = reader is None
+    reader = reader or Reader(url)
+    try:
+        problems = check_layouts(reader, workload, runs, expect_inconsistent=bad)
+    finally:
+        if own:
+            reader.close()
     if problems:
         raise AssertionError(f"workload {workload!r} at {len(runs)} layouts:\n" + "\n".join(problems))
     return runs

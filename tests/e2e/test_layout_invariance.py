@@ -24,7 +24,7 @@ import pytest
 
 import layout_workloads as lw
 from auditor.demo.reference import whiten_reference
-from auditor.testing.layouts import SEED_LAYOUTS, check_layouts, run_layouts, workload_comparison, workload_findings
+from auditor.testing.layouts import SEED_LAYOUTS, check_layouts, run_layouts, workload_findings
 
 pytestmark = pytest.mark.multiprocess
 
@@ -54,7 +54,7 @@ def faults(auditor_service):
 
 def _findings(service, workload: str) -> list[dict]:
     """The findings of ``GET /v1/workloads/{workload}``; its verdict says the same."""
-    doc = workload_comparison(service.url, workload)
+    doc = service.reader.workload_json(workload)
     found = workload_findings(doc)
     assert doc["verdict"] == ("variant" if found else "invariant"), doc["reason"]
     return found
@@ -90,8 +90,8 @@ def test_the_seed_bug_is_flagged_per_run_and_by_the_comparison(auditor_service):
     """The seed's bug (the DP group without CP) at the six layouts: the runs with cp > 1 are
     inconsistent (wrong_group), those with cp = 1 consistent — the per-run audit, unchanged;
     the comparison finds their data the same (count, mean, var agree) but what they applied
-    not (``applied_differs``: the median over the ranks of the count each applied is half a
-    CP split's, e.g. at 1×2 the slices of 1,065 and 85 tokens: 575 against 1,150)."""
+    not (``applied_differs``: each CP rank applied the count of its own slice; rank 0's, compared,
+    is that of CP rank 0: 1,065 tokens at cp = 2, 1,023 at cp = 4, against 1,150)."""
     workload = f"buggy-{uuid.uuid4().hex[:8]}"
     runs = run_layouts(lw.whiten_seed, SEED_LAYOUTS, url=auditor_service.url, workload=workload,
                        args=(lw.SAMPLES, False))
@@ -102,12 +102,12 @@ def test_the_seed_bug_is_flagged_per_run_and_by_the_comparison(auditor_service):
         assert ("wrong_group" in stat.faults) == (run.layout.cp > 1), (run.layout, stat.faults)
     found = _by_run(_findings(auditor_service, workload))
     assert set(found) == {ids["1x2"], ids["2x2"], ids["1x4"]}
-    for name, applied in (("1x2", 575), ("2x2", 575), ("1x4", 43.5)):
+    for name, applied in (("1x2", 1065), ("2x2", 1065), ("1x4", 1023)):
         f = found[ids[name]]
         assert (f["moment"], f["diagnosis"], f["reference"]) == ("applied_count", "applied_differs", ids["1x1"])
         assert (f["evidence"]["run_value"], f["evidence"]["reference_value"]) == (applied, 1150)
     # check_layouts with the bug expected: the runs pass as inconsistent, the comparison does not
-    problems = check_layouts(auditor_service.url, workload, runs, reader=auditor_service.reader,
+    problems = check_layouts(auditor_service.reader, workload, runs,
                              expect_inconsistent=[ids[n] for n in ("1x2", "2x2", "1x4")])
     assert [p.split(" (run ")[0] for p in problems] == ["layout dp=1, cp=2", "layout dp=1, cp=4",
                                                         "layout dp=2, cp=2"], problems
@@ -205,7 +205,7 @@ def test_the_failure_text_names_the_layout_and_the_step(faults, auditor_service)
     """check_layouts on the overlapping shards: one line per differing layout, naming it, its
     run, the reference layout and the step; every run consistent, so nothing else."""
     workload, runs = faults["overlap"]
-    problems = check_layouts(auditor_service.url, workload, runs, reader=auditor_service.reader)
+    problems = check_layouts(auditor_service.reader, workload, runs)
     assert len(problems) == 3
     first = next(p for p in problems if p.startswith("layout dp=2, cp=1 "))
     assert first.startswith(f"layout dp=2, cp=1 (run '{runs[1].run_id}') differs from layout dp=1, cp=1 at step 0 "
@@ -253,6 +253,6 @@ def test_auditor_demo_layouts_prints_the_seed_table_and_the_verdicts(auditor_ser
     buggy = text[text.index("buggy: runs"):text.index("fixed: runs")].splitlines()
     assert buggy[1] == f"  workload {prefix}-buggy: VARIANT: statistic(s) advantages differ between layouts"
     for line, name in zip(buggy[2:], ("1x2", "2x2")):  # each CP rank applied the count of its own slice
-        assert line.startswith(f"    advantages: run '{prefix}-{name}-buggy' ") and ": 75 against 150," in line, line
+        assert line.startswith(f"    advantages: run '{prefix}-{name}-buggy' ") and ": 65 against 150," in line, line
     fixed = text[text.index("fixed: runs"):]
     assert fixed.splitlines()[1].startswith(f"  workload {prefix}-fixed: invariant: "), fixed
