@@ -27,7 +27,9 @@ is missing for good), then fails the test with the auditor's diagnosis if a run 
 wrote to is inconsistent — or if no report arrived at all (``min_steps``), which would
 otherwise pass silently. ``audited.expect_inconsistent(run_id)`` inverts the check for a
 run that reproduces a known bug; ``audited.runs()``/``audited.report(run_id)`` give typed
-results (:mod:`auditor.reader`).
+results (:mod:`auditor.reader`). ``audited.layouts(body, layouts, workload=...)`` is the CI
+one-liner of layout invariance: ``body`` on every rank of a gloo world per (dp, cp) layout,
+then every run consistent and the workload invariant (:mod:`auditor.testing.layouts`).
 
 A run audited without a known layout (no Megatron ``parallel_state`` or ``megatron.core.mpu``
 accessors, no DeviceMesh, no ``AUDITOR_TOPOLOGY``: each rank could be checked only against
@@ -110,6 +112,30 @@ class Audited:
         """These runs reproduce a known bug: the check then requires them to be
         inconsistent (and fails if the auditor finds nothing wrong)."""
         self.expected_bad.update(run_ids)
+
+    def layouts(self, body, layouts=None, *, workload: str, args: tuple = (), expect_inconsistent=(),
+                timeout: float | None = None) -> list:
+        """The CI one-liner of layout invariance (issue 26): run ``body(rank, *args)`` on every
+        rank of every layout — one gloo world with Megatron-core groups per layout, each a run
+        ``{workload}-{layout}`` of ``workload`` reporting to this service
+        (:func:`auditor.testing.layouts.run_layouts`; ``rank`` is a
+        :class:`~auditor.testing.layouts.LayoutRank`: its coordinates, ``group()``, ``client``,
+        ``run_id``) — then require every run consistent and the workload invariant
+        (:func:`~auditor.testing.layouts.check_layouts`); else the test fails with each problem,
+        naming its layout and step. ``layouts``: (dp, cp) or (dp, cp, micro-batches) tuples,
+        default the seed's six ``(1,1) (2,1) (1,2) (2,2) (1,4) (4,1)``;
+        ``expect_inconsistent``: layouts whose run reproduces a known bug. Returns the runs
+        (:class:`~auditor.testing.layouts.LayoutRun`: what each rank returned)."""
+        from auditor.testing import layouts as lay
+
+        self.expect_inconsistent(*(lay.Layout.of(x).run_id(workload) for x in expect_inconsistent))
+        try:
+            return lay.assert_layout_invariant(
+                body, lay.SEED_LAYOUTS if layouts is None else layouts, url=self.url, workload=workload, args=args,
+                reader=self.service.reader, expect_inconsistent=expect_inconsistent, settle=self.service.settle,
+                timeout=lay.DEFAULT_TIMEOUT if timeout is None else timeout)
+        except AssertionError as e:
+            pytest.fail(f"auditor: {e}", pytrace=False)
 
     def runs(self) -> list:
         """Runs this test reported to (typed :class:`auditor.reader.Run`), newest first."""

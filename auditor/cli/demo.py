@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from contextlib import contextmanager
+from typing import Iterator, Optional
 
 import typer
 
@@ -19,25 +20,56 @@ def demo(
     cp: int = typer.Option(2, min=1, help="Context-parallel size."),
     steps: int = typer.Option(1, min=1, max=1000, help="Rollout steps per run: step 0 is the reference case, later "
                                                          "steps whiten fresh rewards (a history for the run page)."),
+    layouts: Optional[str] = typer.Option(
+        None, "--layouts", help="Run the case at each of these DPxCP layouts instead (e.g. 1x1,2x1,1x2,2x2): the "
+                                "whitened values of every layout side by side, each run's verdict and the "
+                                "comparison of the layouts (workloads PREFIX-buggy, PREFIX-fixed); --dp, --cp and "
+                                "--steps are not used."),
     url: Optional[str] = typer.Option(None, "--url", help="Use a running service instead of starting one."),
     database_url: Optional[str] = DatabaseUrl,
 ) -> None:
     """The reference case end to end: real gloo ranks with Megatron-core process groups whiten
     GRPO advantages under zigzag CP sharding twice — reduced over the DP group without CP
-    (slime's bug) and with CP (the fix) — push to the auditor, and print both reports."""
+    (slime's bug) and with CP (the fix) — push to the auditor, and print both reports.
+    With --layouts: at each layout, then the layouts compared."""
     from auditor.demo.reference import check_world
 
     try:  # before torch, a service or ./auditor.db: nothing started
-        check_world(dp, cp)
+        grid = _layouts(layouts) if layouts is not None else None
+        for x, y in [(g.dp, g.cp) for g in grid] if grid else [(dp, cp)]:
+            check_world(x, y)
     except ValueError as e:
         raise UsageError(str(e)) from None
     _require_torch()
+    console = make_console()
+    if grid is not None:
+        from auditor.demo.layouts import run_layout_demo
+
+        with _service(url, database_url, console) as (base, _):
+            run_layout_demo(base, grid, console=console)
+        return
     from auditor.demo import run_demo
 
-    console = make_console()
     if cp < 2:
         console.print("[yellow]note: with --cp 1 there is no context parallelism, so the DP group without CP is "
                       "the right group and the '-buggy' run is consistent; the bug needs --cp 2 or more[/]")
+    with _service(url, database_url, console) as (base, local):
+        result = run_demo(base, dp=dp, cp=cp, steps=steps, console=console)
+    if not local:
+        console.print(f"Run pages: {base.rstrip('/')}/runs/{result.buggy_run_id}  {base.rstrip('/')}/runs/"
+                      f"{result.fixed_run_id}", highlight=False, soft_wrap=True)
+        return
+    db = "" if database_url is None else f" --database-url {local}"
+    console.print(f"See them in a browser: `auditor serve{db}`, then http://127.0.0.1:8000/runs/{result.buggy_run_id}"
+                  f" — or `auditor report {result.buggy_run_id}{db} --format html > run.html`",
+                  highlight=False, soft_wrap=True)
+
+
+@contextmanager
+def _service(url: Optional[str], database_url: Optional[str], console) -> Iterator[tuple[str, Optional[str]]]:
+    """(base URL, None) of the running service ``url`` (``--url`` or ``AUDITOR_URL``), else
+    (base URL, database URL) of one started here on ``database_url`` for the block. A service
+    that does not answer, a bad database URL or workers that time out: UsageError (exit 2)."""
     url = service_url(url)
     if url:
         from auditor.server.run import wait_healthy
@@ -46,9 +78,7 @@ def demo(
             wait_healthy(url, timeout=10)
         except TimeoutError as e:
             raise UsageError(str(e)) from None
-        result = run_demo(url, dp=dp, cp=cp, steps=steps, console=console)
-        console.print(f"Run pages: {url.rstrip('/')}/runs/{result.buggy_run_id}  {url.rstrip('/')}/runs/"
-                      f"{result.fixed_run_id}", highlight=False, soft_wrap=True)
+        yield url, None
         return
     from auditor.server.run import BackgroundServer
 
@@ -57,13 +87,20 @@ def demo(
     console.print(f"[dim]auditor service on {settings.database_url}[/dim]")
     try:
         with BackgroundServer(settings) as base:
-            result = run_demo(base, dp=dp, cp=cp, steps=steps, console=console)
+            yield base, settings.database_url
     except TimeoutError as e:
         raise UsageError(str(e)) from None
-    db = "" if database_url is None else f" --database-url {settings.database_url}"
-    console.print(f"See them in a browser: `auditor serve{db}`, then http://127.0.0.1:8000/runs/{result.buggy_run_id}"
-                  f" — or `auditor report {result.buggy_run_id}{db} --format html > run.html`",
-                  highlight=False, soft_wrap=True)
+
+
+def _layouts(text: str) -> list:
+    """``--layouts`` parsed (:func:`auditor.testing.layouts.parse_layouts`); ValueError naming
+    the bad part."""
+    from auditor.testing.layouts import parse_layouts
+
+    try:
+        return parse_layouts(text)
+    except ValueError as e:
+        raise ValueError(f"--layouts: {e}") from None
 
 
 def _require_torch() -> None:
@@ -84,4 +121,3 @@ def _find(util, module: str):
         return util.find_spec(module)
     except (ImportError, ValueError):  # a parent package is missing
         return None
-

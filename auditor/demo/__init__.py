@@ -1,7 +1,8 @@
 """The reference case and fault injection, run for real on gloo worlds.
 
 :mod:`~auditor.demo.reference` — slime PR #2235 (GRPO advantage whitening under CP) end to
-end (``auditor demo``); :mod:`~auditor.demo.faults` — every fault kind of DESIGN.md §5
+end (``auditor demo``), and at several layouts compared (:mod:`~auditor.demo.layouts`,
+``auditor demo --layouts``); :mod:`~auditor.demo.faults` — every fault kind of DESIGN.md §5
 injected by real ranks into a live service (``benchmarks/fault_matrix.py``).
 """
 

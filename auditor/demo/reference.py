@@ -193,9 +193,10 @@ class RankResult:
     delivered: bool = True
 
 
-def _whiten_on_rank(rank, world, port, dp, cp, samples, url, run_ids, timeout, steps) -> RankResult:
+def _whiten_on_rank(rank, world, port, dp, cp, samples, url, run_ids, timeout, steps, workloads=None) -> RankResult:
     """Body of one worker process: join the gloo world, build Megatron groups, whiten twice
-    per step (``whitened`` records step 0, the reference case)."""
+    per step (``whitened`` records step 0, the reference case). ``workloads``: the workload
+    label of each run (one client per run), or None (one client, no label)."""
     import torch
     import torch.distributed as dist
 
@@ -216,24 +217,32 @@ def _whiten_on_rank(rank, world, port, dp, cp, samples, url, run_ids, timeout, s
         held = sorted(set(batch.sample_ids.tolist()))
         groups = dict(zip(run_ids, (ps.get_data_parallel_group(),
                                     ps.get_data_parallel_group(with_context_parallel=True))))
-        client = AuditorClient(url) if url else None
+        if not url:
+            clients = dict.fromkeys(run_ids)
+        elif workloads is None:
+            clients = dict.fromkeys(run_ids, AuditorClient(url))
+        else:
+            clients = {r: AuditorClient(url, workload=w) for r, w in zip(run_ids, workloads)}
         whitened = {}
         for step in range(steps):
             step_values = values if step == 0 else torch.from_numpy(step_advantages(samples, step)[batch.sample_ids])
             for run_id, group in groups.items():
-                w = distributed_masked_whiten(step_values, mask, process_group=group, client=client,
+                w = distributed_masked_whiten(step_values, mask, process_group=group, client=clients[run_id],
                                               run_id=run_id, statistic="advantages", step=step).double()
                 if step == 0:
                     whitened[run_id] = {i: float(w[ids == i].mean()) for i in held}
-        delivered = client.flush(timeout) if client else True
-        if client:
-            client.close()
+        distinct = list({id(c): c for c in clients.values() if c is not None}.values())
+        delivered = all([c.flush(timeout) for c in distinct])
+        client_stats: dict[str, int] = {}
+        for c in distinct:
+            c.close()
+            client_stats = {k: client_stats.get(k, 0) + v for k, v in c.stats.items()}
         local = masked_moments(values, mask)
         return RankResult(
             rank=rank, dp=dp_rank, cp=cp_rank, local_count=local["count"],
             local_mean=local["sum"] / local["count"] if local["count"] else math.nan,
             tokens={i: int((ids == i).sum()) for i in held}, whitened=whitened,
-            client_stats=dict(client.stats) if client else {}, delivered=delivered,
+            client_stats=client_stats, delivered=delivered,
         )
     finally:
         ps.destroy_model_parallel()
@@ -261,16 +270,21 @@ def run_workers(
     url: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     steps: int = 1,
+    workloads: tuple[str, str] | None = None,
+    preload: Sequence[str] | None = None,
 ) -> list[RankResult]:
     """Spawn dp·cp gloo workers that whiten ``samples`` for the (buggy, fixed) ``run_ids``,
     ``steps`` rollout steps each (:func:`step_advantages`).
 
-    Each worker reports to ``url`` (none when ``None``) and flushes before exiting.
+    Each worker reports to ``url`` (none when ``None``) and flushes before exiting;
+    ``workloads``: the workload label of each of the two runs. ``preload``: fork the workers
+    from a server that imported these modules once (:func:`spawn_world`; the layout demo).
     Returns RankResults sorted by global rank; raises as :func:`auditor.testing.world.spawn_world`,
     and ValueError (nothing spawned) when dp·cp is above :data:`MAX_DEMO_WORLD`.
     """
     check_world(dp, cp)
-    return spawn_world(_whiten_on_rank, dp * cp, (dp, cp, tuple(samples), url, run_ids, timeout, steps), timeout)
+    return spawn_world(_whiten_on_rank, dp * cp, (dp, cp, tuple(samples), url, run_ids, timeout, steps, workloads),
+                       timeout, preload=preload)
 
 
 # ---------------------------------------------------------------------------- demo

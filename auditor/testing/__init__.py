@@ -2,7 +2,9 @@
 (:mod:`~auditor.testing.world`), an ``auditor serve`` process (:mod:`~auditor.testing.server`),
 throw-away PostgreSQL databases (:mod:`~auditor.testing.postgres`), and, for users too,
 :func:`no_host_sync` / :func:`count_host_syncs` (:mod:`~auditor.testing.sync`: fail a block
-of code on any host read of a tensor value on the current thread)."""
+of code on any host read of a tensor value on the current thread) and the layout harness
+(:mod:`~auditor.testing.layouts`: run a per-rank function at several (dp, cp) layouts and
+require every run consistent and the workload invariant)."""
 
 from __future__ import annotations
 

@@ -40,6 +40,9 @@ def test_version_and_help_reflow():
     (("report", "r", "--url", "not-a-url"), "must be the http(s) URL of an auditor service"),
     (("runs", "--url", "ftp://host"), "must be the http(s) URL of an auditor service"),
     (("import", "x.jsonl", "--url", "not-a-url"), "must be the http(s) URL of an auditor service"),
+    (("demo", "--layouts", "1x1,2"), "--layouts: layout '2' is not DPxCP (e.g. 2x1)"),
+    (("demo", "--layouts", "1x1,2x1,1x1"), "--layouts: layout 1x1 given twice"),
+    (("demo", "--layouts", "1x2,8x8"), "--dp × --cp is 8 × 8 = 64 workers; the demo runs at most 32"),
 ])
 def test_mistakes_are_one_line_exit_2_and_create_nothing(tmp_path, args, message):
     """A bad database URL, a mistyped SQLite path or a non-HTTP service URL: one line naming
