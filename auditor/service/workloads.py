@@ -80,7 +80,7 @@ class Workloads:
         with self.store.read() as conn:
             for row in sorted(rows, key=lambda r: r.run_id):
                 found, doc = self._run(conn, row, start, stop, max_steps, budget)
-                lay = run_layout(row.run_id, row.world_size, doc["sizes"], [f for _, f in found])
+                lay = run_layout(row.run_id, row.world_size, _layout_sizes(doc["sizes"]), [f for _, f in found])
                 doc.update(microbatches=lay.microbatches, dtype=lay.dtype, layout=lay.text())
                 runs.append(doc)
                 if doc.get("not_compared") is None:
@@ -217,3 +217,11 @@ def _verdict(runs: int, compared: int, stats: list[dict]) -> tuple[str, str]:
         return "not_comparable", f"statistic(s) {', '.join(blind)} could not be compared across two runs or more"
     return "invariant", (f"{compared} runs agree on every statistic ({', '.join(s['statistic'] for s in stats)}) at "
                          "every shared step within the two-run bound")
+
+
+def _layout_sizes(sizes: dict) -> dict:
+    """A run's sizes as its layout names them: the expert factorisation (edp, ep, etp) only
+    where experts are split (ep > 1); a dense run's derived edp = dp·cp is no layout of its own."""
+    if sizes.get("ep", 1) > 1:
+        return sizes
+    return {d: n for d, n in sizes.items() if d not in ("edp", "ep", "etp")}
