@@ -191,7 +191,7 @@ class Judge:
             v = core.audit_step(
                 rank_reports, topo.sizes, info.engine_spec,
                 num_microbatches=max(1, expected // topo.placed_count(info.engine_spec)),
-                history=history, kind=info.kind, **topo.audit_args(),
+                history=history, kind=info.kind, step=step, **topo.audit_args(),
             )
             json.dumps(json_safe([[[list(g.key), g.microbatch, g.count, g.mean, g.var] for g in v.groups],
                                   [f.evidence for f in v.faults]]), allow_nan=False)  # storable
