@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -33,14 +33,18 @@ def values(fp: str | Sequence[float] | None) -> list[float] | None:
 
 
 def fingerprint_step(reports: Sequence[RankReport], spec: Spec, dims: tuple[str, ...], sizes: Sequence[int],
-                     step: int, missing: Fault | None) -> StepVerdict:
+                     step: int, missing: Fault | None, history: Callable[[], Mapping] | None = None) -> StepVerdict:
     """The verdict of one step of a ``fingerprint`` series.
 
     ``reports``: the step's reports (one per rank, each with a ``fingerprint``); ``spec``:
     the series' engine spec (``replicate_over`` or ``replica_groups``, ``agreement``, ``k``);
     ``dims``/``sizes``: the factorisation the replica dims are read in (dense or expert);
     ``step``: the step number (named in findings); ``missing``: the step's
-    ``missing_report`` finding, if any (computed by the caller). Fingerprints of unequal
+    ``missing_report`` finding, if any (computed by the caller); ``history``: called once,
+    only when a replica group disagrees, returns the latest audited step before this one
+    (``{"step", "verdict", "findings": [(ranks, evidence), ...]}`` or ``{}``): a drift of
+    the same ranks and attribution there continues here, so the finding keeps its first
+    step and counts its steps (:func:`continued`). Fingerprints of unequal
     lengths (digests on some ranks only) are compared on their common 3 + k values with the
     rounding rule. Raises nothing for odd data: a non-finite fingerprint is out of line
     (gap ∞) like any other."""
@@ -66,7 +70,9 @@ def fingerprint_step(reports: Sequence[RankReport], spec: Spec, dims: tuple[str,
             "", arr, ranks=ranks, steps=[step], coords=coords, dtype=_dtype(rs),
             replicate_over=None if groups is not None else spec.replicate_over, groups=groups,
             hosts=[r.host for r in rs], k=k, agreement=agreement)
-        faults += [_fault(f) for f in found]
+        if found:
+            before = history() if history is not None else {}
+            faults += [continued(_fault(f), step, before) for f in found]
     if any(f.kind != FaultKind.MISSING_REPORT for f in faults):
         verdict = "inconsistent"
     elif missing is not None:
@@ -76,6 +82,24 @@ def fingerprint_step(reports: Sequence[RankReport], spec: Spec, dims: tuple[str,
     else:
         verdict = "consistent"
     return StepVerdict(verdict, faults, [], [], None, None)
+
+
+def continued(fault: Fault, step: int, before: Mapping) -> Fault:
+    """``fault`` (a one-step ``replica_divergence`` at ``step``) as the continuation of the
+    same drift at the latest audited step before it (``before``, :func:`fingerprint_step`'s
+    history): same attribution and an overlapping set of ranks there. Its evidence then
+    keeps that drift's ``first_step`` and counts ``steps`` on, and the message says since
+    when; else it is a new drift, first step ``step``."""
+    first, steps = step, 1
+    mine = set(fault.ranks)
+    for ranks, ev in before.get("findings", ()):
+        if ev.get("attribution") == fault.evidence["attribution"] and mine & set(ranks):
+            first, steps = int(ev.get("first_step", before["step"])), int(ev.get("steps", 1)) + 1
+            break
+    ev = dict(fault.evidence, first_step=first, steps=steps)
+    when = (f"at step {step}, the first step it drifted" if first == step else
+            f"since step {first} ({steps} audited steps, this one {step})")
+    return Fault(fault.kind, fault.message.replace(f"from step {step} (1 step)", when), fault.ranks, ev)
 
 
 def _dtype(rs: Sequence[RankReport]) -> str:

@@ -64,7 +64,9 @@ def audit_step(reports: Sequence[RankReport], sizes: Coord, spec: Spec, *, num_m
         Called at most once, only when a mismatch needs a diagnosis; returns per group key
         (coordinates outside ``reduce_over``) the earlier steps' correct
         (step, count, mean, var), oldest first, for ``stale_statistic``. For ``sum`` and
-        ``norm`` the correct value is in ``count`` and ``mean`` (``var`` = 0).
+        ``norm`` the correct value is in ``count`` and ``mean`` (``var`` = 0). For
+        ``fingerprint``: the latest audited step before this one and its
+        ``replica_divergence`` findings (:func:`auditor.core.drift.fingerprint_step`).
     kind:
         ``moments`` (whitening mean/variance), ``sum`` (e.g. token-count denominators)
         or ``norm`` (squared gradient norm).
@@ -106,7 +108,7 @@ def audit_step(reports: Sequence[RankReport], sizes: Coord, spec: Spec, *, num_m
         raise ValueError(f"unknown statistic kind {kind!r}; expected one of {sorted(VERB)}")
     world = world_size or math.prod(sizes)
     if kind == "fingerprint":
-        return _fingerprint(reports, sizes, spec, world, expert_sizes, order, step)
+        return _fingerprint(reports, sizes, spec, world, expert_sizes, order, step, history)
     declared = spec
     reports, sizes, spec, dims, unknown = _judged_layout(reports, sizes, spec, kind, num_microbatches, world,
                                                          topology == "unknown", expert_sizes)
@@ -132,7 +134,7 @@ def audit_step(reports: Sequence[RankReport], sizes: Coord, spec: Spec, *, num_m
 
 
 def _fingerprint(reports: Sequence[RankReport], sizes: Coord, spec: Spec, world: int, expert_sizes: Coord | None,
-                 order: str | None, step: int) -> StepVerdict:
+                 order: str | None, step: int, history) -> StepVerdict:
     """A ``fingerprint`` step (:func:`auditor.core.drift.fingerprint_step`): its missing
     reports (the ranks of ``replica_groups``, else every placed rank), then the drift."""
     dims = drift.factorisation(spec)
@@ -151,7 +153,7 @@ def _fingerprint(reports: Sequence[RankReport], sizes: Coord, spec: Spec, world:
     else:
         placed = spec.placed(dict(zip(dims, sizes))) if spec.placement else {}
         missing = _missing(reports, world, dims, sizes, placed, 1, order)
-    return drift.fingerprint_step(reports, spec, dims, sizes, step, missing)
+    return drift.fingerprint_step(reports, spec, dims, sizes, step, missing, history)
 
 
 def _judged_layout(reports: Sequence[RankReport], sizes: Coord, spec: Spec, kind: str, num_microbatches: int,

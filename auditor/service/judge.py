@@ -132,7 +132,7 @@ class Judge:
         when each verdict was written at once."""
         info, p = d.info, d.arrival
         reports = [rank_report(r) for r in rows] if rows is not None else self.store.step_reports(conn, info.id, p.step)
-        load = self.store.history(conn, info.id, p.step)
+        load = (self.store.drift_history if info.kind == "fingerprint" else self.store.history)(conn, info.id, p.step)
 
         def history():
             buffer.flush(_key(d))  # the verdicts of the steps before this one, as history

@@ -73,7 +73,8 @@ def test_one_rank_changed_at_step_5_is_isolated_naming_rank_and_host(server, run
     0–4 consistent, 5–7 inconsistent with one ``replica_divergence`` each, attributed
     ``isolated``, rank 2 and node-1 named, reference ranks 0, 1, 3; the gap is |Δx|/‖x‖ to
     1e-6; the series' first bad step is 5."""
-    post_reports_ok(server, _dp_world(run_id, 8, odd=(2, 5), spec={"replicate_over": ["dp"]}))
+    post_reports_ok(server, _dp_world(run_id, 6, odd=(2, 5), spec={"replicate_over": ["dp"]}))
+    post_reports_ok(server, _dp_world(run_id, 8, odd=(2, 5), spec={"replicate_over": ["dp"]})[24:])  # a later batch
     s = only_series(server, run_id)
     assert (s["steps_consistent"], s["steps_inconsistent"], s["first_bad_step"]) == (5, 3, 5)
     assert s["faults"] == {"replica_divergence": 3}
@@ -86,6 +87,10 @@ def test_one_rank_changed_at_step_5_is_isolated_naming_rank_and_host(server, run
     w = _weights(5)
     assert ev["gap"] == pytest.approx(1e-2 / float(w.double().norm()), rel=1e-3)
     assert "rank 2 on host node-1" in f["message"] and "device or host" in f["message"]
+    assert (ev["first_step"], ev["steps"]) == (5, 1) and "at step 5, the first step it drifted" in f["message"]
+    (f7,) = _step(server, run_id, 7)["faults"]  # the same drift, carried on: its first step stays 5
+    assert (f7["evidence"]["first_step"], f7["evidence"]["steps"]) == (5, 3)
+    assert "since step 5 (3 audited steps, this one 7)" in f7["message"]
 
 
 def test_a_tp_slice_off_is_along_dim_tp(server, run_id):
