@@ -3,6 +3,10 @@ fingerprints its ranks sent of one tensor, judged by :func:`auditor.core.replica
 over that step, as a kind beside ``moments``/``sum``/``norm`` (:func:`auditor.core.audit_step`
 dispatches here).
 
+The step's ``applied_error_sigma`` holds its largest replica gap (:func:`_largest_gap`;
+not a σ: a ratio to the tensor's own rms), so the series keeps the latest and the worst
+one as it keeps the σ figures of the other kinds.
+
 Verdict: ``inconsistent`` when a replica group disagrees (``replica_divergence``, with the
 attribution and the gap in its evidence); else ``incomplete`` when reports are missing; else
 ``unverified`` when some replica group holds a single rank (nothing to compare it with: the
@@ -81,7 +85,18 @@ def fingerprint_step(reports: Sequence[RankReport], spec: Spec, dims: tuple[str,
         verdict = "unverified"
     else:
         verdict = "consistent"
-    return StepVerdict(verdict, faults, [], [], None, None)
+    return StepVerdict(verdict, faults, [], [], None, _largest_gap(faults, verdict, bool(rs)))
+
+
+def _largest_gap(faults: Sequence[Fault], verdict: str, judged: bool) -> float | None:
+    """The step's figure (``StepVerdict.applied_error_sigma`` of a fingerprint step, the
+    series' latest ``auditor_replica_gap``): the largest gap ‖x_r − x_ref‖/‖x_ref‖ of its
+    findings (∞ for a non-finite replica), 0 for a step whose groups all agreed, None when
+    nothing was compared (no report, or ``unverified``)."""
+    gaps = [float(f.evidence["gap"]) for f in faults if f.kind == FaultKind.REPLICA_DIVERGENCE]
+    if gaps:
+        return max(gaps)
+    return 0.0 if judged and verdict != "unverified" else None
 
 
 def continued(fault: Fault, step: int, before: Mapping) -> Fault:

@@ -9,6 +9,7 @@ rank is ``unverified``; malformed fingerprints are 422s naming the field."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -91,6 +92,13 @@ def test_one_rank_changed_at_step_5_is_isolated_naming_rank_and_host(server, run
     (f7,) = _step(server, run_id, 7)["faults"]  # the same drift, carried on: its first step stays 5
     assert (f7["evidence"]["first_step"], f7["evidence"]["steps"]) == (5, 3)
     assert "since step 5 (3 audited steps, this one 7)" in f7["message"]
+    m = server.get("/metrics").text
+    labels = f'run="{run_id}",statistic="ln.weight"'
+    assert f"auditor_replica_divergence_steps_total{{{labels}}} 3.0" in m
+    gauge = float(re.search(rf"auditor_replica_gap_ratio{{{labels}}} (\S+)", m).group(1))
+    assert gauge == pytest.approx(f7["evidence"]["gap"], rel=1e-9)
+    assert gauge == pytest.approx(1e-2 / float(_weights(7).double().norm()), rel=1e-3)
+    assert f"auditor_applied_error_sigma{{{labels}}}" not in m  # not a σ: the gap has its own gauge
 
 
 def test_a_tp_slice_off_is_along_dim_tp(server, run_id):
