@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from auditor import layout
-from auditor.core import checks, diagnose, drift, layoutless, stats
+from auditor.core import attribution, checks, diagnose, drift, layoutless, stats
 from auditor.core.findings import VERB, Findings, ranks_text
 from auditor.core.step import INT_FIELDS, Part, Step
 from auditor.core.types import (
@@ -127,7 +127,7 @@ def audit_step(reports: Sequence[RankReport], sizes: Coord, spec: Spec, *, num_m
             rows, groups_out, cp_sigma, err_sigma, tol_sigma = _audit(st, _Lazy(history), found, source)
             if unknown:
                 layoutless.agreement(st, st.part(("dp",)), declared, found)
-        faults.extend(found.faults())
+            faults.extend(attribution.annotated(found.faults(), st))
     rows.sort(key=lambda row: (row.microbatch, row.rank))
     return StepVerdict(_verdict_word(faults, unknown, missing_fault is not None), faults, rows, groups_out,
                        cp_sigma, err_sigma, tol_sigma)
