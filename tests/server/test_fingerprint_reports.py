@@ -193,3 +193,37 @@ def test_malformed_fingerprints_are_422_naming_the_field(server, run_id, change,
     assert field in fields, body
     msg = next(e["msg"] for e in body["errors"] if e["field"] == field)
     assert words in msg, msg
+
+
+def test_the_run_page_shows_the_first_drifting_step_and_a_heat_strip(server, run_id):
+    """Rank 2 out of line from step 5 of 8: the run page names the first drifting step (5),
+    plots each step's largest gap (0 on steps 0–4: drawn at the floor, the true value on
+    hover) and a heat strip of ranks × steps holding rank 2 at steps 5, 6, 7, each cell
+    log10 of that step's gap."""
+    from factory import page_figures
+
+    post_reports_ok(server, _dp_world(run_id, 8, odd=(2, 5)))
+    html = server.get(f"/runs/{run_id}").text
+    assert "first drifting step" in html and "largest replica gap" in html
+    (fig,) = page_figures(html).values()
+    (strip,) = fig["drift"]["data"]
+    assert (strip["type"], strip["x"], strip["y"]) == ("heatmap", [5, 6, 7], ["2"])
+    gaps = [_step(server, run_id, s)["faults"][0]["evidence"]["gap"] for s in (5, 6, 7)]
+    assert strip["z"] == [[pytest.approx(math.log10(g), abs=1e-9) for g in gaps]]
+    assert "first drifting step 5" in fig["drift"]["layout"]["title"]["text"]
+    (line,) = fig["sigma"]["data"]
+    assert line["x"] == list(range(8)) and line["customdata"][:5] == [0.0] * 5
+    assert line["customdata"][5:] == [pytest.approx(g, rel=1e-12) for g in gaps]
+
+
+def test_the_heat_strip_is_bounded():
+    """200 ranks out of line over 1,500 bad steps: 64 rows, 1,000 columns, and the title says so."""
+    from auditor.web.plots import drift_strip
+
+    steps = [{"step": s, "faults": [{"kind": "replica_divergence", "ranks": list(range(200)),
+                                     "evidence": {"gap": 0.5}}]} for s in range(1500)]
+    fig = drift_strip(steps, "w")
+    (t,) = fig["data"]
+    assert (len(t["y"]), len(t["x"]), len(t["z"]), len(t["z"][0])) == (64, 1000, 64, 1000)
+    assert "first 64 of 200 ranks, first 1000 of 1500 bad steps" in fig["layout"]["title"]["text"]
+    assert drift_strip([{"step": 0, "faults": [{"kind": "group_mismatch", "ranks": [1], "evidence": {}}]}], "w") is None
