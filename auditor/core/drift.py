@@ -1,4 +1,4 @@
-"""One step of a ``fingerprint`` statistic (replica drift, docs/replica-drift.md §7): the
+"""One step of a ``fingerprint`` statistic (replica drift, docs/replica-drift.md §6): the
 fingerprints its ranks sent of one tensor, judged by :func:`auditor.core.replicas.replica_drift`
 over that step, as a kind beside ``moments``/``sum``/``norm`` (:func:`auditor.core.audit_step`
 dispatches here).
