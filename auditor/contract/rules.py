@@ -14,6 +14,7 @@ import re
 from typing import Mapping
 
 from auditor import layout
+from auditor.contract.fields import MAX_GROUP
 from auditor.contract.values import REQUIRED_APPLIED, REQUIRED_LOCAL, RuleError, check_cauchy_schwarz
 from auditor.core.findings import dims_text
 from auditor.core.types import DIMS, EXPERT_DIMS, Spec
@@ -229,7 +230,6 @@ def fingerprint_spec_rules(spec) -> None:
     reduced), one of ``replicate_over`` and ``replica_groups``, no dim twice, groups
     disjoint and at most :data:`~auditor.contract.fields.MAX_GROUP` ranks in all, no
     placement beside groups. RuleError naming the field."""
-    from auditor.contract.fields import MAX_GROUP
     given = spec.model_fields_set
     for name, unset in (("reduce_over", "reduce_over" not in given or not spec.reduce_over),
                         ("replicas", "replicas" not in given or not spec.replicas),
@@ -326,9 +326,8 @@ def spec_kind_rules(kind: str, spec: object) -> None:
         raise RuleError("kind 'fingerprint' needs a fingerprint spec: spec.replicate_over (dims) or "
                         "spec.replica_groups (lists of ranks), or no spec (replicate_over ['dp'])", "spec")
     if kind != "fingerprint" and fingerprint:
-        name = next(f for f in FINGERPRINT_SPEC_FIELDS if f in spec.model_fields_set) \
-            if hasattr(spec, "model_fields_set") and set(FINGERPRINT_SPEC_FIELDS) & spec.model_fields_set \
-            else "replicate_over"
+        given = getattr(spec, "model_fields_set", set())
+        name = next((f for f in FINGERPRINT_SPEC_FIELDS if f in given), "replicate_over")
         raise RuleError(f"spec.{name} applies to kind 'fingerprint' only (replica drift); a {kind!r} statistic is a "
                         "reduction: send kind 'fingerprint', or leave it out", "spec", name)
 
