@@ -179,7 +179,10 @@ def page_model(report: Mapping[str, Any], steps: Mapping[str, "Iterable[dict] | 
             order[0] if order else None)
         key = f"s{i}"
         figures[key] = {
-            "sigma": history.sigma_figure(name) if kind == "moments" else None,
+            "sigma": history.sigma_figure(name) if kind == "moments" else history.sigma_figure(
+                name, plots.GAP_SERIES, "largest replica gap per step", "‖x_r − x_ref‖ / ‖x_ref‖")
+            if kind == "fingerprint" else None,
+            "drift": plots.drift_strip(stat.get("bad_steps") or (), name) if kind == "fingerprint" else None,
             "timeline": history.timeline_figure(name),
             "steps": {str(s): plots.rank_figure(shown[s], name, kind) for s in order},
             "selected": None if first is None else str(first),

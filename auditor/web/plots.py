@@ -32,6 +32,7 @@ VALUE_LABELS = {
     "moments": ("mean μ", "std σ"),
     "sum": ("sum Σ", None),
     "norm": ("squared norm ‖g‖²", None),
+    "fingerprint": ("replica gap", None),
 }
 
 _LAYOUT = {"margin": {"l": 60, "r": 20, "t": 40, "b": 50}, "height": 320,
@@ -135,6 +136,11 @@ SIGMA_SERIES = (
     ("applied error σ", "applied_error_sigma", "#1f77b4", "solid"),
     ("rounding tolerance σ", "tolerance_sigma", "#616161", "dash"),
 )
+#: The line of a ``fingerprint`` statistic: each step's largest replica gap ‖x_r − x_ref‖/‖x_ref‖
+#: (kept in the step's ``applied_error_sigma``: :mod:`auditor.core.drift`).
+GAP_SERIES = (("largest replica gap", "applied_error_sigma", "#bcbd22", "solid"),)
+#: Rows (ranks) and columns (steps) of a drift heat strip at most.
+STRIP_RANKS, STRIP_STEPS = 64, 1000
 
 
 class StepHistory:
@@ -194,15 +200,18 @@ class StepHistory:
     def _axis(self) -> dict:
         return step_axis([] if self.first is None else [self.first, self.last])
 
-    def sigma_figure(self, statistic: str) -> dict:
+    def sigma_figure(self, statistic: str, series: tuple = SIGMA_SERIES, title: str = "σ per step",
+                     unit: str = "σ of the correct statistic") -> dict:
         """Per-step CP-disagreement σ and applied-error σ of a ``moments`` statistic (log
         scale), with the rounding tolerance of each step as a dashed line when the steps carry
         one (``tolerance_sigma``). Zero is not drawable on a log axis: exact zeros are drawn
         at a floor one decade below the smallest positive value (hover shows the true value).
-        A series without any point (no step carried it) is left out, legend entry included."""
+        A series without any point (no step carried it) is left out, legend entry included.
+        ``series``/``title``/``unit``: other lines of the step summaries (a ``fingerprint``
+        statistic's largest replica gap, :data:`GAP_SERIES`)."""
         floor = self.min_positive / 10 if self.min_positive is not None else 1e-12
         data = []
-        for name, key, colour, dash in SIGMA_SERIES:
+        for name, key, colour, dash in series:
             x, y = self.sigma[key].points()
             if not x:  # no legend entry for a series with no point
                 continue
@@ -214,9 +223,9 @@ class StepHistory:
                 "hovertemplate": f"step %{{x}}<br>{name} %{{customdata:.6g}}<extra></extra>",
             })
         return {"data": data, "layout": {
-            **_LAYOUT, "title": {"text": f"{statistic}: σ per step", "font": {"size": 14}},
+            **_LAYOUT, "title": {"text": f"{statistic}: {title}", "font": {"size": 14}},
             "xaxis": self._axis(),
-            "yaxis": {"title": {"text": "σ of the correct statistic"}, "type": "log", "exponentformat": "power"},
+            "yaxis": {"title": {"text": unit}, "type": "log", "exponentformat": "power"},
         }}
 
     def timeline_figure(self, statistic: str) -> dict:
@@ -242,6 +251,63 @@ class StepHistory:
             "xaxis": self._axis(),
             "yaxis": {"type": "category", "categoryorder": "array", "categoryarray": rows, "automargin": True},
         }}
+
+
+def drift_strip(bad_steps: Iterable[dict[str, Any]], statistic: str, max_ranks: int = STRIP_RANKS,
+                max_steps: int = STRIP_STEPS) -> dict | None:
+    """Heat strip of a ``fingerprint`` statistic: ranks × steps, each cell the gap
+    ‖x_r − x_ref‖/‖x_ref‖ of a rank out of line at a bad step (its ``replica_divergence``
+    finding's ``gap``; 0: in line at that step), from the report's bad steps (step details).
+    Bounded: the first ``max_ranks`` ranks named and the first ``max_steps`` bad steps (the
+    title says when more exist); None without a ``replica_divergence`` finding. Log colour
+    scale: the cell holds log10 of the gap, hover the gap itself."""
+    cells: dict[tuple[int, int], float] = {}
+    steps: set[int] = set()
+    named: set[int] = set()
+    for d in bad_steps:
+        for f in d.get("faults") or ():
+            if f.get("kind") != "replica_divergence":
+                continue
+            g = (f.get("evidence") or {}).get("gap")
+            g = math.inf if g in ("inf", "Infinity") else float(g) if g is not None else math.nan
+            steps.add(d["step"])
+            for r in f.get("ranks") or ():
+                named.add(r)
+                cells[(r, d["step"])] = max(cells.get((r, d["step"]), 0.0), g)
+    if not cells:
+        return None
+    ranks, xs = sorted(named)[:max_ranks], sorted(steps)[:max_steps]
+    finite = [v for v in cells.values() if math.isfinite(v) and v > 0]
+    floor = min(finite) / 10 if finite else 1e-12
+    top = max(finite) * 10 if finite else 1.0
+
+    def cell(r: int, s: int) -> tuple[float, str]:
+        v = cells.get((r, s), 0.0)
+        shown = top if not math.isfinite(v) else max(v, floor)
+        return math.log10(shown), ("non-finite" if not math.isfinite(v) else f"{v:.3g}")
+
+    z, text = [], []
+    for r in ranks:
+        row = [cell(r, s) for s in xs]
+        z.append([c[0] for c in row])
+        text.append([c[1] for c in row])
+    more = []
+    if len(named) > len(ranks):
+        more.append(f"first {len(ranks)} of {len(named)} ranks")
+    if len(steps) > len(xs):
+        more.append(f"first {len(xs)} of {len(steps)} bad steps")
+    first = xs[0]
+    title = f"{statistic}: replica gap, ranks × steps (first drifting step {first}" + (
+        f"; {', '.join(more)})" if more else ")")
+    return {"data": [{
+        "type": "heatmap", "x": xs, "y": [str(r) for r in ranks], "z": z, "text": text, "colorscale": "YlOrRd",
+        "colorbar": {"title": {"text": "log10 gap"}},
+        "hovertemplate": "step %{x}, rank %{y}<br>gap %{text}<extra></extra>",
+    }], "layout": {
+        **_LAYOUT, "height": 140 + 16 * len(ranks), "title": {"text": title, "font": {"size": 14}},
+        "xaxis": {**step_axis(xs), "type": "category"},
+        "yaxis": {"title": {"text": "rank"}, "type": "category", "automargin": True},
+    }}
 
 
 #: Which of a rank's fault kinds colours it: diagnoses (the cause) before symptoms, the

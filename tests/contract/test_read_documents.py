@@ -49,7 +49,8 @@ def _unknown(run_id: str, locals_, applied_, step: int = 0) -> list:
 def runs(service) -> list[str]:
     """Runs in every state; their ids."""
     tag = f"reads-{time.time_ns()}"
-    ok, bad, blind, lost, open_, reused = (f"{tag}-{n}" for n in ("ok", "bad", "blind", "lost", "open", "reused"))
+    ok, bad, blind, lost, open_, reused, drift = (f"{tag}-{n}" for n in ("ok", "bad", "blind", "lost", "open", "reused",
+                                                                        "drift"))
     label = {"workload": f"{tag}-w"}  # ok, bad, blind, lost: one workload (compared: a variant, a run not compared)
     ordered = [dict(r, order="tp-cp-dp-pp", **label) for s in range(2) for r in world_reports(ok, step=s)]
     service.ingest(_wire(ordered))                                            # consistent, with an order
@@ -65,7 +66,21 @@ def runs(service) -> list[str]:
     service.ingest(_wire(world_reports(reused)))                             # refused reports
     with pytest.raises(ConflictError):
         service.ingest(_wire(world_reports(reused, scale=2.0)))
-    return [ok, bad, blind, lost, open_, reused]
+    service.ingest(_wire(_fingerprints(drift)))                              # replica drift: kind fingerprint
+    return [ok, bad, blind, lost, open_, reused, drift]
+
+
+def _fingerprints(run_id: str) -> list[dict]:
+    """Three DP replicas of one weight over two steps (hosts named); rank 1 out of line at step 1."""
+    import torch
+
+    from auditor.trainer.fingerprint import fingerprint
+
+    w = torch.linspace(-1.0, 1.0, 1000)
+    return [{"run_id": run_id, "statistic": "ln.weight", "kind": "fingerprint", "step": s, "rank": r,
+             "world_size": 3, "sizes": {"dp": 3}, "coords": {"dp": r}, "host": f"node-{r}",
+             "local": {"fingerprint": fingerprint(w * (1.5 if (r, s) == (1, 1) else 1.0)).tolist()}}
+            for s in range(2) for r in range(3)]
 
 
 def _documents(service, run_ids: list[str]):

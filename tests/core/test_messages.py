@@ -50,7 +50,9 @@ def test_one_rank_is_rank_not_ranks():
     f = _kinds(v)["group_mismatch"]
     assert (v.verdict, f.ranks) == ("inconsistent", [5])
     assert f.message == ("rank 5 whitened with a statistic that is not their expected group's (the reduction over "
-                         "['dp']) beyond what float32 rounding explains")
+                         "['dp']) beyond what float32 rounding explains. Attribution: only rank 5 is out of line "
+                         "while ranks 0-4 of its group are right, along no dim: suspect that rank — its device or "
+                         "host, or a code path only it takes — not the reduction every rank runs.")
     v = core.audit_step(reports[:4] + reports[5:], (6, 1, 1, 1), core.Spec(reduce_over=("dp",), replicas=()))
     f = _kinds(v)["missing_report"]
     assert (v.verdict, f.ranks) == ("incomplete", [4])

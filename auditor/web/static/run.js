@@ -33,6 +33,7 @@
     var f = figures[key];
     draw(key + "-sigma", f.sigma);
     draw(key + "-timeline", f.timeline);
+    draw(key + "-drift", f.drift);
     if (f.selected !== null) { select(key, f.selected); }
   });
   document.querySelectorAll(".step-btn").forEach(function (b) {
