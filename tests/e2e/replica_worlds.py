@@ -31,6 +31,8 @@ SCENARIOS = {
     "bf16": "tp=1 × dp=4 in bfloat16, each rank adds the dp gradient parts in its own order (rounding only)",
     "tied-correct": "pp=2 × dp=2, embedding tied to the output layer, all-reduced over the embedding group",
     "tied-one-stage": "pp=2 × dp=2, the embedding-group all-reduce skipped: each stage updates its own copy",
+    "hsdp": "2×2 DeviceMesh (dp_replicate, dp_shard), DTensors [Replicate(), Shard(0)] and replicated; "
+            "rank 3's shard changed at step 1",
 }
 H, F, S, V = 16, 32, 8, 24
 FLIP_STEP = 20
@@ -62,6 +64,7 @@ def worker(rank: int, world: int, port: int, spool: str, prefix: str, timeout: f
             out[name] = run(name, rank, spool, prefix)
             out[name]["seconds"] = time.monotonic() - t0
         ps.destroy_model_parallel()
+    out["hsdp"] = _hsdp_run(rank, spool, prefix)
     dist.destroy_process_group()
     return out
 
@@ -361,6 +364,37 @@ def _tied_run(name: str, rank: int, spool: str, prefix: str) -> dict:
     client.close()
     return {"first_differ": first_differ, "holders": holders, "stats": dict(client.stats),
             "buckets": [(b.name, b.members, b.spec) for b in watch.buckets]}
+
+
+def _hsdp_run(rank: int, spool: str, prefix: str) -> dict:
+    """DTensor parameters on a 2×2 mesh, no training: an HSDP-style weight (replicated along
+    dp_replicate, sharded along dp_shard) and a fully replicated one, reported for 3 steps;
+    rank 3's local shard is changed after step 0."""
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from auditor import set_device_mesh, set_step, watch_replicas
+    from auditor.trainer.client import AuditorClient
+    from auditor.trainer.mesh import clear_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+    set_device_mesh(mesh)
+    full = torch.linspace(-1, 1, 64).reshape(8, 8)
+    model = torch.nn.Module()
+    model.hsdp = torch.nn.Parameter(distribute_tensor(full, mesh, [Replicate(), Shard(0)]))
+    model.rep = torch.nn.Parameter(distribute_tensor(full * 2, mesh, [Replicate(), Replicate()]))
+    client = AuditorClient(f"file://{spool}/{prefix}-hsdp/{rank}", rank=rank, flush_interval=0.05)
+    watch = watch_replicas(model, client, run_id=f"{prefix}-hsdp", what=("params",), exact=True, min_bucket=1)
+    for step in range(3):
+        set_step(step)
+        if step == 1 and rank == 3:
+            with torch.no_grad():
+                model.hsdp.to_local()[0, 0] += 1.0
+        watch.step()
+    client.close()
+    clear_device_mesh()
+    return {"buckets": [(b.name, b.members, b.spec) for b in watch.buckets]}
 
 
 def read_reports(spool: str, run: str, world: int) -> list[dict]:

@@ -181,3 +181,16 @@ def test_tied_embedding_across_stages(world):
         assert (f.attribution, f.dim, f.ranks, f.reference_ranks) == ("along_dim", "pp", (2, 3), (0, 1)), f.message
         assert "cannot be told" in f.message and "_allreduce_embedding_grads" in f.message
     assert got["params/tied:word_embeddings"][0].first_step == facts[0]["tied-one-stage"]["first_differ"] == 0
+
+
+def test_dtensor_replicate_placements_on_a_device_mesh(world):
+    """HSDP on a 2×2 mesh: [Replicate(), Shard(0)] gives the groups along dp_replicate, one
+    per shard ([0, 2] and [1, 3]); [Replicate(), Replicate()] one group of four. Rank 3's
+    shard changed at step 1: that group, two replicas, undecidable; the rest agree."""
+    _, facts = world
+    assert [(b[0], b[2]["replica_groups"]) for b in facts[0]["hsdp"]["buckets"]] == [
+        ("hsdp", [[0, 2], [1, 3]]), ("rep", [[0, 1, 2, 3]])]
+    got = judge(reports_of(world, "hsdp"))
+    assert got["params/rep"] == []
+    (f,) = got["params/hsdp"]
+    assert (f.attribution, f.ranks, f.first_step, f.steps) == ("undecidable", (1, 3), 1, 2)
