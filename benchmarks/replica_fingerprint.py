@@ -1,7 +1,7 @@
 """What a replica fingerprint costs (issue 27): seconds per GB tracked, against one plain read
 pass of the same tensor.
 
-    python benchmarks/replica_fingerprint.py [--sizes 1048576,16777216] [--repeats 5] [--device auto]
+    python benchmarks/replica_fingerprint.py [--sizes 1048576,16777216] [--repeats 5] [--device auto] [--threads N]
 
 For each size (elements) and dtype (float32, bfloat16), and for a bucket of many small
 tensors (``--bucket 256x65536``), the median time of
@@ -11,12 +11,15 @@ the same for ``tensor.sum()`` (one read pass: the floor any fingerprint pays) an
 between the two. On CUDA (``--device auto`` picks it when present) the times are taken
 between ``torch.cuda.synchronize()`` calls and the read pass is the device's achieved
 memory bandwidth, so the last column is the fingerprint's throughput as a fraction of it.
-The script runs unchanged on CPU and on a GPU box.
+The script runs unchanged on CPU and on a GPU box. On a CPU shared with other work, torch's
+intra-op threads wait for each other: ``--threads 1`` gives steadier numbers (the load
+average is printed with the table).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 import statistics
 import sys
@@ -67,11 +70,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bucket", default="256x65536", help="a bucket of N tensors of M elements: NxM ('' for none)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="auto", help="auto (cuda if present), cpu or cuda")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
                           ("cpu" if args.device == "auto" else args.device))
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{platform.processor() or 'cpu'}, " \
-        f"{torch.get_num_threads()} threads"
+        f"{torch.get_num_threads()} threads, load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
     print(f"# replica fingerprint cost, k = 8, torch {torch.__version__}, {device.type}: {where}")
     rows = []
     g = torch.Generator(device=device).manual_seed(0)
