@@ -28,7 +28,7 @@ import pydantic_core
 from auditor.contract import fields as F
 from auditor.contract.fields import CoordsAPI, SizesAPI, WireField
 from auditor.contract.models import StatisticSpec
-from auditor.contract.names import RUN_ID_RE, SOURCE_RE, STATISTIC_RE, addressable
+from auditor.contract.names import HOST_RE, RUN_ID_RE, SOURCE_RE, STATISTIC_RE, addressable
 from auditor.contract.rules import group_rules, ranks_facts, report_rules, shape_rules
 from auditor.contract.values import (MEAN_ABS, MEAN_COUNT, MEAN_REL, RANGE_ABS, RANGE_REL, WEIGHTED_TERMS,
                                      applied_rules, local_rules)
@@ -49,7 +49,7 @@ def _fast_type(f: WireField, blocks: dict[str, type]) -> Any:
     if isinstance(f.type, str):
         t = blocks[f.type]
     elif f.type is list:
-        t = list[Annotated[int, msgspec.Meta(ge=f.item_ge, le=f.item_le)]]
+        t = list[Annotated[f.item_type, msgspec.Meta(ge=f.item_ge, le=f.item_le)]]
     else:
         t = f.type
     if f.bounds:
@@ -225,8 +225,8 @@ class _TextRule:
 _TEXTS = F.BLOCK_FIELDS["Report"]
 #: The patterned fields, each with its regex for Python's ``re.search`` (``names.search_pattern``).
 _TEXT_RULES = (_TextRule(_TEXTS["run_id"], RUN_ID_RE, 1 << 16), _TextRule(_TEXTS["statistic"], STATISTIC_RE, 1 << 16),
-               _TextRule(_TEXTS["topology_source"], SOURCE_RE, 1 << 12))
-assert {f.name for f in F.REPORT if f.pattern} == {"run_id", "statistic", "topology_source"}
+               _TextRule(_TEXTS["topology_source"], SOURCE_RE, 1 << 12), _TextRule(_TEXTS["host"], HOST_RE, 1 << 16))
+assert {f.name for f in F.REPORT if f.pattern} == {"run_id", "statistic", "topology_source", "host"}
 assert _TEXTS["run_id"].after is _TEXTS["statistic"].after is addressable
 _get_spec, _get_group_ranks = operator.attrgetter("spec"), operator.attrgetter("group_ranks")
 _get_order = operator.attrgetter("order")
@@ -383,6 +383,8 @@ def _suspects(reports: list) -> np.ndarray:
             suspect[moments] |= (np.isnan(a_mean) & (np.isnan(a_count) | ~has_a_sum | ~has_a_sq))[moments]
         if not isinstance(moments, slice):
             k = np.array(kinds, dtype=object)
+            # a fingerprint report: every one by the exact rules (fingerprint_rules)
+            suspect |= k == "fingerprint"
             suspect |= (k == "sum") & ~has_sum
             suspect |= (k == "norm") & ~has_sq
             if missing != n:

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
 from auditor.config import WIRE_MAX_SIZE
-from auditor.contract.names import NAME_MAX, RUN_ID_PATTERN, SOURCE_PATTERN, STATISTIC_PATTERN, addressable
+from auditor.contract.names import HOST_PATTERN, NAME_MAX, RUN_ID_PATTERN, SOURCE_PATTERN, STATISTIC_PATTERN, addressable
 from auditor.core.stats import UNIT_ROUNDOFF
 
 Dim = Literal["dp", "cp", "tp", "pp", "edp", "ep", "etp"]
-Kind = Literal["moments", "sum", "norm"]
+Kind = Literal["moments", "sum", "norm", "fingerprint"]
 DType = Literal["float64", "float32", "tf32", "float16", "bfloat16"]
 Topology = Literal["known", "unknown"]
 assert set(DType.__args__) == set(UNIT_ROUNDOFF)  # type: ignore[attr-defined]
@@ -32,6 +32,11 @@ MAX_STEP = 2**62
 MAX_SIZE = MAX_GROUP = WIRE_MAX_SIZE
 #: Longest Megatron order string.
 MAX_ORDER = 32
+#: Projections of a fingerprint (``kind: fingerprint``, ``spec.k``): 1 … 13 (3 + 13 values
+#: fill a deferred report's ring slot of 16; docs/replica-drift.md).
+FINGERPRINT_K_MAX = 13
+#: Longest ``local.fingerprint``: numel, Σx, Σx², k projections, two digests.
+FINGERPRINT_MAX = 5 + FINGERPRINT_K_MAX
 
 #: ``default`` of a required field.
 REQUIRED: Any = ...
@@ -65,6 +70,7 @@ class WireField:
     after: Callable[[Any], Any] | None = None
     item_ge: int | None = None
     item_le: int | None = None
+    item_type: Any = int
     raw: bool = False
     description: str | None = None
 
@@ -101,6 +107,11 @@ LOCAL = (
         "sum_sq 4.5 < 3²); min <= max and the mean within [min, max] still apply. Not stored. The hooks "
         "(masked_moments) set it.")),
     _number("min"), _number("max"), _number("replicated_sum_sq"),
+    WireField("fingerprint", list, None, optional=True, min_length=4, max_length=FINGERPRINT_MAX, item_type=float,
+              description=(
+                  "kind 'fingerprint' only: [numel, sum, sum_sq, p_0 … p_{k-1}] and, with exact digests, [d_0, d_1] "
+                  "(auditor.trainer.fingerprint; 3 + k or 5 + k values, k = spec.k). numel a non-negative integer, "
+                  "digests integers in [0, 2^31). docs/replica-drift.md.")),
 )
 
 APPLIED = (_number("count"), _number("sum"), _number("sum_sq"), _number("mean"), _number("var"))
@@ -131,6 +142,8 @@ REPORT = (
     # Where the rank's layout came from (``megatron.core.parallel_state``, ``megatron.core.mpu``,
     # ``device_mesh``, ``AUDITOR_TOPOLOGY``, ... or why none: DESIGN.md §3.1); informational.
     WireField("topology_source", str, None, optional=True, pattern=SOURCE_PATTERN),
+    # The rank's host name, named by replica_divergence findings (kind 'fingerprint'); optional.
+    WireField("host", str, None, optional=True, pattern=HOST_PATTERN),
 )
 
 #: Every block by the name its fields use.

@@ -19,7 +19,8 @@ from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationEr
 from auditor.contract import fields as F
 from auditor.contract.fields import MAX_ORDER, CoordsAPI, Dim, Kind, SizesAPI, Topology, WireField
 from auditor.contract.names import StatisticName
-from auditor.contract.rules import (normalised_placement, registration_rules, report_rules, spec_field_rules,
+from auditor.contract.rules import (FINGERPRINT_K, FINGERPRINT_SPEC_FIELDS, fingerprint_spec_rules,
+                                    normalised_placement, registration_rules, report_rules, spec_field_rules,
                                     spec_kind_rules)
 from auditor.contract.values import RuleError, applied_rules, is_empty_identity, local_rules, range_error
 from auditor.core.types import DIMS, Spec
@@ -56,7 +57,7 @@ def _annotation(f: WireField, blocks: dict[str, type]) -> Any:
     if isinstance(f.type, str):
         t = blocks[f.type]
     elif f.type is list:
-        t = list[Annotated[int, Field(ge=f.item_ge, le=f.item_le)]]
+        t = list[Annotated[f.item_type, Field(ge=f.item_ge, le=f.item_le)]]
     else:
         t = f.type
     meta: list = []
@@ -90,6 +91,15 @@ class StatisticSpec(_Strict):
     every rank equal to it on the other dims). ``replicas``: dims along which ranks hold the
     same data, counted once. ``variance``: Bessel-corrected (``sample``) or ``population``.
     ``over_microbatches``: a ``sum`` statistic is summed over all microbatches of the step.
+
+    Kind ``fingerprint`` (replica drift, docs/replica-drift.md) reads instead: the replica
+    group the tensor must agree over, ``replicate_over`` (dims: ranks equal on every other
+    dim hold the same tensor) or ``replica_groups`` (disjoint lists of ranks, e.g. the first
+    and last stage of a tied embedding); ``agreement`` (``bitwise``: digests and numel equal,
+    needs the digests; ``rounding``: within the documented rounding tolerance; null:
+    bitwise when the fingerprint carries digests); ``k`` projections (1 … 13, default 8) and
+    the projection ``seed`` (default 0). A spec naming any of them is a fingerprint spec:
+    ``replicate_over`` defaults to ``["dp"]``, ``reduce_over`` and ``replicas`` are empty.
     """
 
     reduce_over: list[Dim] = Field(default_factory=lambda: ["dp", "cp"], max_length=len(DIMS))
@@ -103,19 +113,46 @@ class StatisticSpec(_Strict):
         default_factory=dict)
     #: ``norm``: dims along which ``replicated_sum_sq`` is identical; None = the whole group (v1).
     replicated_along: list[Dim] | None = None
+    #: ``fingerprint``: the dims the tensor is replicated over (exclusive with ``replica_groups``).
+    replicate_over: list[Dim] | None = Field(None, max_length=len(DIMS) + 3)
+    #: ``fingerprint``: explicit replica groups, disjoint lists of ranks.
+    replica_groups: list[Annotated[list[NonNegInt], Field(min_length=1, max_length=F.MAX_GROUP)]] | None = Field(
+        None, min_length=1, max_length=F.MAX_GROUP)
+    #: ``fingerprint``: ``bitwise`` or ``rounding``; None: bitwise when the fingerprint has digests.
+    agreement: Literal["bitwise", "rounding"] | None = None
+    #: ``fingerprint``: projections per fingerprint.
+    k: Annotated[int, Field(ge=1, le=F.FINGERPRINT_K_MAX)] | None = None
+    #: ``fingerprint``: the projections' seed (the same on every rank).
+    seed: Annotated[int, Field(ge=0, le=F.MAX_INT)] | None = None
 
     @model_validator(mode="after")
     def _unique_dims(self) -> "StatisticSpec":
         if self.placement:
             object.__setattr__(self, "placement", normalised_placement(self.placement))
+        if self.is_fingerprint:
+            located("StatisticSpec", fingerprint_spec_rules, self)
+            if self.replicate_over is None and self.replica_groups is None:
+                object.__setattr__(self, "replicate_over", ["dp"])
+            object.__setattr__(self, "k", FINGERPRINT_K if self.k is None else self.k)
+            object.__setattr__(self, "seed", 0 if self.seed is None else self.seed)
+            object.__setattr__(self, "reduce_over", [])
+            object.__setattr__(self, "replicas", [])
         located("StatisticSpec", spec_field_rules, self, "replicas" in self.model_fields_set)
         return self
+
+    @property
+    def is_fingerprint(self) -> bool:
+        """Whether the spec names a replica group, agreement, k or seed (kind ``fingerprint``)."""
+        return any(getattr(self, f) is not None for f in FINGERPRINT_SPEC_FIELDS)
 
     def to_core(self) -> Spec:
         """The audit engine's :class:`auditor.core.types.Spec` (dims in the order given)."""
         return Spec(tuple(self.reduce_over), tuple(self.replicas), self.variance, self.over_microbatches,
                     tuple((d, tuple(sel)) for d, sel in self.placement.items()),
-                    None if self.replicated_along is None else tuple(self.replicated_along))
+                    None if self.replicated_along is None else tuple(self.replicated_along),
+                    None if self.replicate_over is None else tuple(self.replicate_over),
+                    None if self.replica_groups is None else tuple(tuple(g) for g in self.replica_groups),
+                    self.agreement, self.k, self.seed)
 
     @property
     def factorisation(self) -> str:
@@ -132,6 +169,7 @@ DEFAULT_SPECS: dict[str, StatisticSpec] = {
     "moments": StatisticSpec(),
     "sum": StatisticSpec(),
     "norm": StatisticSpec(reduce_over=["tp", "pp"], replicas=["dp", "cp"]),
+    "fingerprint": StatisticSpec(replicate_over=["dp"]),
 }
 
 
@@ -149,7 +187,8 @@ class _LocalStats(_Strict):
     """This rank's own masked statistics before the all-reduce (float64 recommended).
 
     ``moments``: count, sum, sum_sq required (min, max optional). ``sum``: sum required.
-    ``norm``: sum_sq required, replicated_sum_sq optional. With count 0, ``min = +Infinity``
+    ``norm``: sum_sq required, replicated_sum_sq optional. ``fingerprint``: fingerprint
+    required, nothing else. With count 0, ``min = +Infinity``
     and ``max = -Infinity`` (the identities of min/max reductions) are read as null
     (:func:`~auditor.contract.values.is_empty_identity`).
     """

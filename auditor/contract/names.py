@@ -29,6 +29,8 @@ RUN_ID_PATTERN = r"^[A-Za-z0-9._:-]+$"
 STATISTIC_PATTERN = r"^[A-Za-z0-9._:/-]+$"
 #: ``topology_source``: printable ASCII, at most 96 characters (DESIGN.md §3.1).
 SOURCE_PATTERN = r"^[ -~]{1,96}$"
+#: ``host``: a host name (letters, digits, ``.``, ``_``, ``:``, ``-``), at most 128 characters.
+HOST_PATTERN = r"^[A-Za-z0-9._:-]{1,128}$"
 RunId = Annotated[str, Field(min_length=1, max_length=NAME_MAX, pattern=RUN_ID_PATTERN), AfterValidator(addressable)]
 StatisticName = Annotated[str, Field(min_length=1, max_length=NAME_MAX, pattern=STATISTIC_PATTERN),
                           AfterValidator(addressable)]
@@ -44,6 +46,7 @@ def search_pattern(pattern: str) -> str:
 RUN_ID_RE = re.compile(search_pattern(RUN_ID_PATTERN))
 STATISTIC_RE = re.compile(search_pattern(STATISTIC_PATTERN))
 SOURCE_RE = re.compile(search_pattern(SOURCE_PATTERN))
+HOST_RE = re.compile(search_pattern(HOST_PATTERN))
 
 
 def check_names(names, seen: set[str], rx: re.Pattern) -> None:

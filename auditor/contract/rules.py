@@ -18,7 +18,18 @@ from auditor.contract.values import REQUIRED_APPLIED, REQUIRED_LOCAL, RuleError,
 from auditor.core.findings import dims_text
 from auditor.core.types import DIMS, EXPERT_DIMS, Spec
 
-__all__ = ["RuleError", "replicas_rule", "replicated_along_rule", "placement_rule", "spec_topology_rules",
+#: Projections of a fingerprint when the spec does not say (``auditor.trainer.fingerprint.K``).
+FINGERPRINT_K = 8
+#: The spec fields of kind ``fingerprint`` (a spec naming one is a fingerprint spec).
+FINGERPRINT_SPEC_FIELDS = ("replicate_over", "replica_groups", "agreement", "k", "seed")
+#: The engine spec of a fingerprint report without a spec: DDP replicas (``models.DEFAULT_SPECS``).
+DEFAULT_FINGERPRINT = Spec((), (), replicate_over=("dp",), k=FINGERPRINT_K, seed=0)
+#: Largest digest + 1 (``auditor.trainer.fingerprint``: each digest an integer < 2^31).
+DIGEST_BOUND = 2.0**31
+#: Largest numel a fingerprint may state: 2^53, exact in float64.
+NUMEL_MAX = 2.0**53
+
+__all__ = ["RuleError", "fingerprint_spec_rules", "fingerprint_rules", "replicas_rule", "replicated_along_rule", "placement_rule", "spec_topology_rules",
            "spec_field_rules", "normalised_placement", "spec_kind_rules", "report_rules", "shape_rules",
            "group_rules", "extended_rules", "registration_rules", "ranks_facts", "expected_reports"]
 
@@ -136,6 +147,14 @@ def report_rules(r, core_spec: Spec | None = None, facts: tuple[bool, int] | Non
     ``facts``: :func:`ranks_facts` of ``r.group_ranks`` if the caller has them at hand."""
     shape_rules(r, core_spec)
     loc, kind = r.local, r.kind
+    if kind == "fingerprint":
+        if loc.fingerprint is None:
+            raise RuleError("local.fingerprint required for kind 'fingerprint'", "local", "fingerprint")
+        fingerprint_rules(r, DEFAULT_FINGERPRINT if r.spec is None else core_spec or r.spec.to_core())
+        group_rules(r, facts)
+        return
+    if loc.fingerprint is not None:
+        raise RuleError(f"local.fingerprint applies to kind 'fingerprint' only, not {kind!r}", "local", "fingerprint")
     if not (kind == "moments" and loc.count is not None and loc.sum is not None and loc.sum_sq is not None):
         missing = [f for f in REQUIRED_LOCAL[kind] if getattr(loc, f) is None]
         if missing:
@@ -203,6 +222,92 @@ def group_rules(r, facts: tuple[bool, int] | None = None) -> None:
             raise RuleError(f"group_ranks holds ranks >= world_size ({r.world_size}): {bad[:5]}", "group_ranks")
 
 
+def fingerprint_spec_rules(spec) -> None:
+    """The rules of a fingerprint spec on its own (a
+    :class:`~auditor.contract.models.StatisticSpec` naming a fingerprint field, before its
+    defaults are filled): the reduction fields stay unset (a fingerprint is compared, not
+    reduced), one of ``replicate_over`` and ``replica_groups``, no dim twice, groups
+    disjoint and at most :data:`~auditor.contract.fields.MAX_GROUP` ranks in all, no
+    placement beside groups. RuleError naming the field."""
+    from auditor.contract.fields import MAX_GROUP
+    given = spec.model_fields_set
+    for name, unset in (("reduce_over", "reduce_over" not in given or not spec.reduce_over),
+                        ("replicas", "replicas" not in given or not spec.replicas),
+                        ("over_microbatches", not spec.over_microbatches), ("replicated_along", spec.replicated_along is None),
+                        ("variance", spec.variance == "sample")):
+        if not unset:
+            raise RuleError(f"{name} describes a reduction; a fingerprint spec (replicate_over, replica_groups, "
+                            "agreement, k, seed) compares replicas and reduces nothing: leave it out", name)
+    if spec.replicate_over is not None and spec.replica_groups is not None:
+        raise RuleError("give replicate_over (dims) or replica_groups (lists of ranks), not both", "replica_groups")
+    if spec.replicate_over is not None:
+        if not spec.replicate_over:
+            raise RuleError("replicate_over names no dim: name the dims the tensor is replicated over (e.g. ['dp'])",
+                            "replicate_over")
+        if len(set(spec.replicate_over)) != len(spec.replicate_over):
+            raise RuleError(f"replicate_over lists a dimension twice: {spec.replicate_over}", "replicate_over")
+    if spec.replica_groups is not None:
+        seen: set[int] = set()
+        total = 0
+        for i, g in enumerate(spec.replica_groups):
+            total += len(g)
+            if total > MAX_GROUP:
+                raise RuleError(f"replica_groups name more than {MAX_GROUP} ranks in all", "replica_groups")
+            twice = [r for r in g if r in seen]
+            if twice or len(set(g)) != len(g):
+                raise RuleError(f"replica_groups[{i}] names rank {(twice or g)[0] if twice else g[0]} a second time: "
+                                "the groups must be disjoint and list each rank once", "replica_groups", str(i))
+            seen.update(g)
+        if spec.placement:
+            raise RuleError("placement beside replica_groups: the groups already name the ranks holding the tensor",
+                            "placement")
+
+
+def fingerprint_rules(r, spec: Spec) -> None:
+    """The rules of a ``fingerprint`` report (``spec``: its engine spec, the default when it
+    sent none): only ``local.fingerprint``, of 3 + k or 5 + k values (5 + k for bitwise
+    agreement), numel a non-negative integer, the digests integers in [0, 2^31); no applied
+    block, one microbatch; replica groups within the world and holding the rank; an unknown
+    topology needs replica_groups. RuleError naming the field."""
+    loc = r.local
+    for name in ("count", "sum", "sum_sq", "min", "max", "replicated_sum_sq"):
+        if getattr(loc, name) is not None:
+            raise RuleError(f"local.{name} belongs to a reduction; a 'fingerprint' report carries local.fingerprint "
+                            "only", "local", name)
+    if r.applied is not None:
+        raise RuleError("applied belongs to a reduction; a 'fingerprint' report has none (leave it out)", "applied")
+    if r.num_microbatches != 1:
+        raise RuleError("a 'fingerprint' report describes the tensor after the step: num_microbatches must be 1",
+                        "num_microbatches")
+    fp, k = loc.fingerprint, spec.k or FINGERPRINT_K
+    if len(fp) not in (3 + k, 5 + k):
+        raise RuleError(f"local.fingerprint holds {len(fp)} values; with k={k} projections it holds {3 + k} "
+                        f"(numel, sum, sum_sq, p_0…p_{k - 1}) or {5 + k} (and two digests)", "local", "fingerprint")
+    n = fp[0]
+    if not (0 <= n <= NUMEL_MAX and n == int(n)):
+        raise RuleError(f"local.fingerprint[0] (numel) must be an integer >= 0, got {n!r}", "local", "fingerprint")
+    if len(fp) == 5 + k:
+        for j, d in enumerate(fp[3 + k:]):
+            if not (0 <= d < DIGEST_BOUND and d == int(d)):
+                raise RuleError(f"local.fingerprint[{3 + k + j}] (digest {j}) must be an integer in [0, 2^31), "
+                                f"got {d!r}", "local", "fingerprint")
+    elif spec.agreement == "bitwise":
+        raise RuleError(f"spec.agreement 'bitwise' needs the digests: local.fingerprint of {5 + k} values "
+                        "(fingerprint(..., exact=True))", "local", "fingerprint")
+    groups = spec.replica_groups
+    if groups is not None:
+        top = max(max(g) for g in groups)
+        if top >= r.world_size:
+            raise RuleError(f"spec.replica_groups names rank {top}, outside the world ({r.world_size} ranks)",
+                            "spec", "replica_groups")
+        if not any(r.rank in g for g in groups):
+            raise RuleError(f"rank {r.rank} is in no group of spec.replica_groups: only the ranks holding the tensor "
+                            "send its fingerprint", "spec", "replica_groups")
+    elif r.topology == "unknown":
+        raise RuleError("topology 'unknown' has no coordinates to find the replicas by: give spec.replica_groups",
+                        "spec", "replicate_over")
+
+
 def spec_kind_rules(kind: str, spec: object) -> None:
     """What a spec may say for a statistic of ``kind`` (DESIGN.md §3): only a ``sum`` is
     reduced over the microbatches of its step, only a ``norm`` has a replicated part
@@ -216,6 +321,16 @@ def spec_kind_rules(kind: str, spec: object) -> None:
         raise RuleError(f"spec.replicated_along applies to kind 'norm' only (the dims along which "
                         f"replicated_sum_sq is identical); a {kind!r} statistic has no replicated part: send "
                         "kind 'norm', or leave replicated_along out", "spec", "replicated_along")
+    fingerprint = spec.replicate_over is not None or spec.replica_groups is not None
+    if kind == "fingerprint" and not fingerprint:
+        raise RuleError("kind 'fingerprint' needs a fingerprint spec: spec.replicate_over (dims) or "
+                        "spec.replica_groups (lists of ranks), or no spec (replicate_over ['dp'])", "spec")
+    if kind != "fingerprint" and fingerprint:
+        name = next(f for f in FINGERPRINT_SPEC_FIELDS if f in spec.model_fields_set) \
+            if hasattr(spec, "model_fields_set") and set(FINGERPRINT_SPEC_FIELDS) & spec.model_fields_set \
+            else "replicate_over"
+        raise RuleError(f"spec.{name} applies to kind 'fingerprint' only (replica drift); a {kind!r} statistic is a "
+                        "reduction: send kind 'fingerprint', or leave it out", "spec", name)
 
 
 def extended_rules(r, core_spec: Spec | None) -> None:
@@ -278,10 +393,11 @@ def spec_field_rules(spec, replicas_given: bool = True) -> None:
         dims = getattr(spec, name) or []
         if len(set(dims)) != len(dims):
             raise RuleError(f"{name} lists a dimension twice: {dims}", name)
-    named = set(spec.reduce_over) | set(spec.replicas) | set(spec.replicated_along or ()) | set(spec.placement)
+    named = (set(spec.reduce_over) | set(spec.replicas) | set(spec.replicated_along or ()) | set(spec.placement)
+             | set(spec.replicate_over or ()))
     if named & layout.EXPERT_ONLY and named & layout.DENSE_ONLY:
         # blamed: the first field naming an expert dim
-        field = next(f for f in ("reduce_over", "replicas", "replicated_along", "placement")
+        field = next(f for f in ("reduce_over", "replicas", "replicated_along", "placement", "replicate_over")
                      if set(getattr(spec, f) or ()) & layout.EXPERT_ONLY)
         raise RuleError(
             f"the spec mixes dense dims {sorted(named & layout.DENSE_ONLY)} with expert dims "

@@ -259,6 +259,7 @@ REQUIRED_LOCAL: dict[str, tuple[str, ...]] = {
     "moments": ("count", "sum", "sum_sq"),
     "sum": ("sum",),
     "norm": ("sum_sq",),
+    "fingerprint": ("fingerprint",),
 }
 #: The ``applied`` field a ``sum`` or ``norm`` requires (``moments``: :func:`auditor.contract.rules.report_rules`).
 REQUIRED_APPLIED: dict[str, str] = {"sum": "sum", "norm": "sum_sq"}

@@ -15,7 +15,7 @@ import numpy as np
 from auditor.core.types import Fault, FaultKind, RankSpans, compress_ranks
 
 #: What a rank did with the statistic, and what the statistic is, per kind (messages).
-VERB = {"moments": "whitened with", "sum": "divided by", "norm": "clipped with"}
+VERB = {"moments": "whitened with", "sum": "divided by", "norm": "clipped with", "fingerprint": "holds"}
 WHAT = {"moments": "statistic", "sum": "denominator", "norm": "gradient norm"}
 
 

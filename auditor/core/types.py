@@ -25,7 +25,7 @@ EXPERT_DIMS: tuple[str, ...] = layout.EXPERT_DIMS
 Coord = tuple[int, int, int, int]
 
 #: Statistic kinds (DESIGN.md §3 table).
-KINDS: tuple[str, ...] = ("moments", "sum", "norm")
+KINDS: tuple[str, ...] = ("moments", "sum", "norm", "fingerprint")
 
 #: Step verdicts, in the order reports and metrics list them. ``audit_error``: the engine
 #: raised on the step (recorded by the service, never returned by :func:`audit_step`).
@@ -73,6 +73,11 @@ class Spec:
     count from the end; empty: every rank). ``replicated_along``: dims along which a
     ``norm``'s ``replicated_sum_sq`` is identical (None: the whole group). DESIGN.md §3.1.
     Dims keep the order they were given in (it shows in messages and evidence).
+
+    Kind ``fingerprint`` (:mod:`auditor.core.drift`): ``replicate_over`` (dims) or
+    ``replica_groups`` (tuples of ranks), the replica group a tensor must agree over;
+    ``agreement`` (``bitwise``/``rounding``/None: bitwise when digests are sent), ``k``
+    projections and their ``seed``. None for the other kinds.
     """
 
     reduce_over: tuple[str, ...] = ("dp", "cp")
@@ -81,12 +86,17 @@ class Spec:
     over_microbatches: bool = False
     placement: tuple[tuple[str, tuple[int, ...]], ...] = ()
     replicated_along: tuple[str, ...] | None = None
+    replicate_over: tuple[str, ...] | None = None
+    replica_groups: tuple[tuple[int, ...], ...] | None = None
+    agreement: str | None = None
+    k: int | None = None
+    seed: int | None = None
 
     @property
     def factorisation(self) -> str:
         """``"expert"`` when the spec names edp, ep or etp, else ``"dense"``."""
         named = (set(self.reduce_over) | set(self.replicas) | set(self.replicated_along or ())
-                 | {d for d, _ in self.placement})
+                 | set(self.replicate_over or ()) | {d for d, _ in self.placement})
         return "expert" if named & layout.EXPERT_ONLY else "dense"
 
     @property
@@ -138,6 +148,11 @@ class RankReport:
     edp: int = 0
     ep: int = 0
     etp: int = 0
+    #: kind ``fingerprint``: the fingerprint as stored, JSON text (NaN/Inf as strings) or a
+    #: sequence of floats; None for the other kinds
+    fingerprint: str | Sequence[float] | None = None
+    #: the rank's host, if its report named it
+    host: str | None = None
 
     @property
     def coords(self) -> Coord:

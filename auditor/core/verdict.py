@@ -31,7 +31,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from auditor import layout
-from auditor.core import checks, diagnose, layoutless, stats
+from auditor.core import checks, diagnose, drift, layoutless, stats
 from auditor.core.findings import VERB, Findings, ranks_text
 from auditor.core.step import INT_FIELDS, Part, Step
 from auditor.core.types import (
@@ -45,7 +45,8 @@ _MB_RANK = operator.attrgetter("microbatch", "rank")
 def audit_step(reports: Sequence[RankReport], sizes: Coord, spec: Spec, *, num_microbatches: int = 1,
                history: Callable[[], Mapping[tuple, Sequence[tuple[int, float, float, float]]]] | None = None,
                kind: str = "moments", expert_sizes: Coord | None = None, order: str | None = None,
-               topology: str = "known", world_size: int | None = None, source: str | None = None) -> StepVerdict:
+               topology: str = "known", world_size: int | None = None, source: str | None = None,
+               step: int = 0) -> StepVerdict:
     """Audit one step of a statistic of ``kind`` (DESIGN.md §3 table).
 
     Parameters
@@ -63,7 +64,9 @@ def audit_step(reports: Sequence[RankReport], sizes: Coord, spec: Spec, *, num_m
         Called at most once, only when a mismatch needs a diagnosis; returns per group key
         (coordinates outside ``reduce_over``) the earlier steps' correct
         (step, count, mean, var), oldest first, for ``stale_statistic``. For ``sum`` and
-        ``norm`` the correct value is in ``count`` and ``mean`` (``var`` = 0).
+        ``norm`` the correct value is in ``count`` and ``mean`` (``var`` = 0). For
+        ``fingerprint``: the latest audited step before this one and its
+        ``replica_divergence`` findings (:func:`auditor.core.drift.fingerprint_step`).
     kind:
         ``moments`` (whitening mean/variance), ``sum`` (e.g. token-count denominators)
         or ``norm`` (squared gradient norm).
@@ -81,6 +84,8 @@ def audit_step(reports: Sequence[RankReport], sizes: Coord, spec: Spec, *, num_m
         Where the run's layout came from (its ``topology_source``): ``wrong_group``'s fix is
         worded in that framework's terms (:func:`auditor.core.diagnose.group_hint`; None:
         Megatron's accessors).
+    step:
+        The step's number, named by ``fingerprint`` findings (:mod:`auditor.core.drift`).
 
     Returns
     -------
@@ -102,6 +107,8 @@ def audit_step(reports: Sequence[RankReport], sizes: Coord, spec: Spec, *, num_m
     if kind not in VERB:
         raise ValueError(f"unknown statistic kind {kind!r}; expected one of {sorted(VERB)}")
     world = world_size or math.prod(sizes)
+    if kind == "fingerprint":
+        return _fingerprint(reports, sizes, spec, world, expert_sizes, order, step, history)
     declared = spec
     reports, sizes, spec, dims, unknown = _judged_layout(reports, sizes, spec, kind, num_microbatches, world,
                                                          topology == "unknown", expert_sizes)
@@ -124,6 +131,29 @@ def audit_step(reports: Sequence[RankReport], sizes: Coord, spec: Spec, *, num_m
     rows.sort(key=lambda row: (row.microbatch, row.rank))
     return StepVerdict(_verdict_word(faults, unknown, missing_fault is not None), faults, rows, groups_out,
                        cp_sigma, err_sigma, tol_sigma)
+
+
+def _fingerprint(reports: Sequence[RankReport], sizes: Coord, spec: Spec, world: int, expert_sizes: Coord | None,
+                 order: str | None, step: int, history) -> StepVerdict:
+    """A ``fingerprint`` step (:func:`auditor.core.drift.fingerprint_step`): its missing
+    reports (the ranks of ``replica_groups``, else every placed rank), then the drift."""
+    dims = drift.factorisation(spec)
+    if dims == EXPERT_DIMS:
+        if expert_sizes is None:
+            raise ValueError("the spec names expert dims but the run has no expert factorisation")
+        sizes = expert_sizes
+    if spec.replica_groups is not None:
+        expected = sorted({r for g in spec.replica_groups for r in g})
+        absent = sorted(set(expected) - {r.rank for r in reports})
+        missing = None if not absent else Fault(
+            FaultKind.MISSING_REPORT,
+            f"{len(absent)} of {len(expected)} expected reports never arrived ({ranks_text(absent)}): those ranks "
+            "crashed, hung, or their auditor client could not send", absent,
+            {"missing": len(absent), "expected": len(expected)})
+    else:
+        placed = spec.placed(dict(zip(dims, sizes))) if spec.placement else {}
+        missing = _missing(reports, world, dims, sizes, placed, 1, order)
+    return drift.fingerprint_step(reports, spec, dims, sizes, step, missing, history)
 
 
 def _judged_layout(reports: Sequence[RankReport], sizes: Coord, spec: Spec, kind: str, num_microbatches: int,

@@ -237,11 +237,14 @@ def report_row(r, series_id: int, now: float) -> tuple:
     if not r.values_finite:
         loc, applied, non_finite = _non_finite(loc, applied)
     gr = r.group_ranks
+    fp = r.local.fingerprint
+    if fp is not None:
+        fp = json_text(fp if r.values_finite else json_safe(fp))
     if r.topology == "unknown":  # no coordinates: store the rank (the audit groups by group_ranks)
         return (series_id, r.step, r.microbatch, r.rank, r.rank, 0, 0, 0, 0, 0, 0, r.dtype, *loc,
-                app is not None, *applied, non_finite, compress_ranks_shared(gr), now)
+                app is not None, *applied, non_finite, compress_ranks_shared(gr), fp, r.host, now)
     return (series_id, r.step, r.microbatch, r.rank, *_COORDS(r.coords), r.dtype, *loc,
-            app is not None, *applied, non_finite, None if gr is None else compress_ranks_shared(gr), now)
+            app is not None, *applied, non_finite, None if gr is None else compress_ranks_shared(gr), fp, r.host, now)
 
 
 def _non_finite(loc: tuple, applied: tuple) -> tuple[tuple, tuple, str | None]:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import sqlalchemy as sa
 
-from auditor.core import REPLACEABLE, STALE_LOOKBACK, VERDICTS, compress_ranks
+from auditor.core import REPLACEABLE, STALE_LOOKBACK, VERDICTS, compress_ranks, expand_ranks
 from auditor.db import dialect as sql_text
 from auditor.db.dialect import PG_STEP_COPY_TYPES, PG_VERDICT_KINDS, SQLITE_CHUNK_SIZES, Statements, pg_array, size_runs
 from auditor.db.races import StepRowExists
@@ -139,6 +139,27 @@ class StepStatements(Statements):
                 for key, _mb, count, mean, var in row.groups or []:
                     hist[tuple(key)].append((row.step, as_float(count), as_float(mean), as_float(var)))
             return {k: v[::-1] for k, v in hist.items()}
+        return load
+
+    def drift_history(self, conn: sa.Connection, series_id: int, step: int) -> Callable[[], dict]:
+        """A loader of the latest audited step before ``step`` of a ``fingerprint`` series and
+        its ``replica_divergence`` findings: ``{"step": s, "verdict": v, "findings": [(ranks,
+        evidence), ...]}``, or ``{}`` when none was audited (the engine's ``history`` for
+        kind ``fingerprint``: a drift's first step carried from step to step)."""
+        def load():
+            row = conn.execute(
+                sa.select(step_audits.c.step, step_audits.c.verdict)
+                .where(step_audits.c.series_id == series_id, step_audits.c.step < step,
+                       step_audits.c.verdict.is_not(None))
+                .order_by(step_audits.c.step.desc()).limit(1)).first()
+            if row is None:
+                return {}
+            found = conn.execute(
+                sa.select(faults.c.ranks, faults.c.evidence)
+                .where(faults.c.series_id == series_id, faults.c.step == row.step,
+                       faults.c.kind == "replica_divergence")).all()
+            return {"step": row.step, "verdict": row.verdict,
+                    "findings": [(tuple(expand_ranks(r.ranks or "")), r.evidence) for r in found]}
         return load
 
     def record_verdicts(self, conn: sa.Connection, items: Sequence["VerdictItem"], now: float,

@@ -122,6 +122,10 @@ reports = sa.Table(
     sa.Column("applied_var", sa.Float),
     sa.Column("non_finite", sa.String(256)),  # fields that were NaN/Inf on the wire (NaN is stored as NULL)
     sa.Column("group_ranks", sa.Text),  # compressed ranges, e.g. "0-3,8-11" (audit.compress_ranks)
+    # kind 'fingerprint' (replica drift): the fingerprint as JSON text ([numel, sum, sum_sq, p_0…], NaN/Inf as
+    # strings), and the rank's host if it said (revision 0011)
+    sa.Column("fingerprint", sa.Text),
+    sa.Column("host", sa.String(128)),
     sa.Column("received_at", sa.Float, nullable=False),
     # One rank per coordinate: two ranks claiming the same place in the world are a 409.
     sa.Index("uq_reports_coords", "series_id", "step", "microbatch", "dp", "cp", "tp", "pp", unique=True),

@@ -123,7 +123,7 @@ class ViewStatements(Statements):
     def metric_series(self, since: float, max_series: int | None = None) -> list[dict]:
         """Per-series figures for /metrics, for series active after ``since`` (Unix s).
 
-        Each dict: ``run_id``, ``statistic``, ``steps`` (verdict → verdicts ever recorded:
+        Each dict: ``run_id``, ``statistic``, ``kind``, ``steps`` (verdict → verdicts ever recorded:
         current + superseded by re-audits, so the exported counters never go down),
         ``faults`` (kind → findings ever recorded), ``cp_disagreement_sigma``,
         ``applied_error_sigma``, ``last_audited_step``, ``ranks_behind``. At most ``max_series`` series (the
@@ -135,7 +135,7 @@ class ViewStatements(Statements):
         verdict_cols = [(v, s[f"steps_{v}"] + (s[f"superseded_{v}"] if v in REPLACEABLE else 0)) for v in VERDICTS]
         fsum = series_faults.c.count + series_faults.c.superseded
         with self.read() as conn:
-            q = (sa.select(s.id, s.run_id, s.statistic, s.cp_disagreement_sigma, s.applied_error_sigma,
+            q = (sa.select(s.id, s.run_id, s.statistic, s.kind, s.cp_disagreement_sigma, s.applied_error_sigma,
                            s.last_audited_step, s.ranks_behind, *[c.label(v) for v, c in verdict_cols])
                  .where(s.updated_at >= since).order_by(s.updated_at.desc(), s.id))
             if max_series is not None:
@@ -149,7 +149,8 @@ class ViewStatements(Statements):
                     .where(series_faults.c.series_id.in_(ids))
                 ):
                     fcounts[sid][kind] = n
-            out = [{"run_id": r["run_id"], "statistic": r["statistic"], "steps": {v: r[v] for v in VERDICTS},
+            out = [{"run_id": r["run_id"], "statistic": r["statistic"], "kind": r["kind"],
+                    "steps": {v: r[v] for v in VERDICTS},
                     "faults": fcounts.get(r["id"], {}),
                     **{k: r[k] for k in ("cp_disagreement_sigma", "applied_error_sigma", "last_audited_step",
                                          "ranks_behind")}}

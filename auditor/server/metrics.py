@@ -47,6 +47,8 @@ EXPORTED_METRICS: tuple[str, ...] = (
     "auditor_applied_error_sigma",
     "auditor_last_audited_step",
     "auditor_ranks_behind",
+    "auditor_replica_divergence_steps_total",
+    "auditor_replica_gap_ratio",
     "auditor_ingest_duration_seconds",
     "auditor_body_bytes_in_flight",
 )
@@ -213,8 +215,28 @@ class AuditCollector:
             "audited incomplete (0 once a newer step is complete); which ranks: the report's progress.",
             labels=["run", "statistic"],
         )
+        drift = CounterMetricFamily(
+            "auditor_replica_divergence_steps",
+            "Fingerprint statistics (replica drift): steps whose replicas of the tensor disagreed (verdicts "
+            "inconsistent ever recorded).", labels=["run", "statistic"])
+        gap = GaugeMetricFamily(
+            "auditor_replica_gap_ratio",
+            "Fingerprint statistics: latest audited step's largest gap between a replica and its reference, "
+            "‖x_r − x_ref‖/‖x_ref‖ (0 when every group agreed; a correct run stays below 4 unit roundoffs).",
+            labels=["run", "statistic"])
         for r in rows:
             labels = [r["run_id"], r["statistic"]]
+            if r.get("kind") == "fingerprint":
+                drift.add_metric(labels, r["steps"].get("inconsistent", 0))
+                for verdict, n in r["steps"].items():
+                    steps.add_metric(labels + [verdict], n)
+                for kind, n in sorted(r["faults"].items()):
+                    faults.add_metric(labels + [kind], n)
+                if r["applied_error_sigma"] is not None:
+                    gap.add_metric(labels, r["applied_error_sigma"])
+                if r["last_audited_step"] is not None:
+                    last.add_metric(labels, r["last_audited_step"])
+                continue
             if r.get("ranks_behind") is not None:
                 behind.add_metric(labels, r["ranks_behind"])
             for verdict, n in r["steps"].items():
@@ -227,4 +249,4 @@ class AuditCollector:
                 err.add_metric(labels, r["applied_error_sigma"])
             if r["last_audited_step"] is not None:
                 last.add_metric(labels, r["last_audited_step"])
-        yield from (steps, faults, cp, err, last, behind)
+        yield from (steps, faults, cp, err, last, behind, drift, gap)

@@ -132,7 +132,7 @@ class Judge:
         when each verdict was written at once."""
         info, p = d.info, d.arrival
         reports = [rank_report(r) for r in rows] if rows is not None else self.store.step_reports(conn, info.id, p.step)
-        load = self.store.history(conn, info.id, p.step)
+        load = (self.store.drift_history if info.kind == "fingerprint" else self.store.history)(conn, info.id, p.step)
 
         def history():
             buffer.flush(_key(d))  # the verdicts of the steps before this one, as history
@@ -191,7 +191,7 @@ class Judge:
             v = core.audit_step(
                 rank_reports, topo.sizes, info.engine_spec,
                 num_microbatches=max(1, expected // topo.placed_count(info.engine_spec)),
-                history=history, kind=info.kind, **topo.audit_args(),
+                history=history, kind=info.kind, step=step, **topo.audit_args(),
             )
             json.dumps(json_safe([[[list(g.key), g.microbatch, g.count, g.mean, g.var] for g in v.groups],
                                   [f.evidence for f in v.faults]]), allow_nan=False)  # storable

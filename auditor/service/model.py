@@ -63,7 +63,10 @@ class Topology:
         return spec.placed(dict(zip(dims, sizes)))
 
     def placed_count(self, spec: core.Spec) -> int:
-        """Ranks that hold the statistic (the world unless ``spec.placement``)."""
+        """Ranks that hold the statistic (the world unless ``spec.placement``, or the ranks of
+        a fingerprint's ``replica_groups``)."""
+        if spec.replica_groups is not None:
+            return len({r for g in spec.replica_groups for r in g})
         placed = self.placed(spec)
         if not placed:
             return self.world_size

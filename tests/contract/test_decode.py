@@ -95,7 +95,9 @@ def moments(draw, kind):
 @st.composite
 def report(draw):
     """A valid report (almost always: a random order may contradict the coords)."""
-    kind = draw(st.sampled_from(["moments", "sum", "norm", None]))
+    kind = draw(st.sampled_from(["moments", "sum", "norm", None, "fingerprint"]))
+    if kind == "fingerprint":
+        return draw(fingerprint_report())
     expert = draw(st.integers(0, 3)) == 0
     unknown = not expert and draw(st.integers(0, 5)) == 0
     sizes = {d: draw(st.integers(1, 3)) for d in ("dp", "cp", "tp", "pp")}
@@ -159,6 +161,37 @@ def report(draw):
     return r
 
 
+@st.composite
+def fingerprint_report(draw):
+    """A ``kind: fingerprint`` report (mostly valid): k projections, digests or not, a spec
+    by dims or by groups (or none), an optional host."""
+    k = draw(st.integers(1, 13))
+    exact = draw(st.booleans())
+    fp = [draw(st.integers(0, 2**20)), draw(finite), draw(st.floats(0, 1e12))] + draw(
+        st.lists(finite, min_size=k, max_size=k))
+    if exact:
+        fp += draw(st.lists(st.integers(0, 2**31 - 1), min_size=2, max_size=2))
+    sizes = {d: draw(st.integers(1, 3)) for d in ("dp", "tp", "pp")}
+    world = sizes["dp"] * sizes["tp"] * sizes["pp"]
+    rank = draw(st.integers(0, world - 1))
+    r: dict = {"run_id": "fp", "statistic": draw(st.from_regex(r"[a-z.]{1,8}", fullmatch=True)),
+               "kind": "fingerprint", "step": draw(st.integers(0, 2**62)), "rank": rank, "world_size": world,
+               "sizes": sizes, "coords": {d: draw(st.integers(0, sizes[d] - 1)) for d in sizes},
+               "local": {"fingerprint": fp}, "dtype": draw(st.sampled_from(["float32", "bfloat16"]))}
+    how = draw(st.sampled_from(["none", "dims", "groups"]))
+    if how == "dims" or (how == "none" and k != 8):
+        r["spec"] = {"replicate_over": draw(st.lists(st.sampled_from(["dp", "tp", "pp"]), min_size=1, max_size=2,
+                                                      unique=True)), "k": k}
+    elif how == "groups":
+        r["spec"] = {"replica_groups": [[rank], *([[x] for x in range(world) if x != rank][:2])], "k": k,
+                     "seed": draw(st.integers(0, 5))}
+    if exact and draw(st.booleans()):
+        r.setdefault("spec", {"k": k})["agreement"] = "bitwise"
+    if draw(st.booleans()):
+        r["host"] = draw(st.from_regex(r"[a-z0-9.-]{1,12}", fullmatch=True))
+    return r
+
+
 BAD_VALUES = [None, True, "1", "", "x\n", 1.5, -1, 0, 2**31, 2**62 + 1, 2**64, -(2**63) - 1, 1e300, 10**30,
               [], {}, [0, 0], ["dp", "dp"], "tp-cp-dp", "a" * 33, "ё", "float8", "unknown", "first",
               {"dp": 0}, {"zz": 1}]
@@ -195,8 +228,8 @@ def mutated(draw, r):
         parent[key] += draw(st.sampled_from(["\n", " ", "\u00e9", "\x00"]))
     elif how == "big" and isinstance(parent[key], (int, float)):
         parent[key] = draw(st.sampled_from([10**19, 10**400, -1e308, 5e-324]))
-    else:
-        parent[key] = draw(st.sampled_from(BAD_VALUES))
+    else:  # a copy: BAD_VALUES' lists are shared, and a later mutation must not change them (or loop)
+        parent[key] = json.loads(json.dumps(draw(st.sampled_from(BAD_VALUES))))
     return r
 
 
@@ -317,6 +350,28 @@ def _built_report(i: int) -> dict:
     return r
 
 
+def _built_fingerprint(i: int) -> dict:
+    """Valid ``fingerprint`` report number ``i``: k = 1 + i % 13, with digests on odd ``i``
+    (bitwise every 4th), spec by dims, by groups or none, a host every 3rd."""
+    k, exact = 1 + i % 13, bool(i % 2)
+    fp = [float(4096 + i), 0.25 * i, 1e3 + i] + [(-1.0) ** j * (j + 0.5) for j in range(k)]
+    if exact:
+        fp += [i * 7919 % 2**31, 2**31 - 1 - i]
+    rank = i % 8
+    r: dict = {"run_id": f"fp-{i % 3}", "statistic": f"w/{i % 4}", "kind": "fingerprint", "step": i * 31,
+               "rank": rank, "world_size": 8, "sizes": {"dp": 2, "tp": 2, "pp": 2},
+               "coords": {"dp": rank % 2, "tp": rank // 2 % 2, "pp": rank // 4}, "local": {"fingerprint": fp}}
+    spec = [{"replicate_over": ["dp"], "k": k}, {"replica_groups": [[0, 4], [1, 5], [2, 6], [3, 7]], "k": k},
+            {"replicate_over": ["tp", "dp"], "k": k, "seed": 3}][i % 3]
+    if i % 4 == 3:
+        spec["agreement"] = "bitwise"
+    if not (k == 8 and i % 3 == 0 and not exact):
+        r["spec"] = spec
+    if i % 3 == 0:
+        r["host"] = f"node-{i}"
+    return r
+
+
 #: One rule-breaking change per invalid built body, in turn.
 _BREAKS = [
     lambda r: r.update(rank=8), lambda r: r["local"].update(sum_sq=-1.0), lambda r: r.update(step=-1),
@@ -334,7 +389,7 @@ def test_fast_decode_agrees_on_built_bodies(batch):
     in bodies of ``batch`` reports (past ``_BATCH_RULES_MIN`` the value rules are array
     tests), each accepted by both decoders with equal values; then each report with one
     rule broken, among the valid ones, refused by both."""
-    built = [_built_report(i) for i in range(180)]
+    built = [_built_report(i) for i in range(180)] + [_built_fingerprint(i) for i in range(24)]
     assert sum(r.get("spec") is not None for r in built) >= 40
     for start in range(0, len(built), batch):
         assert _agree(json.dumps({"reports": built[start:start + batch]}).encode()), start

@@ -162,9 +162,9 @@ def test_0003_backfill_lets_old_late_completed_steps_be_re_audited(fresh_databas
         conn.execute(sa.text("INSERT INTO faults (series_id, step, kind, ranks, message, evidence) VALUES "
                              "(1, 0, 'missing_report', '1', 'm', '{}')"))
         conn.execute(sa.text("INSERT INTO series_faults VALUES (1, 'missing_report', 1)"))
-        for row in rows:  # (without the expert coordinates revision 0004 added)
+        for row in rows:  # (without the expert coordinates of revision 0004, the fingerprint and host of 0011)
             conn.execute(metadata.tables["reports"].insert().values(
-                {k: v for k, v in zip(COLUMNS, row) if k not in ("edp", "ep", "etp")}))
+                {k: v for k, v in zip(COLUMNS, row) if k not in ("edp", "ep", "etp", "fingerprint", "host")}))
     engine.dispose()
     upgrade(fresh_database_url)
     engine = make_engine(fresh_database_url)
