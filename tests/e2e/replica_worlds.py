@@ -31,6 +31,7 @@ SCENARIOS = {
     "bf16": "tp=1 × dp=4 in bfloat16, each rank adds the dp gradient parts in its own order (rounding only)",
     "tied-correct": "pp=2 × dp=2, embedding tied to the output layer, all-reduced over the embedding group",
     "tied-one-stage": "pp=2 × dp=2, the embedding-group all-reduce skipped: each stage updates its own copy",
+    "tp-ln-missing-live": "tp-ln-missing again, the ranks' clients sending to a live `auditor serve`",
     "hsdp": "2×2 DeviceMesh (dp_replicate, dp_shard), DTensors [Replicate(), Shard(0)] and replicated; "
             "rank 3's shard changed at step 1",
 }
@@ -43,7 +44,7 @@ FC2 = "decoder.layers.0.mlp.linear_fc2.weight"
 FINAL_LN = "decoder.final_layernorm.weight"
 
 
-def worker(rank: int, world: int, port: int, spool: str, prefix: str, timeout: float) -> dict:
+def worker(rank: int, world: int, port: int, spool: str, prefix: str, timeout: float, url: str) -> dict:
     """Every scenario on this rank; returns {scenario: facts} (ground truth read outside the
     hooks: the first step each watched tensor really differed, host syncs of the hooks)."""
     import torch.distributed as dist
@@ -55,13 +56,14 @@ def worker(rank: int, world: int, port: int, spool: str, prefix: str, timeout: f
 
     out = {}
     for kw, names, run in (({"tensor_model_parallel_size": 2}, ("tp-correct", "tp-ln-missing", "ddp-left-out",
-                                                                "flip-two"), _tp_run),
+                                                                "flip-two", "tp-ln-missing-live"), _tp_run),
                            ({"tensor_model_parallel_size": 1}, ("flip-four", "bf16"), _tp_run),
                            ({"pipeline_model_parallel_size": 2}, ("tied-correct", "tied-one-stage"), _tied_run)):
         ps.initialize_model_parallel(**kw)
         for name in names:
             t0 = time.monotonic()
-            out[name] = run(name, rank, spool, prefix)
+            out[name] = run(name, rank, url if name.endswith("-live") else f"file://{spool}/{prefix}-{name}/{rank}",
+                            prefix)
             out[name]["seconds"] = time.monotonic() - t0
         ps.destroy_model_parallel()
     out["hsdp"] = _hsdp_run(rank, spool, prefix)
@@ -164,7 +166,7 @@ def _forward(root, x_local):
     return dec.final_layernorm(x_local + o)
 
 
-def _tp_run(name: str, rank: int, spool: str, prefix: str) -> dict:
+def _tp_run(run: str, rank: int, dest: str, prefix: str) -> dict:
     import torch
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -173,6 +175,7 @@ def _tp_run(name: str, rank: int, spool: str, prefix: str) -> dict:
     from auditor.testing import count_host_syncs
     from auditor.trainer.client import AuditorClient
 
+    name = run.removesuffix("-live")  # the same scenario, sent to a live service
     dtype = torch.bfloat16 if name == "bf16" else torch.float32
     steps = 50 if name == "tp-correct" else 24 if name.startswith("flip") else 12
     root = _block(dtype)
@@ -183,9 +186,9 @@ def _tp_run(name: str, rank: int, spool: str, prefix: str) -> dict:
         DDP._set_params_and_buffers_to_ignore_for_model(root, [FC2])
         model = DDP(root, process_group=ps.get_data_parallel_group())
     opt = torch.optim.SGD(root.parameters(), lr=0.05)
-    client = AuditorClient(f"file://{spool}/{prefix}-{name}/{rank}", rank=rank, flush_interval=0.05)
+    client = AuditorClient(dest, rank=rank, flush_interval=0.05)
     hooked = name in ("tp-correct", "ddp-left-out")  # the optimizer hooks; the others call step()
-    watch = watch_replicas(root, client, run_id=f"{prefix}-{name}", optimizer=opt if hooked else None,
+    watch = watch_replicas(root, client, run_id=f"{prefix}-{run}", optimizer=opt if hooked else None,
                            exact=True, agreement="rounding" if name == "bf16" else None, min_bucket=1)
     tp, dp = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
     first_differ: dict[str, int] = {}
@@ -211,8 +214,9 @@ def _tp_run(name: str, rank: int, spool: str, prefix: str) -> dict:
         for pname in _differing(root):
             first_differ.setdefault(pname, step)
     watch.close()
+    delivered = client.flush(60.0)
     client.close()
-    return {"first_differ": first_differ, "syncs": syncs, "stats": dict(client.stats),
+    return {"first_differ": first_differ, "syncs": syncs, "delivered": delivered, "stats": dict(client.stats),
             "buckets": [(b.name, b.members, b.spec) for b in watch.buckets], "steps": steps}
 
 
@@ -296,7 +300,7 @@ def _differing(root) -> set[str]:
 # ----------------------------------------------------------------------------- tied embedding
 
 
-def _tied_run(name: str, rank: int, spool: str, prefix: str) -> dict:
+def _tied_run(name: str, rank: int, dest: str, prefix: str) -> dict:
     """pp=2: stage 0 embeds tokens (``embedding.word_embeddings.weight``) and sends the
     activations to stage 1, which normalises them and projects on its copy of the embedding
     (``output_layer.weight``); the gradient of the activations goes back. Then the DP average
@@ -322,7 +326,7 @@ def _tied_run(name: str, rank: int, spool: str, prefix: str) -> dict:
         root.output_layer.weight = torch.nn.Parameter(table.clone())
         tied_param = "output_layer.weight"
     opt = torch.optim.SGD(root.parameters(), lr=0.5)
-    client = AuditorClient(f"file://{spool}/{prefix}-{name}/{rank}", rank=rank, flush_interval=0.05)
+    client = AuditorClient(dest, rank=rank, flush_interval=0.05)
     holders = sorted(dist.get_process_group_ranks(ps.get_embedding_group()))
     everyone = [r for r in range(dist.get_world_size())]
     watch = watch_replicas(root, client, run_id=f"{prefix}-{name}", optimizer=opt, exact=True,

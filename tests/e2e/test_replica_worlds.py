@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from auditor.core.replicas import replica_drift
+from auditor.testing.server import ServerProcess
 from auditor.testing.world import spawn_world
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -26,9 +27,20 @@ pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(scope="module")
-def world(tmp_path_factory):
+def live(tmp_path_factory):
+    """A live ``auditor serve`` on a fresh SQLite file (grace 2 s) for the ranks' clients."""
+    tmp = tmp_path_factory.mktemp("replica-service")
+    server = ServerProcess(f"sqlite:///{tmp / 'auditor.db'}", tmp / "server.log", AUDITOR_GRACE_SECONDS="2",
+                           AUDITOR_SWEEP_INTERVAL_SECONDS="0.2").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, live):
+    """Every scenario of :mod:`replica_worlds` in one world of four ranks."""
     spool = str(tmp_path_factory.mktemp("replica-spool"))
-    facts = spawn_world(rw.worker, WORLD, (spool, PREFIX, 120.0), 240.0)
+    facts = spawn_world(rw.worker, WORLD, (spool, PREFIX, 120.0, live.url), 300.0)
     return spool, facts
 
 
@@ -194,3 +206,23 @@ def test_dtensor_replicate_placements_on_a_device_mesh(world):
     assert got["params/rep"] == []
     (f,) = got["params/hsdp"]
     assert (f.attribution, f.ranks, f.first_step, f.steps) == ("undecidable", (1, 3), 1, 2)
+
+
+def test_live_service_judges_the_ranks_reports(world, live):
+    """The missing LayerNorm TP all-reduce again, the four ranks' clients posting to a live
+    ``auditor serve`` (SQLite): every fingerprint step of the final LayerNorm's weight and
+    bias (params and grads) is inconsistent with one ``replica_divergence`` along tp naming
+    ranks 1 and 3; every other tensor's 12 steps are consistent."""
+    _, facts = world
+    assert all(facts[r]["tp-ln-missing-live"]["delivered"] for r in range(WORLD))
+    run = f"{PREFIX}-tp-ln-missing-live"
+    stats = {s["statistic"]: s for s in live.get(f"/v1/runs/{run}/report").json()["statistics"]}
+    drifting = {f"{w}/decoder.final_layernorm.{p}" for w in ("params", "grads") for p in ("weight", "bias")}
+    assert set(stats) == drifting | {f"{w}/{n}" for w in ("params", "grads") for n in (
+        "decoder.layers.0.input_layernorm.weight", "decoder.layers.0.input_layernorm.bias", rw.FC1, rw.FC2)}
+    for name, s in stats.items():
+        assert s["kind"] == "fingerprint" and s["steps_audited"] == 12, (name, s)
+        assert (s["steps_inconsistent"], s["steps_consistent"]) == ((12, 0) if name in drifting else (0, 12)), s
+    (f,) = live.get(f"/v1/runs/{run}/statistics/params/decoder.final_layernorm.weight/steps/0").json()["faults"]
+    assert (f["kind"], f["ranks"], f["evidence"]["attribution"], f["evidence"]["dim"]) == (
+        "replica_divergence", [1, 3], "along_dim", "tp")
