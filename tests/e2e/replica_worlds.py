@@ -47,8 +47,10 @@ FINAL_LN = "decoder.final_layernorm.weight"
 def worker(rank: int, world: int, port: int, spool: str, prefix: str, timeout: float, url: str) -> dict:
     """Every scenario on this rank; returns {scenario: facts} (ground truth read outside the
     hooks: the first step each watched tensor really differed, host syncs of the hooks)."""
+    import torch
     import torch.distributed as dist
 
+    torch.set_num_threads(1)  # four ranks on a small machine: intra-op threads would wait for each other
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
