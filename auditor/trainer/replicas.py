@@ -37,7 +37,6 @@ client's sender thread (:meth:`~auditor.trainer.client.AuditorClient.report_defe
 from __future__ import annotations
 
 import hashlib
-import logging
 import math
 import re
 import socket
@@ -53,9 +52,7 @@ from auditor.trainer.fingerprint import K, fingerprint
 from auditor.trainer.hooks import submit, wire_dtype
 from auditor.trainer.report import build_report, report_topology
 from auditor.trainer.settings import warn_once
-from auditor.trainer.wrap import _next_step, env_client
-
-log = logging.getLogger("auditor.replicas")
+from auditor.trainer.wrap import env_client, step_for
 
 WHAT = ("params", "grads")
 #: Reports per step of each of params and grads on one rank unless told otherwise (the run's
@@ -143,7 +140,7 @@ class ReplicaWatch:
         """Report this step's fingerprints (every ``every`` steps): the gradients (unless the
         optimizer pre-hook did) and the parameters."""
         try:
-            step = self._pending if self._pending is not None else _next_step(self._key)[0]
+            step = self._pending if self._pending is not None else step_for(self._key)
             grads_done, self._pending = self._pending is not None, None
             if self.client is None or step % self.every:
                 return
@@ -163,7 +160,7 @@ class ReplicaWatch:
 
     def _before_update(self) -> None:
         try:
-            self._pending = _next_step(self._key)[0]
+            self._pending = step_for(self._key)
             if self.client is not None and "grads" in self.what and self._pending % self.every == 0:
                 self._report("grads", self._pending)
         except Exception as exc:  # noqa: BLE001

@@ -170,7 +170,6 @@ def _forward(root, x_local):
 
 def _tp_run(run: str, rank: int, dest: str, prefix: str) -> dict:
     import torch
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from auditor import set_step, watch_replicas

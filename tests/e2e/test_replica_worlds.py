@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from auditor.core.replicas import replica_drift
+from auditor.testing.http import post_reports_ok
 from auditor.testing.server import ServerProcess
 from auditor.testing.world import spawn_world
 
@@ -185,6 +186,7 @@ def test_tied_embedding_across_stages(world):
     _, facts = world
     assert found(judge(reports_of(world, "tied-correct"))) == {}
     assert facts[0]["tied-correct"]["first_differ"] is None
+    assert facts[0]["tied-correct"]["holders"] == [0, 2]  # Megatron's embedding group: first and last stage
     names = {b[0] for r in range(WORLD) for b in facts[r]["tied-correct"]["buckets"]}
     assert names == {"tied:word_embeddings", "pp1/decoder.final_layernorm.weight:2"}
     got = found(judge(reports_of(world, "tied-one-stage")))
@@ -226,3 +228,20 @@ def test_live_service_judges_the_ranks_reports(world, live):
     (f,) = live.get(f"/v1/runs/{run}/statistics/params/decoder.final_layernorm.weight/steps/0").json()["faults"]
     assert (f["kind"], f["ranks"], f["evidence"]["attribution"], f["evidence"]["dim"]) == (
         "replica_divergence", [1, 3], "along_dim", "tp")
+
+
+def test_live_service_takes_stage_placed_and_tied_reports(world, live):
+    """The pp = 2 world's spooled reports posted to the live service: the stage-1 LayerNorm
+    (``pp1/…``, ``placement: {"pp": [1]}``: only ranks 2 and 3 hold it) is consistent on all
+    10 steps — the other stage's ranks are not expected — and the tied embedding
+    (``replica_groups`` [[0, 1, 2, 3]]) updated per stage is inconsistent along pp on all 10."""
+    run = f"{PREFIX}-tied-one-stage"
+    reports = reports_of(world, "tied-one-stage")
+    assert post_reports_ok(live, reports)["accepted"] == len(reports) == 10 * (2 * 4 + 2 * 2)
+    stats = {s["statistic"]: s for s in live.get(f"/v1/runs/{run}/report").json()["statistics"]}
+    for name in ("params/pp1/decoder.final_layernorm.weight:2", "grads/pp1/decoder.final_layernorm.weight:2"):
+        assert (stats[name]["steps_audited"], stats[name]["steps_consistent"]) == (10, 10), stats[name]
+    for name in ("params/tied:word_embeddings", "grads/tied:word_embeddings"):
+        assert (stats[name]["steps_audited"], stats[name]["steps_inconsistent"]) == (10, 10), stats[name]
+    (f,) = live.get(f"/v1/runs/{run}/statistics/params/tied:word_embeddings/steps/0").json()["faults"]
+    assert (f["ranks"], f["evidence"]["attribution"], f["evidence"]["dim"]) == ([2, 3], "along_dim", "pp")
