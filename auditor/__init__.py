@@ -23,6 +23,8 @@ name                            what it is
                                 ``NotFoundError``), naming the URL and what was wrong
 ``set_topology``                declare the job's sizes and rank order (no Megatron, no mesh)
 ``set_device_mesh``             read coordinates from a torch ``DeviceMesh`` (torchtitan, FSDP2)
+``watch_replicas``              fingerprint replicated parameters and gradients every N steps
+                                (replica drift: docs/replica-drift.md)
 ==============================  ==============================================================
 """
 
@@ -45,6 +47,7 @@ _TRAINER_API = {
     "step_context": "auditor.trainer.wrap",
     "set_topology": "auditor.trainer.topology",
     "set_device_mesh": "auditor.trainer.mesh",
+    "watch_replicas": "auditor.trainer.replicas",
     # not run inside training ranks: the typed read client for notebooks and CI scripts
     "Reader": "auditor.reader",
     "ReaderError": "auditor.reader",

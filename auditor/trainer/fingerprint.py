@@ -57,6 +57,9 @@ _M31 = (1 << 31) - 1
 _M32 = (1 << 32) - 1
 
 _CACHE: dict[tuple, torch.Tensor] = {}
+#: Cached blocks kept at most (the oldest is dropped first): a process fingerprinting on many
+#: devices or with many seeds does not grow without bound (5 MiB per (device, seed) for k = 8).
+CACHE_MAX = 16
 _CACHE_LOCK = threading.Lock()
 
 
@@ -107,12 +110,15 @@ def _multipliers(device: torch.device, seed: int) -> torch.Tensor:
 
 
 def _cached(key: tuple, build) -> torch.Tensor:
-    """``_CACHE[key]``, built once (under the lock, checked again inside) by ``build()``."""
+    """``_CACHE[key]``, built once (under the lock, checked again inside) by ``build()``; at
+    most :data:`CACHE_MAX` entries (the oldest dropped)."""
     value = _CACHE.get(key)
     if value is None:
         with _CACHE_LOCK:
             value = _CACHE.get(key)
             if value is None:
+                while len(_CACHE) >= CACHE_MAX:
+                    _CACHE.pop(next(iter(_CACHE)))
                 value = _CACHE[key] = build()
     return value
 

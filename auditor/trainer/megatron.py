@@ -210,8 +210,9 @@ def coords_and_sizes() -> tuple[dict[str, int], dict[str, int]]:
 def default_placement(kind: str) -> dict | None:
     """Where a statistic of ``kind`` lives by default: with Megatron and pp > 1,
     ``moments``/``sum`` statistics (advantages, loss-token counts) live on the last pipeline
-    stage (``{"pp": "last"}``); ``norm`` lives on every stage (None)."""
-    if kind == "norm" or not is_initialized():
+    stage (``{"pp": "last"}``); ``norm`` lives on every stage (None); a ``fingerprint``
+    says where it lives itself (:mod:`auditor.trainer.replicas`: None here)."""
+    if kind in ("norm", "fingerprint") or not is_initialized():
         return None
     if _parallel_state().get_pipeline_model_parallel_world_size() > 1:
         return {"pp": "last"}

@@ -109,6 +109,12 @@ def _next_step(statistic: str) -> tuple[int, int, int]:
         return n, 0, 1
 
 
+def step_for(key: str) -> int:
+    """The step a report of ``key`` (a statistic, or a hook's own key) belongs to now:
+    :func:`set_step`'s, else the number of earlier calls for ``key`` (counted)."""
+    return _next_step(key)[0]
+
+
 def reset() -> None:
     """Forget the step set with :func:`set_step` and the call counters (tests)."""
     with _step_lock:

@@ -17,7 +17,7 @@ import auditor
 TRAINER_API = [
     "AuditorClient", "NotFoundError", "Reader", "ReaderError", "audited_norm_sq", "audited_sum", "client_from_env", "distributed_masked_whiten",
     "masked_moments", "report_statistic", "set_device_mesh", "set_step", "set_topology", "step_context",
-    "wrap_distributed_whiten",
+    "watch_replicas", "wrap_distributed_whiten",
 ]
 
 
