@@ -29,8 +29,9 @@ from typing import Sequence
 import numpy as np
 
 from auditor.core import stats
-from auditor.core.checks import PRECISION_LOSS_THRESHOLD
-from auditor.core.step import DEFAULT_LOCAL_TERMS, applied_moments, dtype_columns, sums_match, sums_moments
+from auditor.core.checks import PRECISION_LOSS_THRESHOLD, peer_pairs
+from auditor.core.applied import applied_moments, dtype_columns, sums_match, sums_moments
+from auditor.core.step import DEFAULT_LOCAL_TERMS
 from auditor.core.types import DIMS, Coord, GroupStat, Spec, StepVerdict, compress_ranks
 
 #: Float columns of :class:`Elements` ``values`` (the :class:`~auditor.core.types.RankReport`
@@ -459,19 +460,10 @@ def _cp_disagreement(fr: _Frame, k: int, kind: str, loc: _Local, grp: _Groups,
     """Every pair of CP peers (same dp, tp, pp, microbatch): flags the steps where two
     differ beyond their tolerances; moments: per step the largest gap in σ (None when no
     pair was compared or the kind has no σ)."""
-    inv_p, _, size_p = fr.part(("cp",))
-    order_p = np.argsort(inv_p, kind="stable")
-    gi = inv_p[order_p]
-    I_, J_ = [], []
-    for d in range(1, int(size_p.max())):
-        same = gi[:-d] == gi[d:]
-        if not same.any():
-            break
-        I_.append(order_p[:-d][same])
-        J_.append(order_p[d:][same])
-    if not I_:
+    pairs = peer_pairs(fr.part(("cp",))[0])
+    if pairs is None:
         return None
-    I, J = np.concatenate(I_), np.concatenate(J_)
+    I, J = pairs
     cp_sigma = None
     if kind == "moments":
         inv, a_mean, a_var, mean_e, var_e, tm, tv = grp.inv, loc.a_mean, loc.a_var, ex.mean, ex.var, ex.tm, ex.tv

@@ -386,7 +386,7 @@ def cp_disagreement(st: Step, exp: Part, e_vals, e_tol, judged, f: Findings) -> 
     # Peers must agree whether or not their group is complete: where the correct group
     # cannot be judged (a report is missing), bound the rounding by the applied values.
     tol = e_tol if judged.all() else [np.where(judged, t, a) for t, a in zip(e_tol, applied_tolerances(st, exp))]
-    pairs = _peer_pairs(st, peers)
+    pairs = peer_pairs(peers.inv, st.a_ok)
     flagged: set[int] = set()
     ev = {}
     if pairs is not None:
@@ -413,14 +413,19 @@ def cp_disagreement(st: Step, exp: Part, e_vals, e_tol, judged, f: Findings) -> 
     return worst if st.kind == "moments" else None
 
 
-def _peer_pairs(st: Step, peers: Part) -> tuple[np.ndarray, np.ndarray] | None:
-    """Every pair (i, j) of CP peers with a known applied statistic, i before j in element
-    order, as two int arrays; None when there is none."""
-    order = np.argsort(peers.inv, kind="stable")
-    order = order[st.a_ok[order]]
-    gi = peers.inv[order]
+def peer_pairs(inv: np.ndarray, keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """Every pair (i, j) of elements in one group (``inv``: each element's group id), i before
+    j in element order, as two int arrays; only elements where ``keep`` (bool, per element)
+    is True when given; None when there is none. Pairs come by distance in the stable
+    group order (all neighbours, then every second, ...): the CP peers of
+    :func:`cp_disagreement` (``keep``: a known applied statistic) and of the batched pass
+    (:mod:`auditor.core.batch`, all peers: one without an applied value compares as NaN)."""
+    order = np.argsort(inv, kind="stable")
+    if keep is not None:
+        order = order[keep[order]]
+    gi = inv[order]
     I_, J_ = [], []
-    for d in range(1, int(peers.size.max()) if len(peers.size) else 0):
+    for d in range(1, len(order)):
         same = gi[:-d] == gi[d:]
         if not same.any():
             break

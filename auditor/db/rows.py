@@ -1,8 +1,10 @@
 """The rows of the store: one result type per table and the row codec.
 
-* ``runs`` → :class:`RunRow`; ``series`` → :class:`SeriesRow` (every column); a step row
-  after an ingest added to it → :class:`Arrival`; a verdict to record → :class:`VerdictItem`
-  (or, for clean steps as columns, :class:`CleanSteps`).
+* ``runs`` → :class:`RunRow`; ``series`` → :class:`SeriesRow` (every column);
+  ``step_audits`` → :class:`StepRow` (every column), :class:`StepLine` (a line of the steps
+  page) and, after an ingest added to it, :class:`Arrival`; ``faults`` → :class:`FaultRow`;
+  a verdict to record → :class:`VerdictItem` (or, for clean steps as columns, :class:`CleanSteps`).
+  Every field of these is named after its table's column (checked at import).
 * ``reports`` rows are plain tuples in :data:`COLUMNS` order: :func:`report_row` builds one
   from a wire report, :func:`rank_report` and :func:`elements` give the engine its inputs.
 * JSON columns: :func:`json_safe` writes NaN/Inf as strings, :func:`as_float` reads them back.
@@ -24,7 +26,7 @@ import numpy as np
 import sqlalchemy as sa
 
 from auditor.core import RankReport, StepVerdict, batch, compress_ranks_shared
-from auditor.db.tables import reports, series
+from auditor.db.tables import faults, reports, series, step_audits
 
 KEY = ("series_id", "step", "microbatch", "rank")
 #: Column order of ``reports`` (and of the tuples :func:`report_row` builds). The key comes
@@ -93,11 +95,14 @@ class _Row(Mapping):
         return len(self.__dataclass_fields__)
 
 
-def _table_row(name: str, table: sa.Table, doc: str) -> type:
+def _table_row(name: str, table: sa.Table, doc: str, names: Sequence[str] | None = None) -> type:
     """A frozen dataclass with one field per column of ``table`` (in table order, so
-    ``cls(*row)`` reads a ``SELECT table`` row), readable as a mapping (:class:`_Row`)."""
-    cls = make_dataclass(name, [(c.name, Any) for c in table.columns], bases=(_Row,), frozen=True, slots=True)
-    cls.__module__, cls.__doc__ = __name__, doc
+    ``cls(*row)`` reads a ``SELECT table`` row), or per column of ``names`` (in that order;
+    ``cls(*row)`` reads a ``SELECT *cls.columns`` row), readable as a mapping
+    (:class:`_Row`). ``cls.columns``: the columns, to select."""
+    columns = tuple(table.columns) if names is None else tuple(table.c[n] for n in names)
+    cls = make_dataclass(name, [(c.name, Any) for c in columns], bases=(_Row,), frozen=True, slots=True)
+    cls.__module__, cls.__doc__, cls.columns = __name__, doc, columns
     return cls
 
 
@@ -105,11 +110,22 @@ def _table_row(name: str, table: sa.Table, doc: str) -> type:
 #: aggregates of its verdicts (counts, bad steps, σ figures, hang localisation, refusals):
 #: every column of ``series``, from every read of it.
 SeriesRow = _table_row("SeriesRow", series, "A stored ``series`` row (every column; readable as a mapping).")
+#: A stored step: its counts, verdict (None while open), σ figures, fault kinds and groups.
+StepRow = _table_row("StepRow", step_audits, "A stored ``step_audits`` row (every column; readable as a mapping).")
+#: A step as the steps page lists it (:meth:`Store.step_rows`): no groups, no previous verdict.
+StepLine = _table_row("StepLine", step_audits, "A line of the steps page: the ``step_audits`` columns it shows.",
+                      ("step", "verdict", "received", "expected", "cp_disagreement_sigma", "applied_error_sigma",
+                       "tolerance_sigma", "fault_kinds", "audited_at"))
+#: A fault of a step as a read shows it (:meth:`Store.step_faults`): ``ranks`` as stored
+#: (compressed ranges), ``evidence`` the JSON dict as stored.
+FaultRow = _table_row("FaultRow", faults, "A stored ``faults`` row as read: kind, ranks, message, evidence.",
+                      ("kind", "ranks", "message", "evidence"))
 
 
 @dataclass(slots=True)  # not frozen: one per step, and a frozen __init__ costs 5× (1.05 vs 0.21 µs)
 class Arrival:
-    """A step row after an ingest added to it (:meth:`Store.count_arrivals`)."""
+    """A step row after an ingest added to it (:meth:`Store.count_arrivals`): the
+    ``step_audits`` columns the ingest reads back (the same names as :class:`StepRow`'s)."""
 
     series_id: int
     step: int
@@ -119,6 +135,9 @@ class Arrival:
     #: False when ``verdict`` was recorded while reports were missing (the report that
     #: completes the step re-audits it); None while open.
     complete_at_audit: bool | None = None
+
+
+assert set(Arrival.__dataclass_fields__) <= set(StepRow.__dataclass_fields__)
 
 
 @dataclass(slots=True)  # not frozen: one per step, and a frozen __init__ costs 5× (1.05 vs 0.21 µs)

@@ -5,13 +5,13 @@ Nothing here writes."""
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import sqlalchemy as sa
 
 from auditor.core import REPLACEABLE, VERDICTS
 from auditor.db.dialect import Statements
-from auditor.db.rows import RunRow, SeriesRow
+from auditor.db.rows import FaultRow, RunRow, SeriesRow, StepLine, StepRow
 from auditor.db.tables import faults, runs, series, series_faults, step_audits
 from auditor.status import STATUSES
 
@@ -74,28 +74,28 @@ class ViewStatements(Statements):
             .where(step_audits.c.series_id == series_id, step_audits.c.verdict.is_(None))
         ).scalar_one()
 
-    def bad_steps(self, conn: sa.Connection, series_id: int, limit: int) -> list[Mapping]:
-        """Up to ``limit`` step rows of a series judged inconsistent or audit_error (first) or
-        audited with reports missing (incomplete, or unverified while incomplete), by step."""
+    def bad_steps(self, conn: sa.Connection, series_id: int, limit: int) -> list[StepRow]:
+        """Up to ``limit`` step rows (:class:`StepRow`) of a series judged inconsistent or
+        audit_error (first) or audited with reports missing (incomplete, or unverified while
+        incomplete), by step."""
         v = step_audits.c.verdict
-        return conn.execute(
+        return [StepRow(*r) for r in conn.execute(
             sa.select(step_audits)
             .where(step_audits.c.series_id == series_id,
                    sa.or_(v.in_(("inconsistent", "audit_error", "incomplete")),
                           sa.and_(v == "unverified", step_audits.c.complete_at_audit.is_(False))))
             .order_by(v.in_(("incomplete", "unverified")), step_audits.c.step).limit(limit)
-        ).mappings().all()
+        )]
 
     def step_rows(self, conn: sa.Connection, series_id: int, *, start: int | None = None, stop: int | None = None,
-                  verdict: str | None = None, limit: int = 1000) -> list[Mapping]:
-        """The stored per-step rows of a series in step order (never re-audited): step,
+                  verdict: str | None = None, limit: int = 1000) -> list[StepLine]:
+        """The stored per-step rows (:class:`StepLine`) of a series in step order (never re-audited): step,
         verdict (None while open), received, expected, σ figures, tolerance, fault kinds,
         audited_at; steps in [``start``, ``stop``], of one ``verdict`` (``pending``: open),
         at most ``limit``. Keyset reads over the primary key (series_id, step), or over
         ``ix_step_audits_series_verdict_step`` when filtered by verdict."""
         a = step_audits.c
-        q = (sa.select(a.step, a.verdict, a.received, a.expected, a.cp_disagreement_sigma, a.applied_error_sigma,
-                       a.tolerance_sigma, a.fault_kinds, a.audited_at)
+        q = (sa.select(*StepLine.columns)
              .where(a.series_id == series_id).order_by(a.step).limit(limit))
         if verdict == "pending":
             q = q.where(a.verdict.is_(None))
@@ -105,20 +105,22 @@ class ViewStatements(Statements):
             q = q.where(a.step >= start)
         if stop is not None:
             q = q.where(a.step <= stop)
-        return conn.execute(q).mappings().all()
+        return [StepLine(*r) for r in conn.execute(q)]
 
-    def step_row(self, conn: sa.Connection, series_id: int, step: int) -> Mapping | None:
-        """The ``step_audits`` row of one step, or None."""
-        return conn.execute(
+    def step_row(self, conn: sa.Connection, series_id: int, step: int) -> StepRow | None:
+        """The ``step_audits`` row (:class:`StepRow`) of one step, or None."""
+        row = conn.execute(
             sa.select(step_audits).where(step_audits.c.series_id == series_id, step_audits.c.step == step)
-        ).mappings().one_or_none()
+        ).one_or_none()
+        return None if row is None else StepRow(*row)
 
-    def step_faults(self, conn: sa.Connection, series_id: int, step: int) -> list[Mapping]:
-        """The fault rows of one step (kind, ranks as stored text, message, evidence), in recorded order."""
-        return conn.execute(
-            sa.select(faults.c.kind, faults.c.ranks, faults.c.message, faults.c.evidence)
+    def step_faults(self, conn: sa.Connection, series_id: int, step: int) -> list[FaultRow]:
+        """The fault rows (:class:`FaultRow`: kind, ranks as stored text, message, evidence) of
+        one step, in recorded order."""
+        return [FaultRow(*r) for r in conn.execute(
+            sa.select(*FaultRow.columns)
             .where(faults.c.series_id == series_id, faults.c.step == step).order_by(faults.c.id)
-        ).mappings().all()
+        )]
 
     def metric_series(self, since: float, max_series: int | None = None) -> list[dict]:
         """Per-series figures for /metrics, for series active after ``since`` (Unix s).

@@ -24,7 +24,7 @@ from datetime import timedelta
 from typing import Any, Callable
 
 import numpy as np
-from auditor.testing.world import spawn_world
+from auditor.testing.world import MEGATRON_PRELOAD, spawn_world
 
 #: Topology of the injection world: dp=2, cp=2, tp=2 (pp=1), 8 ranks.
 DP, CP, TP = 2, 2, 2
@@ -302,7 +302,7 @@ def run_injection(url: str, prefix: str, timeout: float = DEFAULT_TIMEOUT) -> li
     Raises ``RuntimeError`` if a worker failed and ``TimeoutError`` if the world did not
     finish within ``timeout`` seconds (all workers are killed first).
     """
-    return spawn_world(_inject_all, DP * CP * TP, (url, prefix, timeout), timeout)
+    return spawn_world(_inject_all, DP * CP * TP, (url, prefix, timeout), timeout, preload=MEGATRON_PRELOAD)
 
 
 # ---------------------------------------------------------------------------- evaluation

@@ -106,3 +106,10 @@ def _collect(procs, out, deadline: float, timeout: float) -> list:
             raise RuntimeError(f"worker rank {rank} failed:\n{payload}")
         results[rank] = payload
     return [results[r] for r in sorted(results)]
+
+
+#: ``preload`` of the Megatron-core worlds of the tests, the demo's fault injection and the
+#: benchmarks: what their ranks import (torch alone ~2 s, Megatron-core ~6 s of CPU per rank).
+#: A world that must run without Megatron imported (the DeviceMesh worlds assert it) is spawned.
+MEGATRON_PRELOAD = ("torch", "torch.distributed", "megatron.core.parallel_state",
+                    "auditor.trainer.client", "auditor.trainer.hooks")

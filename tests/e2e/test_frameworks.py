@@ -20,7 +20,7 @@ import uuid
 import numpy as np
 import pytest
 
-from auditor.testing.world import spawn_world
+from auditor.testing.world import MEGATRON_PRELOAD, spawn_world
 from framework_worlds import (
     MAX_NORM, fsdp_grads, megatron_grads, megatron_worker, mesh_worker, titan_labels, verl_batch,
 )
@@ -54,20 +54,21 @@ def _inconsistent(server, run):
     return rep, _faults(stat)
 
 
-def _spawn(worker, server, tag):
+def _spawn(worker, server, tag, preload=None):
     prefix = f"{tag}-{uuid.uuid4().hex[:8]}"
-    results = spawn_world(worker, 4, (server.url, prefix, TIMEOUT), TIMEOUT)
+    results = spawn_world(worker, 4, (server.url, prefix, TIMEOUT), TIMEOUT, preload=preload)
     assert all(r["delivered"] and r["stats"]["rejected"] == 0 for r in results), results
     return prefix, [r["values"] for r in results]
 
 
 @pytest.fixture(scope="module")
 def megatron_world(live_server):
-    return _spawn(megatron_worker, live_server, "fw-mcore")
+    return _spawn(megatron_worker, live_server, "fw-mcore", preload=MEGATRON_PRELOAD)
 
 
 @pytest.fixture(scope="module")
 def mesh_world(live_server):
+    # Spawned: the mesh ranks check that Megatron is never imported (the fork server has it).
     return _spawn(mesh_worker, live_server, "fw-mesh")
 
 

@@ -14,7 +14,7 @@ import uuid
 import numpy as np
 import pytest
 
-from auditor.testing.world import spawn_world
+from auditor.testing.world import MEGATRON_PRELOAD, spawn_world
 from worlds import _data, megatron_worker, mesh_worker
 
 pytestmark = pytest.mark.multiprocess
@@ -35,7 +35,8 @@ def _faults(stat):
 @pytest.fixture(scope="module")
 def megatron_world(live_server):
     prefix = f"mw-{uuid.uuid4().hex[:8]}"
-    results = spawn_world(megatron_worker, 4, (live_server.url, prefix, TIMEOUT), TIMEOUT)
+    results = spawn_world(megatron_worker, 4, (live_server.url, prefix, TIMEOUT), TIMEOUT,
+                          preload=MEGATRON_PRELOAD)
     assert all(r["delivered"] and r["stats"]["rejected"] == 0 for r in results), results
     return prefix, results
 
@@ -43,7 +44,7 @@ def megatron_world(live_server):
 @pytest.fixture(scope="module")
 def mesh_world(live_server):
     prefix = f"dm-{uuid.uuid4().hex[:8]}"
-    results = spawn_world(mesh_worker, 4, (live_server.url, prefix, TIMEOUT), TIMEOUT)
+    results = spawn_world(mesh_worker, 4, (live_server.url, prefix, TIMEOUT), TIMEOUT)  # spawned: no Megatron
     assert all(r["delivered"] and r["stats"]["rejected"] == 0 for r in results), results
     return prefix, results
 

@@ -182,6 +182,27 @@ def test_docs_group_every_operation_under_a_tag_with_a_written_summary(tmp_path)
     assert {p for m, p, op in ops if op["tags"] == ["operations"]} == {"/healthz", "/readyz", "/metrics"}
 
 
+def test_openapi_declares_each_read_document_beside_the_wire_report(tmp_path):
+    """Every read answers its document (auditor.contract.reads) as its 200 schema, under
+    the Read prefix; the wire Report that POST /v1/reports takes stays the wire one (the read
+    document once replaced it: the body documented as a run report, and schemathesis's
+    fuzzing of that operation past 540 s)."""
+    from auditor.contract.models import Report as WireReport
+    from auditor.server.app import create_app
+
+    doc = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'a.db'}")).openapi()
+    comps = doc["components"]["schemas"]
+    ok = {(m, p): op["responses"]["200"]["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[1]
+          for p, item in doc["paths"].items() for m, op in item.items() if m == "get" and p.startswith("/v1/runs")}
+    assert ok == {("get", "/v1/runs"): "ReadRunsPage", ("get", "/v1/runs/{run_id}"): "ReadRun",
+                  ("get", "/v1/runs/{run_id}/report"): "ReadReport",
+                  ("get", "/v1/runs/{run_id}/statistics/{statistic}/steps"): "ReadStepsPage",
+                  ("get", "/v1/runs/{run_id}/statistics/{statistic}/steps/{step}"): "ReadStepPage"}
+    assert comps["ReportBatch"]["properties"]["reports"]["items"] == {"$ref": "#/components/schemas/Report"}
+    assert set(comps["Report"]["properties"]) == set(WireReport.model_json_schema()["properties"])
+    assert "extra" not in comps["ReadReport"]["properties"] and "statistics" in comps["ReadReport"]["properties"]
+
+
 def test_readiness_on_postgresql_follows_a_read_only_database(tmp_path, run_id):
     """PostgreSQL turned read-only under the service (`default_transaction_read_only` on,
     its sessions ended so they reconnect): writes are 503 and `/readyz` 503 naming it
