@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Iterable, Sequence
 
-from auditor.testing.world import spawn_world
+from auditor.testing.world import MEGATRON_PRELOAD, spawn_world
 
-#: Modules the fork server imports once for every rank of every layout.
-PRELOAD = ("torch", "torch.distributed", "megatron.core.parallel_state", "auditor.trainer.client",
-           "auditor.trainer.hooks", "auditor.testing.layouts")
+#: Modules the fork server imports once for every rank of every layout (the fork server of a
+#: process is started once, by whichever world asks first: one list for all of them).
+PRELOAD = (*MEGATRON_PRELOAD, "auditor.testing.layouts")
 #: Bound on one layout's world, seconds (a rank stuck in a collective fails the call).
 DEFAULT_TIMEOUT = 120.0
 #: The seed's six factorisations of (dp, cp).

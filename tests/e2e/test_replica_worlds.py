@@ -16,7 +16,7 @@ import pytest
 from auditor.core.replicas import replica_drift
 from auditor.testing.http import post_reports_ok
 from auditor.testing.server import ServerProcess
-from auditor.testing.world import spawn_world
+from auditor.testing.world import MEGATRON_PRELOAD, spawn_world
 
 sys.path.insert(0, str(Path(__file__).parent))
 import replica_worlds as rw  # noqa: E402
@@ -41,7 +41,8 @@ def live(tmp_path_factory):
 def world(tmp_path_factory, live):
     """Every scenario of :mod:`replica_worlds` in one world of four ranks."""
     spool = str(tmp_path_factory.mktemp("replica-spool"))
-    facts = spawn_world(rw.worker, WORLD, (spool, PREFIX, 120.0, live.url), 300.0)
+    facts = spawn_world(rw.worker, WORLD, (spool, PREFIX, 120.0, live.url), 300.0,
+                        preload=MEGATRON_PRELOAD)
     return spool, facts
 
 
