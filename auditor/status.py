@@ -194,16 +194,30 @@ HOW_TO_VERIFY = (
 
 
 def unverified_line(report: Mapping[str, Any]) -> str:
-    """Why a report is ``unverified``, in one line: how many steps per statistic, where the
-    layout came from (``topology_source``), and what to set (:data:`HOW_TO_VERIFY`)."""
+    """Why a report is ``unverified``, in one line: how many steps per statistic; for the
+    ``fingerprint`` statistics, that a replica group held one rank (no replica to compare
+    with); for the others, where the layout came from (``topology_source``) and what to set
+    (:data:`HOW_TO_VERIFY`)."""
     stats = [s for s in report.get("statistics") or [] if s.get("steps_unverified")]
-    parts = [f"{s.get('statistic')} {int(s['steps_unverified'])} of {s.get('steps_audited')}" for s in stats]
-    src = report.get("topology_source")
+    out = []
+    for fingerprints in (True, False):
+        part = [s for s in stats if (s.get("kind") == "fingerprint") == fingerprints]
+        if part:
+            out.append(_unverified_part(part, fingerprints, report.get("topology_source")))
+    return "; ".join(out)
+
+
+def _unverified_part(stats: list, fingerprints: bool, src: Any) -> str:
+    parts = ", ".join(f"{s.get('statistic')} {int(s['steps_unverified'])} of {s.get('steps_audited')}" for s in stats)
+    n = sum(int(s["steps_unverified"]) for s in stats)
+    if fingerprints:
+        return (f"{n} step(s) of fingerprint statistics ({parts}) audited with a replica group of one rank: the "
+                "tensor had no replica to compare it with, so its drift was not checked (a world of one, or "
+                "replica dims of size 1)")
     came = f"; layout source: {src}" if src else ""
-    return (f"{sum(int(s['steps_unverified']) for s in stats)} step(s) audited without a known layout "
-            f"({', '.join(parts)}{came}): no fault found, but which process group each rank should have reduced "
-            "over is unknown, so a reduction over the wrong group (a CP or DP bug) cannot be told from a right one. "
-            "To check it: " + "; ".join(HOW_TO_VERIFY))
+    return (f"{n} step(s) audited without a known layout ({parts}{came}): no fault found, but which process group "
+            "each rank should have reduced over is unknown, so a reduction over the wrong group (a CP or DP bug) "
+            "cannot be told from a right one. To check it: " + "; ".join(HOW_TO_VERIFY))
 
 
 def check(report: Mapping[str, Any], *, allow_incomplete: bool = False, allow_refused: bool = False,

@@ -8,7 +8,8 @@ not a σ: a ratio to the tensor's own rms), so the series keeps the latest and t
 one as it keeps the σ figures of the other kinds.
 
 Verdict: ``inconsistent`` when a replica group disagrees (``replica_divergence``, with the
-attribution and the gap in its evidence); else ``incomplete`` when reports are missing; else
+attribution and the gap in its evidence) or a rank's tensor is non-finite (``non_finite``:
+replicas all NaN alike agree on nothing that could be compared); else ``incomplete`` when reports are missing; else
 ``unverified`` when some replica group holds a single rank (nothing to compare it with: the
 tensor was not checked there); else ``consistent``.
 """
@@ -77,6 +78,7 @@ def fingerprint_step(reports: Sequence[RankReport], spec: Spec, dims: tuple[str,
         if found:
             before = history() if history is not None else {}
             faults += [continued(_fault(f), step, before) for f in found]
+        faults += _non_finite(rs, fps, faults, step)
     if any(f.kind != FaultKind.MISSING_REPORT for f in faults):
         verdict = "inconsistent"
     elif missing is not None:
@@ -88,12 +90,28 @@ def fingerprint_step(reports: Sequence[RankReport], spec: Spec, dims: tuple[str,
     return StepVerdict(verdict, faults, [], [], None, _largest_gap(faults, verdict, bool(rs)))
 
 
+def _non_finite(rs: Sequence[RankReport], fps: Sequence[list[float]], faults: Sequence[Fault],
+                step: int) -> list[Fault]:
+    """A ``non_finite`` fault for the ranks whose fingerprint holds NaN or Inf and that no
+    ``replica_divergence`` names (replicas all non-finite alike: nothing could be compared by
+    value, so the step is never ``consistent``; DESIGN.md §5 ``non_finite``)."""
+    named = {r for f in faults if f.kind == FaultKind.REPLICA_DIVERGENCE for r in f.ranks}
+    odd = sorted(r.rank for r, fp in zip(rs, fps) if r.rank not in named and not all(map(math.isfinite, fp)))
+    if not odd:
+        return []
+    return [Fault(FaultKind.NON_FINITE,
+                  f"{ranks_text(odd).capitalize()} hold a non-finite tensor at step {step} (NaN or Inf in its "
+                  "fingerprint): its replicas cannot be compared by value, so they were not checked; find "
+                  "the step where it first went non-finite", odd, {"ranks_text": ranks_text(odd)})]
+
+
 def _largest_gap(faults: Sequence[Fault], verdict: str, judged: bool) -> float | None:
     """The step's figure (``StepVerdict.applied_error_sigma`` of a fingerprint step, the
     series' latest ``auditor_replica_gap``): the largest gap ‖x_r − x_ref‖/‖x_ref‖ of its
     findings (∞ for a non-finite replica), 0 for a step whose groups all agreed, None when
     nothing was compared (no report, or ``unverified``)."""
     gaps = [float(f.evidence["gap"]) for f in faults if f.kind == FaultKind.REPLICA_DIVERGENCE]
+    gaps += [math.inf for f in faults if f.kind == FaultKind.NON_FINITE]
     if gaps:
         return max(gaps)
     return 0.0 if judged and verdict != "unverified" else None

@@ -1,0 +1,43 @@
+"""A fingerprint step whose replicas all hold a non-finite tensor (NaN or Inf in the
+fingerprint) was judged ``consistent``: nothing was compared (the values cannot be), yet the
+step was green. It is a ``non_finite`` fault naming the ranks (as for the other kinds,
+DESIGN.md §5), the step ``inconsistent`` with gap ∞; finite identical replicas stay
+consistent with gap 0."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from auditor.core import drift
+from auditor.core.types import DIMS, FaultKind, RankReport, Spec
+
+FINITE = [4.0, 1.5, 10.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+
+
+def _report(rank: int, fp: list[float]) -> RankReport:
+    return RankReport(rank=rank, microbatch=0, dp=rank, cp=0, tp=0, pp=0, dtype="float32",
+                      local_count=None, local_sum=None, local_sum_sq=None, applied=False, fingerprint=fp)
+
+
+def _step(fp: list[float], world: int = 2):
+    spec = Spec(reduce_over=(), replicas=(), replicate_over=("dp",), k=8)
+    return drift.fingerprint_step([_report(r, fp) for r in range(world)], spec, DIMS, (world, 1, 1, 1), 3, None)
+
+
+@pytest.mark.parametrize("bad", [1, 2, 5])
+@pytest.mark.parametrize("value", [math.nan, math.inf])
+def test_replicas_all_non_finite_are_not_consistent(bad, value):
+    fp = list(FINITE)
+    fp[bad] = value
+    v = _step(fp)
+    assert v.verdict == "inconsistent"
+    assert [(f.kind, f.ranks) for f in v.faults] == [(FaultKind.NON_FINITE, [0, 1])]
+    assert "step 3" in v.faults[0].message and v.faults[0].message.startswith("Ranks 0-1 hold a non-finite tensor")
+    assert v.applied_error_sigma == math.inf
+
+
+def test_identical_finite_replicas_stay_consistent():
+    v = _step(FINITE)
+    assert (v.verdict, v.faults, v.applied_error_sigma) == ("consistent", [], 0.0)
