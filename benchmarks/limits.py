@@ -16,10 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,6 +26,7 @@ from pathlib import Path
 import httpx
 
 from auditor.server import free_port, wait_healthy
+from auditor.testing.server import limited_argv
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -46,13 +45,11 @@ def main() -> None:
     url = f"http://127.0.0.1:{port}"
     limit = args.memory_limit_mib * 2**20
 
-    def cap():
-        resource.setrlimit(resource.RLIMIT_DATA, (limit, limit))
-
     env = {**os.environ, "AUDITOR_DATABASE_URL": f"sqlite:///{tmp / 'a.db'}", "AUDITOR_GRACE_SECONDS": "1",
            "AUDITOR_SWEEP_INTERVAL_SECONDS": "0.2"}
-    proc = subprocess.Popen([sys.executable, "-m", "auditor", "serve", "--port", str(port), "--log-level", "warning"],
-                            env=env, preexec_fn=cap, stdout=open(tmp / "server.log", "wb"), stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(limited_argv(["-m", "auditor", "serve", "--port", str(port), "--log-level", "warning"],
+                                         data=limit),
+                            env=env, stdout=open(tmp / "server.log", "wb"), stderr=subprocess.STDOUT)
     rows = []
     try:
         wait_healthy(url, 60)

@@ -13,6 +13,28 @@ import httpx
 from auditor.server.run import free_port, wait_healthy
 
 
+#: Run by ``python -c`` in the child: set RLIMIT_DATA / RLIMIT_AS (-1: leave it) and exec
+#: Python with the rest of the arguments. The limits are set in a fresh single-threaded
+#: interpreter, not by ``preexec_fn`` in the fork of this (threaded: torch, test pools)
+#: process, where running Python code between fork and exec is unsafe (it crashed children
+#: started from a thread pool with SIGSEGV).
+_LIMITED = ("import os, resource, sys\n"
+            "for lim, n in ((resource.RLIMIT_DATA, int(sys.argv[1])), (resource.RLIMIT_AS, int(sys.argv[2]))):\n"
+            "    if n >= 0:\n"
+            "        resource.setrlimit(lim, (n, n))\n"
+            "os.execv(sys.executable, [sys.executable, *sys.argv[3:]])\n")
+
+
+def limited_argv(args: list[str], *, data: int | None = None, address_space: int | None = None) -> list[str]:
+    """The argv of ``python *args`` with RLIMIT_DATA ``data`` and RLIMIT_AS ``address_space``
+    (bytes; None: no limit) set before it starts: one runaway child cannot take the machine
+    down. Safe to start from any thread (no ``preexec_fn``)."""
+    if data is None and address_space is None:
+        return [sys.executable, *args]
+    return [sys.executable, "-c", _LIMITED, str(-1 if data is None else data),
+            str(-1 if address_space is None else address_space), *args]
+
+
 class ServerProcess:
     """``python -m auditor serve`` in a subprocess; :meth:`start`/:meth:`stop` may be repeated.
 
@@ -46,9 +68,9 @@ class ServerProcess:
             log = open(self.log_path, "ab")
             start = log.tell()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "auditor", "serve", "--port", str(self.port), "--log-level", "warning",
-                 *self.args],
-                env=self.env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=self._limit_memory,
+                limited_argv(["-m", "auditor", "serve", "--port", str(self.port), "--log-level", "warning",
+                              *self.args], data=self.memory_limit, address_space=self.address_space_limit),
+                env=self.env, stdout=log, stderr=subprocess.STDOUT,
             )
             log.close()
             try:
@@ -66,14 +88,6 @@ class ServerProcess:
                     continue
                 raise RuntimeError(f"server did not start; log:\n{self.log_path.read_text()[-4000:]}") from None
         raise AssertionError("unreachable")
-
-    def _limit_memory(self) -> None:
-        import resource
-
-        if self.memory_limit is not None:
-            resource.setrlimit(resource.RLIMIT_DATA, (self.memory_limit, self.memory_limit))
-        if self.address_space_limit is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (self.address_space_limit, self.address_space_limit))
 
     def peak_rss(self) -> int:
         """Peak resident set size of the server process so far (VmHWM), in bytes."""
