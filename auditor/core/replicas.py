@@ -322,9 +322,17 @@ def _agree(a, b, k, agreement, dtype, roundings) -> bool:
                 and (np.abs(a[PROJ:PROJ + k] - b[PROJ:PROJ + k]) <= t_p).all())
 
 
-def _majority(cls: list[list[int]]) -> list[int] | None:
+def _finite(ctx: "_Ctx", c: list[int]) -> bool:
+    """Whether class ``c``'s fingerprints are finite wherever its first member reported."""
+    v = ctx.fp[ctx.row[c[0]]]
+    return bool(np.isfinite(v[~np.isnan(v[:, NUMEL])]).all())
+
+
+def _majority(ctx: "_Ctx", cls: list[list[int]]) -> list[int] | None:
+    """The class holding a strict majority of the members, if its tensor is finite: replicas
+    that agree on NaN or Inf are no reference (a healthy rank among them is not the odd one)."""
     n = sum(len(c) for c in cls)
-    return cls[0] if cls and 2 * len(cls[0]) > n else None
+    return cls[0] if cls and 2 * len(cls[0]) > n and _finite(ctx, cls[0]) else None
 
 
 def _along_dim(ctx: _Ctx, div_groups: list[int]) -> str | None:
@@ -366,14 +374,15 @@ def _along_dim(ctx: _Ctx, div_groups: list[int]) -> str | None:
 
 
 def _reference_class(ctx: _Ctx, cls: list[list[int]], dim: str | None) -> list[int]:
-    """The strict majority class, else (no majority) the class holding the lowest coordinate
-    along ``dim`` (or the lowest rank)."""
-    major = _majority(cls)
+    """The strict majority class, else (no majority) the finite class holding the lowest
+    coordinate along ``dim`` (or the lowest rank)."""
+    major = _majority(ctx, cls)
     if major is not None:
         return major
+    pool = [c for c in cls if _finite(ctx, c)] or cls
     if dim is not None:
-        return min(cls, key=lambda c: min(ctx.coord[r].get(dim, 0) for r in c))
-    return min(cls, key=min)
+        return min(pool, key=lambda c: min(ctx.coord[r].get(dim, 0) for r in c))
+    return min(pool, key=min)
 
 
 def _gaps(ctx: _Ctx, pairs: list[tuple[int, int]], step_index: int) -> tuple[float, float]:
@@ -382,7 +391,8 @@ def _gaps(ctx: _Ctx, pairs: list[tuple[int, int]], step_index: int) -> tuple[flo
     b = ctx.fp[[ctx.row[q] for _, q in pairs]]
     g = gap(a, b, ctx.k)  # (pairs, S)
     missing = np.isnan(a[..., NUMEL]) | np.isnan(b[..., NUMEL])
-    g = np.where(missing, -np.inf, np.where(np.isnan(g), np.inf, g))  # a non-finite tensor is infinitely far
+    nonfinite = np.isnan(g) | ~np.isfinite(a).all(axis=-1) | ~np.isfinite(b).all(axis=-1)
+    g = np.where(missing, -np.inf, np.where(nonfinite, np.inf, g))  # a non-finite tensor is infinitely far
     return float(g[:, step_index].max()), float(g.max())
 
 
@@ -405,7 +415,7 @@ def _along_finding(ctx: _Ctx, dim: str, div_groups: list[int]) -> DriftFinding:
     majority = True
     for g in div_groups:
         cls = ctx.classes[g]
-        majority &= _majority(cls) is not None
+        majority &= _majority(ctx, cls) is not None
         rc = _reference_class(ctx, cls, dim)
         ref += rc
         ref_coords |= {ctx.coord[r][dim] for r in rc}
@@ -439,7 +449,7 @@ def _group_finding(ctx: _Ctx, g: int) -> DriftFinding:
     step = int(ctx.steps[s])
     steps = int(ctx.diverge[:, g].sum())
     n = sum(len(c) for c in cls)
-    major = _majority(cls)
+    major = _majority(ctx, cls)
     others = [r for c in cls if c is not major for r in c]
     plural = "s" if steps != 1 else ""
     if n == 2:

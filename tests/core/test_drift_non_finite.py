@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
-from auditor.core import drift
+from auditor.core import drift, replicas
 from auditor.core.types import DIMS, FaultKind, RankReport, Spec
 
 FINITE = [4.0, 1.5, 10.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
@@ -41,3 +42,24 @@ def test_replicas_all_non_finite_are_not_consistent(bad, value):
 def test_identical_finite_replicas_stay_consistent():
     v = _step(FINITE)
     assert (v.verdict, v.faults, v.applied_error_sigma) == ("consistent", [], 0.0)
+
+
+def test_replicas_agreeing_on_nan_are_no_majority_against_a_finite_rank():
+    """Three DP replicas, rank 0 finite, ranks 1 and 2 both NaN: the two NaN fingerprints
+    "agree", but they are no reference — the finite rank 0 was blamed as ``isolated``
+    ("suspect that rank's device"). Now no majority: the finite rank is the reference, the
+    NaN ranks the ones out of line (and their ``non_finite`` fault names them)."""
+    bad = list(FINITE)
+    bad[1] = math.nan
+    fps = np.array([[FINITE], [bad], [bad]], dtype=np.float64)  # (ranks, steps, fields)
+    found = replicas.replica_drift("w", fps, ranks=[0, 1, 2], steps=[3], coords=[{"dp": r} for r in range(3)],
+                                   dtype="float32", replicate_over=("dp",), k=8)
+    assert [(f.attribution, f.ranks, f.reference_ranks, f.first_step) for f in found] == [
+        ("scattered", (1, 2), (0,), 3)]
+    assert found[0].gap == math.inf and "suspect that rank's device" not in found[0].message
+    assert "its 3 replicas split into 2 classes (ranks 1-2; rank 0) with no majority" in found[0].message
+    spec = Spec(reduce_over=(), replicas=(), replicate_over=("dp",), k=8)
+    v = drift.fingerprint_step([_report(0, FINITE), _report(1, bad), _report(2, bad)], spec, DIMS, (3, 1, 1, 1), 3,
+                               None)  # through the step audit: the non-finite ranks named, rank 0 never blamed
+    assert v.verdict == "inconsistent"
+    assert [(f.kind, f.ranks) for f in v.faults] == [(FaultKind.REPLICA_DIVERGENCE, [1, 2])]
