@@ -240,19 +240,14 @@ def check(report: Mapping[str, Any], *, allow_incomplete: bool = False, allow_re
     lines: list[str] = []
     passed = _state_lines(report, state, audited, allow_incomplete, allow_unverified, lines)
     passed &= _pending_lines(run_id, stats, allow_pending, lines)
-    refused = refused_line(report)
-    if refused is not None:
-        if allow_refused:
-            lines.append(f"{run_id}: {refused} (allowed by --allow-refused)")
+    for said, allowed, what in ((refused_line(report), allow_refused, "refused"),
+                                (dropped_line(report), allow_dropped, "dropped")):
+        if said is None:
+            continue
+        if allowed:
+            lines.append(f"{run_id}: {said} (allowed by --allow-{what})")
         else:
-            lines.append(f"{run_id}: REFUSED REPORTS — {refused}; pass --allow-refused to accept that")
-            passed = False
-    dropped = dropped_line(report)
-    if dropped is not None:
-        if allow_dropped:
-            lines.append(f"{run_id}: {dropped} (allowed by --allow-dropped)")
-        else:
-            lines.append(f"{run_id}: DROPPED REPORTS — {dropped}; pass --allow-dropped to accept that")
+            lines.append(f"{run_id}: {what.upper()} REPORTS — {said}; pass --allow-{what} to accept that")
             passed = False
     if audited < min_steps:
         lines.append(f"{run_id}: only {audited} step(s) audited, fewer than --min-steps {min_steps}")

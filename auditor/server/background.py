@@ -90,8 +90,15 @@ async def _sweep_forever(svc: AppState) -> None:
                 log.exception("sweep failed")
 
 
-#: Name of the thread of a database probe (:func:`_probe_forever`); at most one is alive.
+#: Name prefix of the thread of a database probe (:func:`_probe_forever`); at most one per
+#: service is alive. The full name adds the database's name (:func:`probe_thread_name`).
 PROBE_THREAD = "auditor-db-probe"
+
+
+def probe_thread_name(database: str | None) -> str:
+    """``"auditor-db-probe <database>"``: the name of the probe threads of a service on the
+    database named ``database`` (a thread dump tells one service's probes from another's)."""
+    return f"{PROBE_THREAD} {database}"
 
 
 async def _probe_forever(svc: AppState) -> None:
@@ -119,7 +126,7 @@ async def _probe_forever(svc: AppState) -> None:
             started = time.monotonic()
             write = svc.write_failure is not None
             thread = threading.Thread(target=_probe_in_thread, args=(svc.engine, loop, answer, write),
-                                      name=PROBE_THREAD, daemon=True)
+                                      name=probe_thread_name(svc.engine.url.database), daemon=True)
             thread.start()
             try:
                 with anyio.fail_after(timeout):

@@ -231,9 +231,10 @@ print(time.time(), flush=True)
 def test_a_service_that_answers_after_5s_neither_slows_training_nor_holds_exit(tmp_path, run_id):
     """Against a service answering every request after 5 s: the loop's median step time stays
     within a loose bound of the no-client baseline (report() never waits on the network),
-    close() returns within flush_timeout (+1 s slack) with the undelivered reports in the
+    close() returns within flush_timeout (1 s) plus slack with the undelivered reports in the
     spool (nothing lost), and a process that just exits does so within its flush_timeout
-    (atexit) plus slack."""
+    (atexit) plus slack. The slack (2 and 3 s: a loaded 2-core machine took 2.65 s to exit)
+    stays under the 5 s a client waiting for the answer would take."""
     slow = SlowServer(5.0)
     try:
         baseline = sorted(_train(200, None, run_id))[100]
@@ -244,7 +245,7 @@ def test_a_service_that_answers_after_5s_neither_slows_training_nor_holds_exit(t
         t0 = time.monotonic()
         client.close()
         closed_in = time.monotonic() - t0
-        assert closed_in < 1.0 + 1.0, closed_in
+        assert closed_in < 1.0 + 2.0, closed_in
         st = client.stats
         assert st["enqueued"] == 200 * 16 and st["dropped"] == 0
         assert st["sent"] + st["spooled"] >= st["enqueued"], st  # in-flight ones may be both
@@ -256,7 +257,7 @@ def test_a_service_that_answers_after_5s_neither_slows_training_nor_holds_exit(t
         exited = time.time()
         assert proc.returncode == 0, proc.stderr
         done_at = float(proc.stdout.strip().splitlines()[-1])
-        assert exited - done_at < 1.0 + 1.5, exited - done_at
+        assert exited - done_at < 1.0 + 3.0, exited - done_at
         lines = [json.loads(x) for f in (tmp_path / "exit-spool").glob("*.jsonl") for x in f.read_text().splitlines()]
         assert len(lines) >= 1000 - 100  # all but what was in flight (answered after 5 s, if ever)
     finally:

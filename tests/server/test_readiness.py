@@ -17,22 +17,19 @@ import sqlalchemy as sa
 
 from auditor.config import Settings
 from auditor.server import BackgroundServer
-from auditor.server.background import PROBE_THREAD
+from auditor.server.background import probe_thread_name
 from auditor.testing.postgres import create_database
 from auditor.testing.wait import wait_until
 
 INTERVAL, TIMEOUT = 0.1, 0.3  # s: a probe every 0.1 s, abandoned after 0.3 s
 
 
-def _probe_threads(ignore: frozenset = frozenset()) -> int:
-    """Live probe threads in this process, but those in ``ignore`` (a stopped in-process
-    server's last probe, of an earlier test in this worker, can still be finishing its
-    query: it was seen as a second thread on a loaded machine)."""
-    return sum(t.name == PROBE_THREAD and t not in ignore for t in threading.enumerate())
-
-
-def _probe_thread_set() -> frozenset:
-    return frozenset(t for t in threading.enumerate() if t.name == PROBE_THREAD)
+def _probe_threads(url: str) -> int:
+    """Live probe threads of the service on database ``url`` in this process (the probes
+    of other in-process services of this worker have other names: counted with them, one
+    was seen as a second thread on a loaded machine)."""
+    name = probe_thread_name(sa.engine.make_url(url).database)
+    return sum(t.name == name for t in threading.enumerate())
 
 
 @pytest.fixture
@@ -53,7 +50,6 @@ def test_a_hung_database_holds_one_probe_thread_not_one_per_period(pg_url):
     settings = Settings(database_url=pg_url, probe_interval_seconds=INTERVAL, probe_timeout_seconds=TIMEOUT,
                         db_lock_timeout_seconds=3600, sweep_interval_seconds=3600)
     holder = sa.create_engine(pg_url)
-    earlier = _probe_thread_set()  # other servers' probes: not this server's
     with BackgroundServer(settings) as url, httpx.Client(base_url=url, timeout=30) as http:
         wait_until(lambda: http.get("/readyz").status_code == 200, 60, "ready service")
         conn = holder.connect()
@@ -64,7 +60,7 @@ def test_a_hung_database_holds_one_probe_thread_not_one_per_period(pg_url):
             samples = []
             t0 = time.monotonic()
             while time.monotonic() - t0 < 15 * TIMEOUT:
-                samples.append(_probe_threads(earlier))
+                samples.append(_probe_threads(pg_url))
                 time.sleep(INTERVAL / 2)
             assert len(samples) >= 20 and set(samples) == {1}, samples
             r = http.get("/readyz")
@@ -79,4 +75,4 @@ def test_a_hung_database_holds_one_probe_thread_not_one_per_period(pg_url):
             holder.dispose()
         wait_until(lambda: http.get("/readyz").status_code == 200, 60, "ready service after the lock")
         assert http.get("/healthz").json()["database"] == "ok"
-        assert _probe_threads(earlier) <= 1
+        assert _probe_threads(pg_url) <= 1
