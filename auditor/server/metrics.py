@@ -187,50 +187,10 @@ class AuditCollector:
         self._max_series = max_series
 
     def collect(self) -> Iterable[Metric]:
+        """The audit metrics of every series active within the retention window (at most
+        ``max_series``), read from the database at scrape time."""
         rows = self._load(time.time() - self._retention, self._max_series)
-        steps = CounterMetricFamily(
-            "auditor_steps_audited",
-            "Verdicts recorded, by verdict (consistent, inconsistent, incomplete, audit_error, unverified). A step re-audited "
-            "after a late report counts under its first and its final verdict; the report shows the final one.",
-            labels=["run", "statistic", "verdict"]
-        )
-        faults = CounterMetricFamily(
-            "auditor_faults", "Faults found, by kind (one per step and diagnosis).", labels=["run", "statistic", "kind"]
-        )
-        cp = GaugeMetricFamily(
-            "auditor_cp_disagreement_sigma",
-            "Latest audited step: largest gap between CP peers' whitened values, in σ of the correct statistic.",
-            labels=["run", "statistic"],
-        )
-        err = GaugeMetricFamily(
-            "auditor_applied_error_sigma",
-            "Latest audited step: largest gap between an applied and the correct whitening, in σ.",
-            labels=["run", "statistic"],
-        )
-        last = GaugeMetricFamily(
-            "auditor_last_audited_step", "Highest step audited so far.", labels=["run", "statistic"]
-        )
-        behind = GaugeMetricFamily(
-            "auditor_ranks_behind",
-            "Ranks whose newest report is older than the statistic's newest reported step, as of the last step "
-            "audited incomplete (0 once a newer step is complete); which ranks: the report's progress.",
-            labels=["run", "statistic"],
-        )
-        dropped = CounterMetricFamily(
-            "auditor_reports_dropped",
-            "Reports the trainers' clients dropped before sending them (their ring of device reports or their queue "
-            "was full), as told by later reports: the statistic's audit has gaps (its status is never consistent).",
-            labels=["run", "statistic"],
-        )
-        drift = CounterMetricFamily(
-            "auditor_replica_divergence_steps",
-            "Fingerprint statistics (replica drift): steps whose replicas of the tensor disagreed (verdicts "
-            "inconsistent ever recorded).", labels=["run", "statistic"])
-        gap = GaugeMetricFamily(
-            "auditor_replica_gap_ratio",
-            "Fingerprint statistics: latest audited step's largest gap between a replica and its reference, "
-            "‖x_r − x_ref‖/‖x_ref‖ (0 when every group agreed; a correct run stays below 4 unit roundoffs).",
-            labels=["run", "statistic"])
+        steps, faults, cp, err, last, behind, dropped, drift, gap = families = _families()
         for r in rows:
             labels = [r["run_id"], r["statistic"]]
             dropped.add_metric(labels, r.get("reports_dropped") or 0)
@@ -251,4 +211,53 @@ class AuditCollector:
                 cp.add_metric(labels, r["cp_disagreement_sigma"])
             if r["applied_error_sigma"] is not None:
                 err.add_metric(labels, r["applied_error_sigma"])
-        yield from (steps, faults, cp, err, last, behind, dropped, drift, gap)
+        yield from families
+
+
+def _families() -> tuple[Metric, ...]:
+    """The empty metric families of :class:`AuditCollector`, in export order: steps,
+    faults, cp, err, last, behind, dropped, drift, gap."""
+    steps = CounterMetricFamily(
+        "auditor_steps_audited",
+        "Verdicts recorded, by verdict (consistent, inconsistent, incomplete, audit_error, unverified). A step re-audited "
+        "after a late report counts under its first and its final verdict; the report shows the final one.",
+        labels=["run", "statistic", "verdict"]
+    )
+    faults = CounterMetricFamily(
+        "auditor_faults", "Faults found, by kind (one per step and diagnosis).", labels=["run", "statistic", "kind"]
+    )
+    cp = GaugeMetricFamily(
+        "auditor_cp_disagreement_sigma",
+        "Latest audited step: largest gap between CP peers' whitened values, in σ of the correct statistic.",
+        labels=["run", "statistic"],
+    )
+    err = GaugeMetricFamily(
+        "auditor_applied_error_sigma",
+        "Latest audited step: largest gap between an applied and the correct whitening, in σ.",
+        labels=["run", "statistic"],
+    )
+    last = GaugeMetricFamily(
+        "auditor_last_audited_step", "Highest step audited so far.", labels=["run", "statistic"]
+    )
+    behind = GaugeMetricFamily(
+        "auditor_ranks_behind",
+        "Ranks whose newest report is older than the statistic's newest reported step, as of the last step "
+        "audited incomplete (0 once a newer step is complete); which ranks: the report's progress.",
+        labels=["run", "statistic"],
+    )
+    dropped = CounterMetricFamily(
+        "auditor_reports_dropped",
+        "Reports the trainers' clients dropped before sending them (their ring of device reports or their queue "
+        "was full), as told by later reports: the statistic's audit has gaps (its status is never consistent).",
+        labels=["run", "statistic"],
+    )
+    drift = CounterMetricFamily(
+        "auditor_replica_divergence_steps",
+        "Fingerprint statistics (replica drift): steps whose replicas of the tensor disagreed (verdicts "
+        "inconsistent ever recorded).", labels=["run", "statistic"])
+    gap = GaugeMetricFamily(
+        "auditor_replica_gap_ratio",
+        "Fingerprint statistics: latest audited step's largest gap between a replica and its reference, "
+        "‖x_r − x_ref‖/‖x_ref‖ (0 when every group agreed; a correct run stays below 4 unit roundoffs).",
+        labels=["run", "statistic"])
+    return steps, faults, cp, err, last, behind, dropped, drift, gap
