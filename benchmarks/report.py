@@ -1,7 +1,7 @@
 """Consistency-report latency on a big run, database size per million reports, loader memory.
 
 Loads a run of ``--steps`` steps × ``--ranks`` ranks (default 10,000 × 256 = 2.56 M reports;
-every ``--bad-every``-th step inconsistent) straight through :class:`auditor.db.store.Store`
+every ``--bad-every``-th step inconsistent) straight through :meth:`auditor.service.Service.ingest`
 (the service's own ingest and audit code, without HTTP; reports are built with pydantic's
 ``model_construct`` since they are known to be valid), sampling the loader's RSS as it goes.
 Then it starts ``auditor serve`` on that database and times ``GET /v1/runs/{run}/report``
@@ -28,7 +28,7 @@ from _common import (  # noqa: E402
 )
 
 from auditor.db.engine import ensure_schema, make_engine  # noqa: E402
-from auditor.db.store import Store  # noqa: E402
+from auditor.service import Service  # noqa: E402
 from auditor.contract.models import AppliedStats, Coords, LocalStats, Report, Sizes  # noqa: E402
 
 
@@ -47,13 +47,13 @@ def load_run(url: str, run_id: str, steps: int, ranks: int, bad_every: int, batc
 
     engine = make_engine(url)
     ensure_schema(engine, url)
-    store = Store(engine)
+    svc = Service.from_engine(engine)
     pid = os.getpid()
     rss, buf, audited, t0 = [], [], 0, time.perf_counter()
     for step in range(steps):
         buf += [construct(d) for d in step_reports(run_id, step, ranks, buggy=bad_every > 0 and step % bad_every == 7)]
         if len(buf) >= batch or step == steps - 1:
-            audited += len(store.ingest(buf).audited)
+            audited += len(svc.ingest(buf).audited)
             buf = []
             rss.append(rss_kib(pid) / 1024)
     dt = time.perf_counter() - t0
