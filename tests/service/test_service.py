@@ -329,8 +329,8 @@ def test_a_run_deleted_between_finding_and_reading_its_row_is_created_anew(servi
                                               "statistics": {"advantages": {"kind": "moments"}}})
         run = service.register_run(run_id, reg)
         monkeypatch.undo()
-        assert fired and run["run_id"] == run_id and run["statistics"] == ["advantages"]
-        assert run["steps_audited"] == 0  # the run made anew: the deletion took its steps
+        assert fired and run.run_id == run_id and run.statistics == ["advantages"]
+        assert run.steps_audited == 0  # the run made anew: the deletion took its steps
 
         calls: list[int] = []
 
