@@ -18,7 +18,7 @@ from auditor import status as statuses
 from auditor.contract.reads import (Fault, Progress, RankRow, Report, Run, StatisticReport, StepDetail, StepPage,
                                     StepsPage, StepSummary, Workload)
 from auditor.core import REPLACEABLE
-from auditor.db.store import RunRow, Store, json_safe
+from auditor.db.store import RunRow, Store, json_scalar
 from auditor.service.errors import NotFound
 from auditor.service.model import SeriesInfo, Topology
 from auditor.status import STATUSES
@@ -324,8 +324,15 @@ def _run_summary(r: RunRow, srows) -> Run:
 
 
 def _rank_row(r: core.RankRow) -> RankRow:
-    """The :class:`RankRow` of a per-rank table's row (NaN/Inf as strings: :func:`json_safe`)."""
-    return RankRow(**json_safe({k: getattr(r, k) for k in r.__dataclass_fields__}))
+    """The :class:`RankRow` of a per-rank table's row: each value as
+    :func:`auditor.db.store.json_safe` gives it (numpy scalars as Python values, NaN/Inf as
+    strings), value by value (up to :data:`REPORT_ROWS_BUDGET` rows a report: no generic
+    walk of each row)."""
+    v = json_scalar
+    return RankRow(rank=v(r.rank), microbatch=v(r.microbatch), coords={str(k): v(n) for k, n in r.coords.items()},
+                   local_count=v(r.local_count), local_mean=v(r.local_mean), applied_mean=v(r.applied_mean),
+                   applied_std=v(r.applied_std), correct_mean=v(r.correct_mean), correct_std=v(r.correct_std),
+                   error_sigma=v(r.error_sigma), faults=list(r.faults), relative_error=v(r.relative_error))
 
 
 class LocalReader:

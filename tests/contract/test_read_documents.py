@@ -188,6 +188,14 @@ def test_wire_order_names_every_field_once():
     assert list(reads.Fault(kind="k", message="m", ranks=[1]).to_json()) == list(reads.Fault.WIRE_ORDER)
 
 
+def test_a_rank_row_carries_every_column_of_the_engine_s_table():
+    """The service copies the engine's per-rank row (``auditor.core.RankRow``) field by field
+    into the document (``_rank_row``): a column the engine adds must be declared (and copied)."""
+    from auditor import core
+
+    assert set(core.RankRow.__dataclass_fields__) == set(reads.declared(reads.RankRow))
+
+
 @pytest.mark.parametrize("cls, doc, what", [
     (reads.Run, [], "a JSON object was expected"),
     (reads.Fault, {"kind": "x", "message": "m", "ranks": "0"}, "Fault.ranks: str"),
