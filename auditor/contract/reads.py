@@ -18,8 +18,13 @@ declared once as a frozen standard-library dataclass.
                        :mod:`auditor.contract.workloads`, with what it nests)
 =====================  ==========================================================
 
-Each has ``from_json(data)`` (a JSON object, as :func:`json.loads` gives it, to the
-dataclass) and ``to_json()`` (the dataclass to a JSON object: what the service answers).
+The service builds these dataclasses and nothing else for its reads
+(:mod:`auditor.service.reads`, :mod:`auditor.service.workloads`,
+:mod:`auditor.service.progress`); the routes answer their ``to_json()``, the
+:class:`auditor.service.LocalReader` hands them out as built, and the Reader decodes the
+HTTP answers back into them. Each has ``from_json(data)`` (a JSON object, as
+:func:`json.loads` gives it, to the dataclass) and ``to_json()`` (the dataclass to a JSON
+object: what the service answers, its keys in the document's ``WIRE_ORDER``).
 ``from_json`` checks every declared field's JSON type against its annotation (``int`` is
 no bool, ``float`` takes an int, a nested document is an object, a list of documents a
 list) and raises :class:`ShapeError` (a TypeError) naming the document and the field for a
