@@ -9,9 +9,9 @@ import dataclasses
 import functools
 import types
 import typing
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
-__all__ = ["OMIT_NONE", "ShapeError", "declared"]
+__all__ = ["OMIT_NONE", "ReadDocument", "ShapeError", "declared"]
 
 
 #: ``field(metadata=OMIT_NONE)``: ``to_json`` leaves the field out when it is None.
@@ -27,6 +27,12 @@ class _Document:
     """Base of the read documents: :meth:`from_json` and :meth:`to_json` from the dataclass
     fields' annotations."""
 
+    #: The order of the keys :meth:`to_json` writes, when not the declaration order: every
+    #: field but ``extra``, once (checked on the first ``to_json``). The HTTP answers keep
+    #: the key order they always had, byte for byte; the declaration order is the schema's
+    #: (OpenAPI), and dataclass rules (defaults last) constrain it.
+    WIRE_ORDER: ClassVar[tuple[str, ...]] = ()
+
     @classmethod
     def from_json(cls, data: Any):
         """The document of a JSON object (see the module docstring); :class:`ShapeError`
@@ -34,23 +40,40 @@ class _Document:
         return _build(cls, data)
 
     def to_json(self) -> dict[str, Any]:
-        """The document as a JSON object: every field (nested documents too; an
-        :data:`OMIT_NONE` field only when set), then ``extra``."""
-        return _to_json(self)
-
-
-def _to_json(obj: Any) -> Any:
-    if isinstance(obj, _Document):
+        """The document as a JSON object: every field in :attr:`WIRE_ORDER` (nested
+        documents too; an :data:`OMIT_NONE` field only when set), then ``extra``. Lists
+        and dicts of plain values are the document's own, not copies."""
         out = {}
-        for f in dataclasses.fields(obj):
-            value = getattr(obj, f.name)
-            if f.name != "extra" and not (value is None and f.metadata.get("omit_none")):
-                out[f.name] = _to_json(value)
-        out.update(getattr(obj, "extra", None) or {})
+        for name, omit, nested in _plan(type(self)):
+            value = getattr(self, name)
+            if value is None:
+                if omit:
+                    continue
+            elif nested:
+                value = value.to_json() if isinstance(value, _Document) else [v.to_json() for v in value]
+            out[name] = value
+        if self.extra:  # type: ignore[attr-defined]  # every document declares it
+            out.update(self.extra)  # type: ignore[attr-defined]
         return out
-    if isinstance(obj, list):
-        return [_to_json(x) for x in obj]
-    return obj
+
+
+#: The base of every read document (``isinstance(x, ReadDocument)``: ``x.to_json()`` is its JSON).
+ReadDocument = _Document
+
+
+@functools.cache
+def _plan(cls) -> tuple[tuple[str, bool, bool], ...]:
+    """Per key :meth:`_Document.to_json` writes, in order: (field name, left out when None,
+    holds a document or a list of documents). Raises TypeError when ``cls.WIRE_ORDER`` is
+    not its fields (less ``extra``) once each."""
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "extra"}
+    order = cls.WIRE_ORDER or tuple(fields)
+    if sorted(order) != sorted(fields):
+        raise TypeError(f"{cls.__name__}.WIRE_ORDER must name each field once: "
+                        f"missing {sorted(set(fields) - set(order))}, unknown or repeated "
+                        f"{sorted(n for n in order if order.count(n) > 1 or n not in fields)}")
+    known = _json_fields(cls)
+    return tuple((name, bool(fields[name].metadata.get("omit_none")), known[name][1] is not None) for name in order)
 
 
 def _objects(cls, values: Any) -> list:
@@ -66,7 +89,8 @@ def declared(cls) -> dict[str, Any]:
     declaration order, ``extra`` left out: the keys the service may send. For a schema
     builder (e.g. the routes' OpenAPI: drop ``extra``, which only holds undeclared keys)
     and the test that the service sends no other key."""
-    return {name: hint for name, hint in typing.get_type_hints(cls).items() if name != "extra"}
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.name != "extra"}
 
 
 @functools.cache
@@ -76,7 +100,9 @@ def _json_fields(cls) -> dict[str, tuple[tuple[type, ...], Any]]:
     ``X | None``; ``Any`` anything; a document an object, a list of documents a list), and
     the converter of a nested document (its ``from_json``, or :func:`_objects`) or None."""
     out = {}
-    for name, hint in typing.get_type_hints(cls).items():
+    hints = typing.get_type_hints(cls)
+    for name in (f.name for f in dataclasses.fields(cls)):
+        hint = hints[name]
         args = typing.get_args(hint) if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union \
             else (hint,)
         accepted: list[type] = []

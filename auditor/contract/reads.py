@@ -18,8 +18,13 @@ declared once as a frozen standard-library dataclass.
                        :mod:`auditor.contract.workloads`, with what it nests)
 =====================  ==========================================================
 
-Each has ``from_json(data)`` (a JSON object, as :func:`json.loads` gives it, to the
-dataclass) and ``to_json()`` (the dataclass to a JSON object: what the service answers).
+The service builds these dataclasses and nothing else for its reads
+(:mod:`auditor.service.reads`, :mod:`auditor.service.workloads`,
+:mod:`auditor.service.progress`); the routes answer their ``to_json()``, the
+:class:`auditor.service.LocalReader` hands them out as built, and the Reader decodes the
+HTTP answers back into them. Each has ``from_json(data)`` (a JSON object, as
+:func:`json.loads` gives it, to the dataclass) and ``to_json()`` (the dataclass to a JSON
+object: what the service answers, its keys in the document's ``WIRE_ORDER``).
 ``from_json`` checks every declared field's JSON type against its annotation (``int`` is
 no bool, ``float`` takes an int, a nested document is an object, a list of documents a
 list) and raises :class:`ShapeError` (a TypeError) naming the document and the field for a
@@ -59,6 +64,11 @@ def _with_status(data: Any) -> Any:
 class Run(_Document):
     """One run's summary (``GET /v1/runs/{run_id}``, each of ``GET /v1/runs``): topology,
     statistics, audit counts. Times: Unix seconds."""
+
+    WIRE_ORDER = ("run_id", "world_size", "sizes", "order", "topology", "topology_source", "created_at",
+                  "last_activity", "statistics", "steps_audited", "steps_inconsistent", "steps_audit_error",
+                  "steps_incomplete", "steps_unverified", "refused_reports", "reports_dropped", "status", "consistent",
+                  "workload")
 
     run_id: str
     world_size: int
@@ -110,6 +120,8 @@ class Fault(_Document):
     """One finding of a step: fault ``kind`` (DESIGN.md §5), the ranks it concerns, the
     diagnosis as text and its ``evidence`` (numbers behind it, e.g. ``factor``)."""
 
+    WIRE_ORDER = ("kind", "message", "ranks", "ranks_total", "ranks_truncated", "evidence")
+
     kind: str
     message: str
     ranks: list[int]
@@ -127,6 +139,9 @@ class RankRow(_Document):
     and the correct mean/std, ``error_sigma`` (gap of the applied whitening, in σ).
     ``sum``/``norm``: the local, applied and correct value (sum, or squared norm) sit in the
     ``*_mean`` fields and ``relative_error`` is |applied − correct| / |correct|."""
+
+    WIRE_ORDER = ("rank", "microbatch", "coords", "local_count", "local_mean", "applied_mean", "applied_std",
+                  "correct_mean", "correct_std", "error_sigma", "faults", "relative_error")
 
     rank: int
     microbatch: int
@@ -184,6 +199,9 @@ class StepDetail(_Document):
     ``verdict_changed_at``: the verdict a late report replaced, and when.
     ``ranks_total``: rows of the full table; ``ranks_truncated``: ``ranks`` holds fewer."""
 
+    WIRE_ORDER = ("step", "verdict", "audited_at", "previous_verdict", "verdict_changed_at", "reports", "expected",
+                  "cp_disagreement_sigma", "applied_error_sigma", "faults", "ranks", "ranks_total", "ranks_truncated")
+
     step: int
     verdict: str | None
     reports: int
@@ -206,6 +224,8 @@ class StepPage(StepDetail):
     ``statistic`` set) with the rows of this page in (rank, microbatch) order;
     ``next_cursor``: pass it back as ``cursor`` for the rows that follow (None on the last
     page)."""
+
+    WIRE_ORDER = ("run_id", "statistic", *StepDetail.WIRE_ORDER, "next_cursor")
 
     run_id: str | None = None
     statistic: str | None = None
@@ -243,6 +263,14 @@ class StatisticReport(_Document):
     the reports refused (409) for contradicting its stored ones, those the clients dropped
     before sending them, and where its ranks are
     (``progress``, ``ranks_behind``) when reports are missing."""
+
+    WIRE_ORDER = ("statistic", "kind", "spec", "status", "steps_audited", "steps_consistent", "steps_inconsistent",
+                  "steps_incomplete", "steps_audit_error", "steps_unverified", "steps_pending", "steps_reaudited",
+                  "first_bad_step", "last_bad_step", "last_audited_step", "faults", "cp_disagreement_sigma",
+                  "applied_error_sigma", "worst_cp_disagreement_sigma", "worst_cp_disagreement_step",
+                  "worst_applied_error_sigma", "worst_applied_error_step", "ranks_behind", "progress", "bad_steps",
+                  "bad_steps_shown", "bad_steps_total", "refused_reports", "refused_first_step", "refused_last_step",
+                  "refused_at", "refused_kind", "reports_dropped", "dropped_first_step", "dropped_last_step")
 
     statistic: str
     kind: str
@@ -296,6 +324,10 @@ class Report(_Document):
     """A run's consistency report (``GET /v1/runs/{run_id}/report``): the run's topology,
     one :class:`StatisticReport` per statistic, and the run's status and totals."""
 
+    WIRE_ORDER = ("run_id", "world_size", "sizes", "order", "topology", "topology_source", "created_at",
+                  "last_activity", "statistics", "status", "consistent", "steps_incomplete", "steps_unverified",
+                  "refused_reports", "reports_dropped", "page")
+
     run_id: str
     world_size: int
     sizes: dict[str, int]
@@ -303,8 +335,8 @@ class Report(_Document):
     statistics: list[StatisticReport]
     created_at: float | None = None
     last_activity: float | None = None
-    #: the run page's URL
-    page: str | None = None
+    #: the run page's URL (the HTTP API's; none from a :class:`auditor.service.LocalReader`)
+    page: str | None = field(default=None, metadata=OMIT_NONE)
     #: ``inconsistent``, ``unverified``, ``incomplete``, ``consistent`` or ``pending`` (:mod:`auditor.status`)
     status: str = ""
     #: reports refused (409) for contradicting the run's stored ones (a reused run id)

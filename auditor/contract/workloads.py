@@ -35,6 +35,9 @@ VERDICTS = ("invariant", "variant", "not_comparable")
 class WorkloadRun(_Document):
     """One run of the comparison: its layout as compared (:class:`auditor.core.invariance.RunLayout`)."""
 
+    WIRE_ORDER = ("run_id", "world_size", "sizes", "statistics", "skipped", "not_compared", "microbatches",
+                  "dtype", "layout")
+
     run_id: str
     world_size: int
     #: the dims of size > 1 (dp, cp, tp, pp; expert dims with that factorisation)
@@ -64,6 +67,9 @@ class WorkloadFinding(_Document):
     (:class:`auditor.core.invariance.InvarianceFinding`): ``diagnosis`` (``tokens_dropped``,
     ``sum_factor``, ...), the sentence that says it and its ``evidence`` (the numbers)."""
 
+    WIRE_ORDER = ("statistic", "moment", "run", "reference", "first_step", "steps", "compared", "diagnosis",
+                  "message", "evidence", "kind", "at")
+
     kind: str
     statistic: str
     moment: str
@@ -83,6 +89,9 @@ class WorkloadFinding(_Document):
 @dataclass(frozen=True)
 class WorkloadStatistic(_Document):
     """One statistic of the comparison."""
+
+    WIRE_ORDER = ("statistic", "kind", "runs", "compared", "findings", "reference", "reference_rule",
+                  "reference_text", "verdict", "reason")
 
     statistic: str
     #: ``moments``, ``sum`` or ``norm``
@@ -108,6 +117,9 @@ class WorkloadStatistic(_Document):
 class Workload(_Document):
     """A workload comparison (``GET /v1/workloads/{workload}``; ``workload`` None when runs
     were named one by one: ``auditor compare RUN_A RUN_B``)."""
+
+    WIRE_ORDER = ("workload", "runs", "statistics", "verdict", "reason", "findings", "steps_compared",
+                  "runs_truncated", "page")
 
     runs: list[WorkloadRun]
     statistics: list[WorkloadStatistic]

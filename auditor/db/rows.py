@@ -215,6 +215,14 @@ def json_safe(obj: Any) -> Any:
     return obj
 
 
+def json_scalar(x: Any) -> Any:
+    """:func:`json_safe` of a scalar (no dict, list, tuple or array): a numpy scalar as its
+    Python value, NaN/Inf as strings. The per-value path of the hot reads (rank rows)."""
+    if isinstance(x, np.generic):
+        x = x.item()
+    return str(x) if isinstance(x, float) and not math.isfinite(x) else x
+
+
 def as_float(x: Any) -> float:
     """A number stored by :func:`json_safe` (``"inf"``/``"nan"`` strings included)."""
     return float(x) if x is not None else math.nan

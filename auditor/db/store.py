@@ -41,7 +41,7 @@ from auditor.db.races import ReportsExist, RowDeleted, StepRowExists
 from auditor.db.reports import ReportStatements
 from auditor.db.rows import (
     COLUMNS, COMPARED, KEY, Arrival, CleanSteps, RunRow, SeriesRow, VerdictItem, as_float, elements,
-    finite_or_none, json_safe, rank_report, report_row,
+    finite_or_none, json_safe, json_scalar, rank_report, report_row,
 )
 from auditor.db.runs import RunStatements
 from auditor.db.steps import StepStatements
@@ -49,7 +49,7 @@ from auditor.db.views import ViewStatements
 
 __all__ = [
     "COLUMNS", "COMPARED", "KEY", "Arrival", "CleanSteps", "ReportsExist", "RowDeleted", "RunRow", "SeriesRow",
-    "StepRowExists", "Store", "VerdictItem", "as_float", "elements", "finite_or_none", "json_safe", "rank_report",
+    "StepRowExists", "Store", "VerdictItem", "as_float", "elements", "finite_or_none", "json_safe", "json_scalar", "rank_report",
     "report_row",
 ]
 

@@ -164,7 +164,7 @@ class _Audit:
         now = time.time() + 1.0
         while self.service.sweep(grace_seconds=0.0, now=now):
             pass
-        reports = [self.service.report(rid, bad_steps_limit=bad_steps) for rid in self.run_ids
+        reports = [self.service.report(rid, bad_steps_limit=bad_steps).to_json() for rid in self.run_ids
                    if _has_run(self.service, rid)]
         return reports, self.counts
 

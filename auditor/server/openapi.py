@@ -70,7 +70,7 @@ def build_openapi(app: FastAPI, settings: Settings) -> dict:
         js = model.model_json_schema(ref_template="#/components/schemas/{model}")
         comps.update(js.pop("$defs", {}))
         comps[model.__name__] = js
-    for document in set(_READS.values()):
+    for document in dict.fromkeys(_READS.values()):  # a fixed order: a set of classes iterates by id
         read = _document_schemas(document)
         clash = {k for k in read.keys() & comps.keys() if comps[k] != read[k]}
         if clash:

@@ -18,6 +18,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import Response
 
 from auditor.config import Settings
+from auditor.contract.documents import ReadDocument
 from auditor.db.engine import current_revision, ensure_schema, make_engine
 from auditor.db.errors import storage_failure
 from auditor.server.budget import BodyBudget
@@ -89,7 +90,10 @@ class AppState:
 
 
 def json_bytes(data: Any) -> bytes:
-    """JSON bytes of a read's answer (rendered in a worker thread, not on the event loop)."""
+    """JSON bytes of a read's answer (rendered in a worker thread, not on the event loop): a
+    read document (:mod:`auditor.contract.reads`) as its ``to_json()``, else ``data`` as is."""
+    if isinstance(data, ReadDocument):
+        data = data.to_json()
     return json.dumps(data, separators=(",", ":"), default=str).encode()
 
 

@@ -8,8 +8,8 @@
 * :mod:`~auditor.service.lifecycle` — :meth:`Service.sweep`, :meth:`Service.delete_run`,
   :meth:`Service.idle_runs`.
 * :mod:`~auditor.service.reads` — :meth:`Service.report`, :meth:`Service.step`,
-  :meth:`Service.list_runs`, :meth:`Service.get_run`, ...: the JSON the API and the CLI
-  serve; :class:`LocalReader`, the read protocol of :class:`auditor.reader.Reader` over a
+  :meth:`Service.list_runs`, :meth:`Service.get_run`, ...: the read documents
+  (:mod:`auditor.contract.reads`) the API and the CLI serve; :class:`LocalReader`, the read protocol of :class:`auditor.reader.Reader` over a
   database.
 * :mod:`~auditor.service.workloads` — :meth:`Service.compare_workload`,
   :meth:`Service.compare_runs`: runs of one workload compared across layouts (issue 26).
@@ -32,6 +32,7 @@ import sqlalchemy as sa
 
 from auditor.db.store import Store
 from auditor.contract.models import Report, RunRegistration
+from auditor.contract import reads as documents
 from auditor.service.caches import OPEN_STEP_ROWS, Caches, OpenStepRows, by_step
 from auditor.service.errors import (
     ConflictError, Contended, LimitError, NotFound, StaleCaches, check_placed, conflict, microbatch_conflict,
@@ -44,7 +45,7 @@ from auditor.service.model import SeriesInfo, Topology, stored_order
 from auditor.service.progress import PROGRESS_LOOKBACK_REPORTS, PROGRESS_WINDOW
 from auditor.service.reads import (
     REPORT_AUDIT_BUDGET, REPORT_FAULT_RANKS, REPORT_RANK_ROWS, REPORT_ROWS_BUDGET, STEP_RANK_ROWS,
-    STEP_RANK_ROWS_MAX, LocalReader, Reads, _cp_sigma, _row_json, _run_summary,
+    STEP_RANK_ROWS_MAX, LocalReader, Reads, _cp_sigma, _rank_row, _run_summary,
 )
 from auditor.service.workloads import WORKLOAD_RUNS, WORKLOAD_STEPS, WORKLOAD_STEPS_MAX, Workloads
 
@@ -63,7 +64,7 @@ _is_integrity_error = is_integrity_error
 _by_step = by_step
 _stored_order = stored_order
 _check_placed, _conflict, _microbatch_conflict, _wire_fields = check_placed, conflict, microbatch_conflict, wire_fields
-_PRIVATE = (_Due, _Fresh, _cp_sigma, _row_json, _run_summary)
+_PRIVATE = (_Due, _Fresh, _cp_sigma, _rank_row, _run_summary)
 
 
 class Service:
@@ -90,9 +91,9 @@ class Service:
         self.store.dispose()
 
     # ------------------------------------------------------------------------- writes
-    def register_run(self, run_id: str, reg: RunRegistration, now: float | None = None) -> dict:
+    def register_run(self, run_id: str, reg: RunRegistration, now: float | None = None) -> documents.Run:
         """``PUT /v1/runs/{run_id}``: fix the topology and statistic specs. Idempotent;
-        raises :class:`ConflictError` if it contradicts what is stored."""
+        raises :class:`ConflictError` if it contradicts what is stored. Returns the run's summary."""
         self.ingestion.register(run_id, reg, time.time() if now is None else now)
         return self.get_run(run_id)
 
@@ -154,32 +155,34 @@ class Service:
         return self.lifecycle.idle_runs(idle_seconds, now, limit)
 
     # -------------------------------------------------------------------------- reads
-    def list_runs(self, status: str | None = None) -> list[dict]:
+    def list_runs(self, status: str | None = None) -> list[documents.Run]:
         """Every run (optionally of one ``status``), newest first (:meth:`Reads.list_runs`)."""
         return self.reads.list_runs(status)
 
     def runs_page(self, limit: int | None = None, after: tuple[float, str] | None = None,
-                  status: str | None = None) -> tuple[list[dict], tuple[float, str] | None]:
+                  status: str | None = None) -> tuple[list[documents.Run], tuple[float, str] | None]:
         """One keyset page of runs (``GET /v1/runs``, :meth:`Reads.runs_page`)."""
         return self.reads.runs_page(limit, after, status)
 
-    def get_run(self, run_id: str) -> dict:
+    def get_run(self, run_id: str) -> documents.Run:
         """One run's summary; raises :class:`NotFound`."""
         return self.reads.get_run(run_id)
 
     def report(self, run_id: str, bad_steps_limit: int = 20, statistic: str | None = None,
-               rank_rows: int = REPORT_RANK_ROWS) -> dict:
+               rank_rows: int = REPORT_RANK_ROWS) -> documents.Report:
         """The consistency report of a run, bounded (:meth:`Reads.report`); raises :class:`NotFound`."""
         return self.reads.report(run_id, bad_steps_limit, statistic, rank_rows)
 
     def steps(self, run_id: str, statistic: str, *, start: int | None = None, stop: int | None = None,
-              verdict: str | None = None, limit: int = 1000, after: int | None = None) -> dict:
-        """Step history of one statistic, one keyset page (:meth:`Reads.steps`)."""
+              verdict: str | None = None, limit: int = 1000,
+              after: int | None = None) -> tuple[documents.StepsPage, int | None]:
+        """Step history of one statistic, one keyset page and the next page's key (:meth:`Reads.steps`)."""
         return self.reads.steps(run_id, statistic, start=start, stop=stop, verdict=verdict, limit=limit, after=after)
 
     def step(self, run_id: str, statistic: str, step: int, *, limit: int | None = None,
-             after: tuple[int, int] | None = None) -> dict:
-        """One step's verdict, faults and a page of its per-rank table (:meth:`Reads.step`)."""
+             after: tuple[int, int] | None = None) -> tuple[documents.StepPage, tuple[int, int] | None]:
+        """One step's verdict, faults and a page of its per-rank table, and the next page's
+        key (:meth:`Reads.step`)."""
         return self.reads.step(run_id, statistic, step, limit=limit, after=after)
 
     def metric_series(self, since: float, max_series: int | None = None) -> list[dict]:
@@ -187,13 +190,18 @@ class Service:
         return self.reads.metric_series(since, max_series)
 
     def compare_workload(self, workload: str, *, start: int | None = None, stop: int | None = None,
-                         max_steps: int = WORKLOAD_STEPS, curves: bool = False) -> dict:
+                         max_steps: int = WORKLOAD_STEPS) -> documents.Workload:
         """The runs labelled ``workload`` compared across layouts
         (:meth:`auditor.service.workloads.Workloads.compare_workload`); raises :class:`NotFound`."""
-        return self.workloads.compare_workload(workload, start=start, stop=stop, max_steps=max_steps, curves=curves)
+        return self.workloads.compare_workload(workload, start=start, stop=stop, max_steps=max_steps)
+
+    def workload_page(self, workload: str) -> tuple[documents.Workload, dict]:
+        """:meth:`compare_workload` and the curves of the workload page
+        (:meth:`auditor.service.workloads.Workloads.workload_page`); raises :class:`NotFound`."""
+        return self.workloads.workload_page(workload)
 
     def compare_runs(self, run_ids: Sequence[str], *, start: int | None = None, stop: int | None = None,
-                     max_steps: int = WORKLOAD_STEPS) -> dict:
+                     max_steps: int = WORKLOAD_STEPS) -> documents.Workload:
         """The runs ``run_ids`` compared across layouts
         (:meth:`auditor.service.workloads.Workloads.compare_runs`); raises :class:`NotFound`."""
         return self.workloads.compare_runs(run_ids, start=start, stop=stop, max_steps=max_steps)

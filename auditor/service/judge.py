@@ -91,7 +91,7 @@ class Judge:
             if any(f.kind == core.FaultKind.MISSING_REPORT for f in v.faults):
                 if unstored is None:
                     unstored = _unstored(due, fresh)
-                progress = localise(self.store, conn, d.info, d.topo, unstored.get(d.info.id, ()))
+                progress = localise(self.store, conn, d.info, d.topo, unstored.get(d.info.id, ())).to_json()
             buffer.add(VerdictItem(p.series_id, p.step, v, n >= p.expected, d.previous, progress, d.fresh,
                                    p.expected, p.received))
         return buffer.flush()

@@ -9,6 +9,7 @@ from collections import defaultdict
 import sqlalchemy as sa
 
 from auditor import core, layout
+from auditor.contract.reads import Progress, ProgressAt
 from auditor.core import EXPERT_DIMS
 from auditor.db.store import Store
 from auditor.service.model import SeriesInfo, Topology
@@ -21,12 +22,11 @@ PROGRESS_WINDOW = 16
 PROGRESS_LOOKBACK_REPORTS = 1 << 16
 
 
-def localise(store: Store, conn: sa.Connection, info: SeriesInfo, topo: Topology, unstored=()) -> dict:
+def localise(store: Store, conn: sa.Connection, info: SeriesInfo, topo: Topology, unstored=()) -> Progress:
     """Hang localisation: which ranks reached which step, from the newest
     :data:`PROGRESS_WINDOW` steps of the series. The ranks expected are the placed ranks
     (the world; by rank number when the placement and order allow), plus any that
-    reported. ``{"newest_step", "ranks_behind", "at": [{"step", "ranks"}], "summary"}``,
-    e.g. summary "ranks 0,2-3 stopped at step 39; rank 1 at 41"; a rank that sent nothing
+    reported. A :class:`Progress` (stored as its ``to_json()`` with the step's verdict), e.g. summary "ranks 0,2-3 stopped at step 39; rank 1 at 41"; a rank that sent nothing
     in the window sent nothing "since before" its first step, or "sent nothing" when it
     has no report of the series at all (looked up while the steps before the window hold
     at most :data:`PROGRESS_LOOKBACK_REPORTS` reports of the expected ranks; beyond, the
@@ -45,7 +45,7 @@ def localise(store: Store, conn: sa.Connection, info: SeriesInfo, topo: Topology
         never = set() if seen is None else set(by_step[None]) - seen
     at, parts = _where(by_step, never, lo, newest)
     behind = sum(len(rs) for s, rs in by_step.items() if s is None or s < newest)
-    return {"newest_step": newest, "ranks_behind": behind, "at": at, "summary": "; ".join(parts)}
+    return Progress(newest_step=newest, ranks_behind=behind, at=at, summary="; ".join(parts))
 
 
 def _expected_ranks(info: SeriesInfo, topo: Topology) -> set[int]:
@@ -65,14 +65,14 @@ def _expected_ranks(info: SeriesInfo, topo: Topology) -> set[int]:
 
 
 def _where(by_step: dict[int | None, list[int]], never: set[int], lo: int,
-           newest: int) -> tuple[list[dict], list[str]]:
+           newest: int) -> tuple[list[ProgressAt], list[str]]:
     """``at`` (per step, the ranks whose newest step it is) and the summary's parts, e.g.
     "ranks 0,2-3 stopped at step 39", "rank 1 at 41", "rank 4 sent nothing since before
     step 30"."""
     at, parts = [], []
     for s, rs in sorted(by_step.items(), key=lambda kv: -1 if kv[0] is None else kv[0]):
         ranks = core.compress_ranks(rs)
-        at.append({"step": s, "ranks": ranks})
+        at.append(ProgressAt(step=s, ranks=ranks))
         if s is None:
             earlier = [r for r in rs if r not in never]
             if never:

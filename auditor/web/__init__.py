@@ -284,7 +284,6 @@ def _rank_page(source: PageSource, run_id: str, statistic: str, step: int, rank_
     rows = detail.get("ranks") or []
     if after is not None:  # a source that ignored ``after``: its rows from the start
         rows = [r for r in rows if (r["rank"], r.get("microbatch", 0)) > after]
-    detail.pop("last", None)
     detail.pop("next_cursor", None)
     total = detail.get("ranks_total")
     if total is None:

@@ -11,8 +11,8 @@ from auditor.web import _assets, environment, plots
 
 
 def render_workload_page(doc: Mapping[str, Any], *, root_path: str = "", inline_assets: bool = False) -> str:
-    """The page of a workload comparison: ``doc`` is ``Service.compare_workload(..., curves=True)``
-    (the ``GET /v1/workloads/{workload}`` document with ``curves``)."""
+    """The page of a workload comparison: ``doc`` is the ``GET /v1/workloads/{workload}``
+    document as JSON with ``curves`` (:meth:`auditor.service.Service.workload_page`)."""
     curves = doc.get("curves") or {}
     figures = {f"w{i}": {"sigma": plots.workload_figure(s, curves.get(s["statistic"], {})), "timeline": None,
                          "steps": {}, "selected": None}

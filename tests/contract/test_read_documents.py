@@ -1,14 +1,17 @@
-"""The read documents are declared once (auditor/contract/reads.py): every key the real
-Service emits from its read methods (get_run, runs_page, report, steps, step) is a declared
-field of the matching dataclass, recursively, and every declared field is emitted at least
-once, over runs in every state (consistent, inconsistent with faults, unverified,
+"""The read documents are declared once (auditor/contract/reads.py) and the real Service
+builds them (its read methods return those dataclasses: get_run, runs_page, report, steps,
+step, compare_workload, compare_runs), so every key it emits is a declared field by
+construction. Over runs in every state (consistent, inconsistent with faults, unverified,
 incomplete with ranks behind and a re-audit, pending, with refused reports; ``sum`` and
-``moments`` statistics, a known order and an unknown topology). Each document also decodes
-with nothing left in ``extra`` and encodes back to the same JSON (``to_json``)."""
+``moments`` statistics, a known order and an unknown topology) this pins: each read returns
+its document class, its JSON (``to_json``, what the routes answer) holds declared keys only,
+every declared field is emitted at least once, and the JSON decodes (``from_json``) with
+nothing left in ``extra`` back to an equal document."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import typing
 
@@ -84,29 +87,28 @@ def _fingerprints(run_id: str) -> list[dict]:
 
 
 def _documents(service, run_ids: list[str]):
-    """(dataclass, document) of every read the routes answer, as they answer it: the
-    service's keyset ``last`` becomes the route's ``next_cursor``, the report gains ``page``."""
+    """(declared class, document) of every read the routes answer, as they answer it: the
+    service's keyset key becomes the route's ``next_cursor``, the report and the workload
+    gain ``page``."""
     first, last = service.runs_page(limit=1)
-    yield reads.RunsPage, {"runs": first, "next_cursor": "c" if last else None}
-    yield reads.RunsPage, {"runs": service.runs_page()[0], "next_cursor": None}
-    labels = {service.get_run(r).get("workload") for r in run_ids} - {None}
+    yield reads.RunsPage, reads.RunsPage(runs=first, next_cursor="c" if last else None)
+    yield reads.RunsPage, reads.RunsPage(runs=service.runs_page()[0])
+    labels = {service.get_run(r).workload for r in run_ids} - {None}
     for w in sorted(labels):
-        yield reads.Workload, {**service.compare_workload(w), "page": f"http://auditor/workloads/{w}"}
+        yield reads.Workload, dataclasses.replace(service.compare_workload(w), page=f"http://auditor/workloads/{w}")
     yield reads.Workload, service.compare_runs(run_ids[:2])
     for run_id in run_ids:
         yield reads.Run, service.get_run(run_id)
         report = service.report(run_id)
-        yield reads.Report, {**report, "page": f"http://auditor/runs/{run_id}"}
-        for st in report["statistics"]:
+        yield reads.Report, dataclasses.replace(report, page=f"http://auditor/runs/{run_id}")
+        for st in report.statistics:
             for limit in (1, 1000):
-                page = service.steps(run_id, st["statistic"], limit=limit)
-                cursor = page.pop("last")
-                yield reads.StepsPage, {**page, "next_cursor": None if cursor is None else "c"}
-            for summary in service.steps(run_id, st["statistic"])["steps"]:
+                page, cursor = service.steps(run_id, st.statistic, limit=limit)
+                yield reads.StepsPage, dataclasses.replace(page, next_cursor=None if cursor is None else "c")
+            for summary in service.steps(run_id, st.statistic)[0].steps:
                 for limit in (1, None):
-                    out = service.step(run_id, st["statistic"], summary["step"], limit=limit)
-                    cursor = out.pop("last")
-                    yield reads.StepPage, {**out, "next_cursor": None if cursor is None else "c"}
+                    out, cursor = service.step(run_id, st.statistic, summary.step, limit=limit)
+                    yield reads.StepPage, dataclasses.replace(out, next_cursor=None if cursor is None else "c")
 
 
 def _document_of(hint) -> type | None:
@@ -133,21 +135,24 @@ def _walk(cls, doc, where: str, seen: set, undeclared: list) -> None:
 
 
 def test_every_emitted_key_is_declared_and_every_field_emitted(service, runs):
+    """Each read returns its declared class; its JSON holds declared keys only (nothing in
+    ``extra``), and every declared field of every document is emitted by some read."""
     seen: set = set()
     undeclared: list = []
     count = 0
     for cls, doc in _documents(service, runs):
         count += 1
-        _walk(cls, doc, cls.__name__, seen, undeclared)
+        assert type(doc) is cls, (cls.__name__, type(doc).__name__)
+        _walk(cls, doc.to_json(), cls.__name__, seen, undeclared)
     assert not undeclared, f"keys the service emits that contract/reads.py does not declare: {sorted(set(undeclared))}"
     declared = {(cls.__name__, name) for cls in reads.DOCUMENTS for name in reads.declared(cls)}
     assert declared - seen == set(), "declared fields the service never emitted"
     assert count > 40
 
 
-def test_documents_decode_with_nothing_extra_and_encode_back(service, runs):
-    """``from_json`` reads every key into a field (``extra`` empty, recursively) and
-    ``to_json`` gives the service's JSON back, key for key."""
+def test_documents_encode_and_decode_back(service, runs):
+    """``to_json`` then ``from_json`` gives an equal document with every key read into a
+    field (``extra`` empty, recursively), and encoding it again gives the same JSON."""
     def no_extra(obj) -> None:
         if dataclasses.is_dataclass(obj):
             assert obj.extra == {}, (type(obj).__name__, obj.extra)
@@ -158,9 +163,37 @@ def test_documents_decode_with_nothing_extra_and_encode_back(service, runs):
                 no_extra(x)
 
     for cls, doc in _documents(service, runs):
-        obj = cls.from_json(doc)
-        no_extra(obj)
-        assert obj.to_json() == doc
+        no_extra(doc)
+        data = doc.to_json()
+        back = cls.from_json(json.loads(json.dumps(data)))
+        no_extra(back)
+        assert back == doc
+        assert back.to_json() == data and list(back.to_json()) == list(data)
+
+
+def test_wire_order_names_every_field_once():
+    """``to_json`` writes each document's keys in its ``WIRE_ORDER`` (the order the HTTP
+    answers always had), which must name every field but ``extra`` once: a document whose
+    order misses one is refused (TypeError naming it) instead of silently dropping the key."""
+    for cls in reads.DOCUMENTS:
+        order = cls.WIRE_ORDER or tuple(reads.declared(cls))
+        assert sorted(order) == sorted(reads.declared(cls)), cls.__name__
+
+    @dataclasses.dataclass(frozen=True)
+    class Short(reads.ProgressAt):
+        WIRE_ORDER = ("step",)
+
+    with pytest.raises(TypeError, match=r"Short.WIRE_ORDER must name each field once: missing \['ranks'\]"):
+        Short(step=1, ranks="0").to_json()
+    assert list(reads.Fault(kind="k", message="m", ranks=[1]).to_json()) == list(reads.Fault.WIRE_ORDER)
+
+
+def test_a_rank_row_carries_every_column_of_the_engine_s_table():
+    """The service copies the engine's per-rank row (``auditor.core.RankRow``) field by field
+    into the document (``_rank_row``): a column the engine adds must be declared (and copied)."""
+    from auditor import core
+
+    assert set(core.RankRow.__dataclass_fields__) == set(reads.declared(reads.RankRow))
 
 
 @pytest.mark.parametrize("cls, doc, what", [

@@ -170,12 +170,12 @@ def test_0003_backfill_lets_old_late_completed_steps_be_re_audited(fresh_databas
     engine = make_engine(fresh_database_url)
     service = Service.from_engine(engine)
     old = service.report("old-run")  # audited incomplete: never "consistent" (auditor.status)
-    assert (old["status"], old["consistent"]) == ("incomplete", False)
+    assert (old.status, old.consistent) == ("incomplete", False)
     assert service.sweep(grace_seconds=60.0) == 1 and service.sweep(grace_seconds=60.0) == 0
     rep = service.report("old-run")
-    (s,) = rep["statistics"]
-    assert rep["consistent"] is False and (s["steps_inconsistent"], s["steps_incomplete"]) == (1, 0)
-    assert s["bad_steps"][0]["previous_verdict"] == "incomplete" and "missing_report" not in s["faults"]
+    (s,) = rep.statistics
+    assert rep.consistent is False and (s.steps_inconsistent, s.steps_incomplete) == (1, 0)
+    assert s.bad_steps[0].previous_verdict == "incomplete" and "missing_report" not in s.faults
     engine.dispose()
 
 

@@ -67,13 +67,13 @@ def test_an_engine_exception_is_contained_to_its_step(service, monkeypatch):
         assert out.accepted == 2 and len(out.audited) == 1
     monkeypatch.setattr(core, "audit_step", real)
     rep = service.report(run_id)
-    (s,) = rep["statistics"]
-    assert (s["steps_consistent"], s["steps_audit_error"], s["steps_audited"]) == (2, 1, 3)
-    assert rep["consistent"] is False and s["faults"] == {"audit_error": 1}
-    (bad,) = s["bad_steps"]
-    assert bad["step"] == 1 and bad["verdict"] == "audit_error"
-    assert "ZeroDivisionError: synthetic engine bug" in bad["faults"][0]["message"]
-    assert service.step(run_id, "advantages", 1)["verdict"] == "audit_error"
+    (s,) = rep.statistics
+    assert (s.steps_consistent, s.steps_audit_error, s.steps_audited) == (2, 1, 3)
+    assert rep.consistent is False and s.faults == {"audit_error": 1}
+    (bad,) = s.bad_steps
+    assert bad.step == 1 and bad.verdict == "audit_error"
+    assert "ZeroDivisionError: synthetic engine bug" in bad.faults[0].message
+    assert service.step(run_id, "advantages", 1)[0].verdict == "audit_error"
     (row,) = [r for r in service.metric_series(0.0) if r["run_id"] == run_id]
     assert row["steps"]["audit_error"] == 1 and row["faults"] == {"audit_error": 1}
 
@@ -180,8 +180,8 @@ def test_no_valid_input_makes_ingest_audit_sweep_or_report_raise(service, batch)
     service.sweep(grace_seconds=0.0, now=time.time() + 1.0)
     run_id = reports[0].run_id
     rep = service.report(run_id, bad_steps_limit=1000)
-    (s,) = rep["statistics"]
-    assert s["steps_pending"] == 0
-    assert s["steps_audit_error"] == 0, [f for b in s["bad_steps"] for f in b["faults"] if f["kind"] == "audit_error"]
+    (s,) = rep.statistics
+    assert s.steps_pending == 0
+    assert s.steps_audit_error == 0, [f for b in s.bad_steps for f in b.faults if f.kind == "audit_error"]
     for step in {r.step for r in reports}:
-        assert service.step(run_id, "s", step)["verdict"] in VERDICTS
+        assert service.step(run_id, "s", step)[0].verdict in VERDICTS

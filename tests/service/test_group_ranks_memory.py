@@ -83,14 +83,14 @@ def test_a_whole_group_step_of_2400_ranks_is_ingested_and_read_in_a_few_mib(tmp_
         assert peak < 24 * MiB, peak / MiB
         del batch
 
-        step, peak = traced_peak(lambda: svc.step("whole", "adv", 0, limit=10))
-        assert step["verdict"] == "inconsistent" and len(step["ranks"]) == 10
-        assert {f["kind"] for f in step["faults"]} >= {"group_mismatch"}
+        step, peak = traced_peak(lambda: svc.step("whole", "adv", 0, limit=10)[0])
+        assert step.verdict == "inconsistent" and len(step.ranks) == 10
+        assert {f.kind for f in step.faults} >= {"group_mismatch"}
         assert peak < 24 * MiB, peak / MiB
 
         rep, peak = traced_peak(lambda: svc.report("whole"))
-        (bad,) = rep["statistics"][0]["bad_steps"]
-        assert bad["ranks"][0]["rank"] == FAULTY
+        (bad,) = rep.statistics[0].bad_steps
+        assert bad.ranks[0].rank == FAULTY
         assert peak < 24 * MiB, peak / MiB
     finally:
         svc.close()
@@ -118,14 +118,14 @@ def test_ranks_naming_different_large_groups_are_judged_in_a_few_mib(tmp_path):
         assert peak < 24 * MiB, peak / MiB
         del batch
 
-        step, peak = traced_peak(lambda: svc.step("adv", "adv", 0, limit=10))
+        step, peak = traced_peak(lambda: svc.step("adv", "adv", 0, limit=10)[0])
         assert peak < 24 * MiB, peak / MiB
-        assert step["verdict"] == "inconsistent" and len(step["ranks"]) == 10
-        members = [f for f in step["faults"] if f["kind"] == "wrong_group" and "left_out" in f["evidence"]]
-        assert sorted(r for f in members for r in f["ranks"]) == list(range(ADV_WORLD))
-        f5 = next(f for f in members if f["ranks"] == [5])
-        assert f5["evidence"]["left_out"] == "5" and f5["evidence"]["wrongly_included"] == ""
-        assert "leaves out rank 5 (dist.get_process_group_ranks)" in f5["message"]
+        assert step.verdict == "inconsistent" and len(step.ranks) == 10
+        members = [f for f in step.faults if f.kind == "wrong_group" and "left_out" in f.evidence]
+        assert sorted(r for f in members for r in f.ranks) == list(range(ADV_WORLD))
+        f5 = next(f for f in members if f.ranks == [5])
+        assert f5.evidence["left_out"] == "5" and f5.evidence["wrongly_included"] == ""
+        assert "leaves out rank 5 (dist.get_process_group_ranks)" in f5.message
     finally:
         svc.close()
 

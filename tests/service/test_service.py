@@ -24,13 +24,13 @@ def test_ingest_audits_the_reference_case(service, run_id):
     assert (out.accepted, out.duplicates, [v for _, _, v in out.audited]) == (2, 0, ["inconsistent"])
     assert service.ingest(batch(run_id, buggy=True)).duplicates == 2
     rep = service.report(run_id)
-    (s,) = rep["statistics"]
-    assert rep["consistent"] is False and set(s["faults"]) == {"cp_disagreement", "group_mismatch", "wrong_group"}
-    assert s["cp_disagreement_sigma"] == pytest.approx(0.433154, abs=1e-6)
-    assert s["applied_error_sigma"] == pytest.approx(0.267869, abs=1e-6)
-    step = service.step(run_id, "advantages", 0)
-    assert step["verdict"] == "inconsistent" and [r["rank"] for r in step["ranks"]] == [0, 1]
-    assert step["ranks"][0]["correct_mean"] == pytest.approx(0.1, abs=1e-6)
+    (s,) = rep.statistics
+    assert rep.consistent is False and set(s.faults) == {"cp_disagreement", "group_mismatch", "wrong_group"}
+    assert s.cp_disagreement_sigma == pytest.approx(0.433154, abs=1e-6)
+    assert s.applied_error_sigma == pytest.approx(0.267869, abs=1e-6)
+    step, _ = service.step(run_id, "advantages", 0)
+    assert step.verdict == "inconsistent" and [r.rank for r in step.ranks] == [0, 1]
+    assert step.ranks[0].correct_mean == pytest.approx(0.1, abs=1e-6)
 
 
 def test_conflicts_store_nothing_and_name_the_reports(service, run_id):
@@ -51,7 +51,7 @@ def test_conflicts_store_nothing_and_name_the_reports(service, run_id):
     with pytest.raises(ConflictError) as e:
         service.ingest([Report.model_validate(spec)])
     assert e.value.error == "spec_conflict"
-    assert service.get_run(run_id)["steps_audited"] == 0  # the step is still open: nothing more was stored
+    assert service.get_run(run_id).steps_audited == 0  # the step is still open: nothing more was stored
 
 
 def test_sweep_audits_incomplete_steps_once(service, run_id):
@@ -59,22 +59,22 @@ def test_sweep_audits_incomplete_steps_once(service, run_id):
     missing_report for rank 1; a second sweep finds nothing of it."""
     service.ingest(batch(run_id, buggy=False)[:1])
     assert service.sweep(grace_seconds=0.0, now=time.time() + 1) >= 1
-    step = service.step(run_id, "advantages", 0)
-    assert step["verdict"] == "incomplete" and step["faults"][0]["ranks"] == [1]
-    assert step["faults"][0]["evidence"] == {"missing": 1, "expected": 2}
+    step, _ = service.step(run_id, "advantages", 0)
+    assert step.verdict == "incomplete" and step.faults[0].ranks == [1]
+    assert step.faults[0].evidence == {"missing": 1, "expected": 2}
     service.sweep(grace_seconds=0.0, now=time.time() + 1)
-    assert service.report(run_id)["statistics"][0]["steps_audited"] == 1
+    assert service.report(run_id).statistics[0].steps_audited == 1
 
 
 def test_registration_and_reads(service, run_id):
     """register_run fixes the topology (idempotent, 409 on a contradiction); unknown runs,
     statistics and steps are NotFound; list_runs shows the run."""
     reg = RunRegistration.model_validate({"world_size": 2, "sizes": {"cp": 2}})
-    assert service.register_run(run_id, reg)["sizes"] == {"dp": 1, "cp": 2, "tp": 1, "pp": 1}
-    assert service.register_run(run_id, reg)["world_size"] == 2
+    assert service.register_run(run_id, reg).sizes == {"dp": 1, "cp": 2, "tp": 1, "pp": 1}
+    assert service.register_run(run_id, reg).world_size == 2
     with pytest.raises(ConflictError):
         service.register_run(run_id, RunRegistration.model_validate({"world_size": 2, "sizes": {"dp": 2}}))
-    assert run_id in {r["run_id"] for r in service.list_runs()}
+    assert run_id in {r.run_id for r in service.list_runs()}
     for call in (lambda: service.get_run(run_id + "-x"), lambda: service.step(run_id, "nope", 0),
                  lambda: service.report(run_id, statistic="nope")):
         with pytest.raises(NotFound):
@@ -122,12 +122,12 @@ def test_a_run_deleted_by_another_process_never_receives_reports_under_a_reused_
         out = first.ingest(batch("run-a", buggy=False, step=1))
         assert (out.accepted, [v for _, _, v in out.audited]) == (2, ["consistent"])
         b = second.report("run-b")
-        (sb,) = b["statistics"]
-        assert (sb["steps_audited"], sb["cp_disagreement_sigma"]) == (1, pytest.approx(0.433154, abs=1e-6))
-        assert [r["step"] for r in second.steps("run-b", "advantages")["steps"]] == [0]
+        (sb,) = b.statistics
+        assert (sb.steps_audited, sb.cp_disagreement_sigma) == (1, pytest.approx(0.433154, abs=1e-6))
+        assert [r.step for r in second.steps("run-b", "advantages")[0].steps] == [0]
         a = second.report("run-a")
-        (sa_,) = a["statistics"]
-        assert (a["consistent"], sa_["steps_audited"]) == (True, 1)
+        (sa_,) = a.statistics
+        assert (a.consistent, sa_.steps_audited) == (True, 1)
     finally:
         first.close()
         second.close()
@@ -184,7 +184,7 @@ def test_a_run_deleted_while_an_ingest_is_in_flight_leaves_no_row_behind(fresh_d
         monkeypatch.undo()
         out = first.ingest(batch("run-a", buggy=True, step=2))  # cached series gone: made anew
         assert (out.accepted, [v for _, _, v in out.audited]) == (2, ["inconsistent"])
-        assert second.report("run-a")["statistics"][0]["steps_audited"] == 1
+        assert second.report("run-a").statistics[0].steps_audited == 1
     finally:
         go.set()
         first.close()
@@ -320,8 +320,8 @@ def test_a_run_deleted_between_finding_and_reading_its_row_is_created_anew(servi
         assert fired and fired[0]["run_id"] == run_id  # the deletion did come in between
         assert (out.accepted, [(st, v) for _, st, v in out.audited]) == (2, [(1, "inconsistent")])
         report = service.report(run_id)
-        (adv,) = report["statistics"]
-        assert (adv["steps_audited"], adv["steps_inconsistent"], adv["first_bad_step"]) == (1, 1, 1)
+        (adv,) = report.statistics
+        assert (adv.steps_audited, adv.steps_inconsistent, adv.first_bad_step) == (1, 1, 1)
 
         fired.clear()
         monkeypatch.setattr(sa.Connection, "execute", delete_in_between)
@@ -329,8 +329,8 @@ def test_a_run_deleted_between_finding_and_reading_its_row_is_created_anew(servi
                                               "statistics": {"advantages": {"kind": "moments"}}})
         run = service.register_run(run_id, reg)
         monkeypatch.undo()
-        assert fired and run["run_id"] == run_id and run["statistics"] == ["advantages"]
-        assert run["steps_audited"] == 0  # the run made anew: the deletion took its steps
+        assert fired and run.run_id == run_id and run.statistics == ["advantages"]
+        assert run.steps_audited == 0  # the run made anew: the deletion took its steps
 
         calls: list[int] = []
 

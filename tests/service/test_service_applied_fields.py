@@ -28,11 +28,11 @@ def test_a_mean_or_var_sent_alone_is_judged_by_the_service(service, run_id):
     out = service.ingest([r for step, (applied, _, _) in enumerate(cases) for r in batch(run_id, step, applied)])
     assert sorted((s, v) for _, s, v in out.audited) == [(s, v) for s, (_, v, _) in enumerate(cases)]
     for step, (_, verdict, sigma) in enumerate(cases):
-        got = service.step(run_id, "adv", step)
-        assert got["verdict"] == verdict
-        assert [f["kind"] for f in got["faults"]] == ([] if verdict == "consistent" else ["group_mismatch"])
-        assert got["applied_error_sigma"] == pytest.approx(sigma, abs=1e-6)
-    ranks = service.step(run_id, "adv", 2)["ranks"]
-    assert [r["applied_mean"] for r in ranks] == [0.0, 0.0]
-    assert [r["correct_mean"] for r in ranks] == pytest.approx([1.0, 1.0], abs=1e-6)
-    assert service.step(run_id, "adv", 1)["ranks"][0]["applied_std"] == pytest.approx(10.0, abs=1e-6)
+        got = service.step(run_id, "adv", step)[0]
+        assert got.verdict == verdict
+        assert [f.kind for f in got.faults] == ([] if verdict == "consistent" else ["group_mismatch"])
+        assert got.applied_error_sigma == pytest.approx(sigma, abs=1e-6)
+    ranks = service.step(run_id, "adv", 2)[0].ranks
+    assert [r.applied_mean for r in ranks] == [0.0, 0.0]
+    assert [r.correct_mean for r in ranks] == pytest.approx([1.0, 1.0], abs=1e-6)
+    assert service.step(run_id, "adv", 1)[0].ranks[0].applied_std == pytest.approx(10.0, abs=1e-6)

@@ -22,13 +22,13 @@ def test_the_fix_is_worded_in_the_terms_of_the_runs_layout_source(service, run_i
     reports = reference_reports(run_id, buggy=True)
     service.ingest([Report.model_validate({**r, "topology_source": source}) for r in reports])
     rep = service.report(run_id)
-    assert (rep["topology_source"], service.get_run(run_id)["topology_source"]) == (source, source)
-    (step,) = rep["statistics"][0]["bad_steps"]
-    wrong = next(f for f in step["faults"] if f["kind"] == "wrong_group")
-    assert fix in wrong["message"], wrong["message"]
+    assert (rep.topology_source, service.get_run(run_id).topology_source) == (source, source)
+    (step,) = rep.statistics[0].bad_steps
+    wrong = next(f for f in step.faults if f.kind == "wrong_group")
+    assert fix in wrong.message, wrong.message
     later = reference_reports(run_id, buggy=False, step=1)
     service.ingest([Report.model_validate({**r, "topology_source": "set_topology"}) for r in later])
-    assert service.report(run_id)["topology_source"] == source
+    assert service.report(run_id).topology_source == source
 
 
 @pytest.mark.parametrize("source", ["megatron\n", "x" * 97, "mégatron", ""])

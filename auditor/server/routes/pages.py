@@ -118,7 +118,7 @@ def runs_page(
 ) -> HTMLResponse:
     after = decode_cursor(cursor, runs_key)
     rows, last = state.service.runs_page(limit=100, after=after, status=status)
-    return HTMLResponse(web.render_runs_page(rows, next_cursor=encode_cursor(list(last)) if last else None,
+    return HTMLResponse(web.render_runs_page([r.to_json() for r in rows], next_cursor=encode_cursor(list(last)) if last else None,
                                              status=status, root_path=root))
 
 
@@ -167,7 +167,7 @@ def workload_page(request: Request, state: StateDep, root: RootPathDep, workload
     if not state.page_slots.acquire(blocking=False):
         return _overloaded(state, request)
     try:
-        return HTMLResponse(render_workload_page(state.service.compare_workload(workload, curves=True),
-                                                 root_path=root))
+        doc, curves = state.service.workload_page(workload)
+        return HTMLResponse(render_workload_page({**doc.to_json(), "curves": curves}, root_path=root))
     finally:
         state.page_slots.release()

@@ -1,16 +1,19 @@
 """The API's reads: runs (``GET /v1/runs``, a run's summary and report) and a statistic's
-steps (its history, one step's detail). Each document is computed and encoded as JSON in a
-worker thread (:meth:`AppState.read`); listings are keyset-paginated
+steps (its history, one step's detail). Each document (:mod:`auditor.contract.reads`, built by
+the service) is computed and encoded as its ``to_json()`` in a worker thread
+(:meth:`AppState.read`); listings are keyset-paginated
 (:mod:`auditor.server.cursors`)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Request
 from pydantic import Field
 
 from auditor.contract.names import RUN_ID_PATTERN, STATISTIC_PATTERN
+from auditor.contract.reads import RunsPage
 from auditor.server.cursors import decode_cursor, encode_cursor, rank_key, runs_key, step_key
 from auditor.server.routes.params import RunIdPath, WorkloadPath
 from auditor.server.state import StateDep
@@ -40,7 +43,7 @@ async def list_runs(
 
     def page():
         rows, last = state.service.runs_page(limit=limit, after=after, status=status)
-        return {"runs": rows, "next_cursor": encode_cursor(list(last)) if last else None}
+        return RunsPage(runs=rows, next_cursor=encode_cursor(list(last)) if last else None)
     return await state.read(page)
 
 
@@ -75,8 +78,8 @@ async def get_report(
     1024 ranks (``ranks_total``, ``ranks_truncated``); ``bad_steps`` × ``rank_rows`` beyond
     16,384 gives each step an equal share."""
     page = str(request.url_for("run_page", run_id=run_id))
-    return await state.read(lambda: {**state.service.report(run_id, bad_steps_limit=bad_steps, statistic=statistic,
-                                                            rank_rows=rank_rows), "page": page})
+    return await state.read(lambda: replace(state.service.report(run_id, bad_steps_limit=bad_steps,
+                                                                 statistic=statistic, rank_rows=rank_rows), page=page))
 
 
 # ``{statistic:path}`` in both step routes: statistic names may hold "/" ("policy/grad_norm",
@@ -106,10 +109,9 @@ async def get_steps(
     after = decode_cursor(cursor, step_key)
 
     def page():
-        out = state.service.steps(run_id, statistic, start=start, stop=stop, verdict=verdict, limit=limit,
-                                  after=after)
-        last = out.pop("last")
-        return {**out, "next_cursor": encode_cursor(last) if last is not None else None}
+        out, last = state.service.steps(run_id, statistic, start=start, stop=stop, verdict=verdict, limit=limit,
+                                        after=after)
+        return replace(out, next_cursor=encode_cursor(last)) if last is not None else out
     return await state.read(page)
 
 
@@ -129,9 +131,8 @@ async def get_step(state: StateDep, run_id: str = RunIdPath,
     after = decode_cursor(cursor, rank_key)
 
     def page():
-        out = state.service.step(run_id, statistic, step, limit=limit, after=after)
-        last = out.pop("last")
-        return {**out, "next_cursor": encode_cursor(list(last)) if last is not None else None}
+        out, last = state.service.step(run_id, statistic, step, limit=limit, after=after)
+        return replace(out, next_cursor=encode_cursor(list(last))) if last is not None else out
     return await state.read(page)
 
 
@@ -163,8 +164,8 @@ async def get_workload(request: Request, state: StateDep, workload: str = Worklo
     Bounded: at most 64 runs (the first by run id), ``steps`` steps per run and statistic,
     2²¹ stored reports read. 404 when no run carries the label."""
     page = str(request.url_for("workload_page", workload=workload))
-    return await state.read(lambda: {**state.service.compare_workload(workload, start=start, stop=stop,
-                                                                      max_steps=steps), "page": page})
+    return await state.read(lambda: replace(state.service.compare_workload(workload, start=start, stop=stop,
+                                                                           max_steps=steps), page=page))
 
 
 @router.get("/v1/compare", tags=["workloads"], summary="Layout invariance: runs named one by one compared")
