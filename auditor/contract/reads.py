@@ -317,6 +317,8 @@ class Report(_Document):
     steps_unverified: int = 0
     steps_incomplete: int = 0
     order: str | None = field(default=None, metadata=OMIT_NONE)
+    #: the workload label the run was given (:attr:`Run.workload`), when given
+    workload: str | None = field(default=None, metadata=OMIT_NONE)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

@@ -112,7 +112,7 @@ class Reads:
             run = _run_summary(run_row, self.store.series_rows(conn, run_id))
             topo = Topology.of_row(run_row)
             out = {k: run[k] for k in ("run_id", "world_size", "sizes", "order", "topology", "topology_source",
-                                       "created_at", "last_activity") if k in run}
+                                       "workload", "created_at", "last_activity") if k in run}
             out["statistics"] = []
             series = [(s, self.store.bad_steps(conn, s["id"], bad_steps_limit))
                       for s in self.store.series_rows(conn, run_id, statistic, ordered=True)]
