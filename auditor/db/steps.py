@@ -20,7 +20,7 @@ from auditor.db import dialect as sql_text
 from auditor.db.dialect import PG_STEP_COPY_TYPES, PG_VERDICT_KINDS, SQLITE_CHUNK_SIZES, Statements, pg_array, size_runs
 from auditor.db.races import StepRowExists
 from auditor.db.rows import (
-    Arrival, CleanSteps, VerdictItem, as_float, finite_or_none, json_safe, json_text, verdict_values,
+    Arrival, CleanSteps, VerdictItem, as_float, figure_or_none, finite_or_none, json_safe, json_text, verdict_values,
 )
 from auditor.db.tables import faults, reports, series_faults, step_audits
 
@@ -39,7 +39,8 @@ def series_params(series_id: int, entries: Sequence[tuple], now: float) -> dict:
     order), each ``(step, verdict, cp σ, applied error σ, previous, progress)`` (see
     :class:`VerdictItem`), whose net effect is that of recording them one by one: verdict
     deltas summed, the lowest/highest inconsistent step, the largest σ with the first step
-    that reached it, the newest step's σ figures. Re-audits and progress come one entry at
+    that reached it (an infinite applied-error figure counts: a fingerprint's ∞ gap), the
+    newest step's σ figures. Re-audits and progress come one entry at
     a time."""
     d: dict[str, Any] = {"sid": series_id, "now": now, "recompute": 0, "has_progress": 0, "ranks_behind": None,
                          "v_progress": None}
@@ -62,14 +63,14 @@ def series_params(series_id: int, entries: Sequence[tuple], now: float) -> dict:
             d.update(has_progress=1, ranks_behind=progress["ranks_behind"], v_progress=json_safe(progress))
         if cp is not None and (wcp is None or wcp < cp) and math.isfinite(cp):
             wcp, wcp_step = cp, step
-        if ae is not None and (wae is None or wae < ae) and math.isfinite(ae):
+        if ae is not None and (wae is None or wae < ae) and not math.isnan(ae):  # ∞: a non-finite replica
             wae, wae_step = ae, step
     d["bad_lo"], d["bad_hi"] = (min(bad), max(bad)) if bad else (None, None)
     d["wcp"], d["wcp_step"], d["wae"], d["wae_step"] = wcp, wcp_step, wae, wae_step
     last = max(entries, key=_FIRST)
     d["lstep"] = last[0]
     d["cp"] = finite_or_none(last[2])
-    d["ae"] = finite_or_none(last[3])
+    d["ae"] = figure_or_none(last[3])
     return d
 
 

@@ -17,6 +17,7 @@ from auditor import core
 from auditor import status as statuses
 from auditor.contract.reads import Report, Run, StepPage, StepSummary, Workload
 from auditor.core import REPLACEABLE
+from auditor.db.rows import wire_figure
 from auditor.db.store import RunRow, Store, json_safe
 from auditor.service.errors import NotFound
 from auditor.service.model import SeriesInfo, Topology
@@ -164,10 +165,10 @@ class Reads:
             "first_bad_step": s["first_bad_step"], "last_bad_step": s["last_bad_step"],
             "last_audited_step": s["last_audited_step"],
             "faults": fault_counts,
-            "cp_disagreement_sigma": cp["cp_disagreement_sigma"], "applied_error_sigma": s["applied_error_sigma"],
+            "cp_disagreement_sigma": cp["cp_disagreement_sigma"], "applied_error_sigma": wire_figure(s["applied_error_sigma"]),
             "worst_cp_disagreement_sigma": cp["worst_cp_disagreement_sigma"],
             "worst_cp_disagreement_step": cp["worst_cp_disagreement_step"],
-            "worst_applied_error_sigma": s["worst_applied_error_sigma"],
+            "worst_applied_error_sigma": wire_figure(s["worst_applied_error_sigma"]),
             "worst_applied_error_step": s["worst_applied_error_step"],
             "ranks_behind": s["ranks_behind"], "progress": s["progress"],
             "bad_steps": [self._report_step(conn, info, topo, row, cap, budget) for row in bad_rows],
@@ -214,7 +215,7 @@ class Reads:
             "previous_verdict": row["previous_verdict"], "verdict_changed_at": row["verdict_changed_at"],
             "reports": row["received"], "expected": row["expected"],
             "cp_disagreement_sigma": _cp_sigma(row["verdict"], row["cp_disagreement_sigma"]),
-            "applied_error_sigma": row["applied_error_sigma"],
+            "applied_error_sigma": wire_figure(row["applied_error_sigma"]),
             "faults": faults,
         }
 
@@ -275,7 +276,7 @@ class Reads:
             "steps": [{
                 "step": r["step"], "verdict": r["verdict"] or "pending", "reports": r["received"],
                 "expected": r["expected"], "cp_disagreement_sigma": _cp_sigma(r["verdict"], r["cp_disagreement_sigma"]),
-                "applied_error_sigma": r["applied_error_sigma"], "tolerance_sigma": r["tolerance_sigma"],
+                "applied_error_sigma": wire_figure(r["applied_error_sigma"]), "tolerance_sigma": r["tolerance_sigma"],
                 "fault_kinds": r["fault_kinds"].split(",") if r["fault_kinds"] else [], "audited_at": r["audited_at"],
             } for r in rows],
             "last": rows[-1]["step"] if more and rows else None,
