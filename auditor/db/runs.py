@@ -112,14 +112,6 @@ class RunStatements(Statements):
         return self._count_reports(conn, [r[:5] for r in refused], "refused_reports", "refused_first_step",
                                    "refused_last_step", [{"refused_at": now, "refused_kind": r[5][:32]} for r in refused])
 
-    def record_dropped(self, conn: sa.Connection, dropped: Sequence[tuple[str, str, int, int, int]]) -> int:
-        """Count reports a trainer's client dropped at hand-over (wire field ``dropped``,
-        issue 24): per ``(run_id, statistic, n, first_step, last_step)`` add ``n`` to
-        ``reports_dropped`` and widen ``dropped_first_step``/``dropped_last_step`` to the
-        steps. A series that does not exist is skipped. Returns the number of series
-        updated; one UPDATE per series, in series id order, as :meth:`record_refused`."""
-        return self._count_reports(conn, dropped, "reports_dropped", "dropped_first_step", "dropped_last_step")
-
     def _count_reports(self, conn: sa.Connection, rows: Sequence[tuple[str, str, int, int, int]], count: str,
                        first: str, last: str, extra: Sequence[dict] | None = None) -> int:
         """Per ``(run_id, statistic, n, lo, hi)`` (and its ``extra`` column values): add

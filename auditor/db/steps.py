@@ -18,6 +18,7 @@ import sqlalchemy as sa
 from auditor.core import REPLACEABLE, STALE_LOOKBACK, VERDICTS, compress_ranks, expand_ranks
 from auditor.db import dialect as sql_text
 from auditor.db.dialect import PG_STEP_COPY_TYPES, PG_VERDICT_KINDS, SQLITE_CHUNK_SIZES, Statements, pg_array, size_runs
+from auditor.db.drops import drops_params, drops_statement
 from auditor.db.races import StepRowExists
 from auditor.db.rows import (
     Arrival, CleanSteps, VerdictItem, as_float, figure_or_none, finite_or_none, json_safe, json_text, verdict_values,
@@ -93,6 +94,7 @@ class StepStatements(Statements):
         """The texts of this dialect's step-row statements (built once per store)."""
         self._step_sql_of = sql_text.verdict_sql(self.dialect)
         self._series_stmt = sql_text.series_statement()
+        self._drops_stmt = drops_statement()
 
     def count_arrivals(self, conn: sa.Connection, added: Mapping[tuple[int, int], int],
                        expected: Mapping[tuple[int, int], int], now: float) -> list[Arrival]:
@@ -164,7 +166,8 @@ class StepStatements(Statements):
         return load
 
     def record_verdicts(self, conn: sa.Connection, items: Sequence["VerdictItem"], now: float,
-                        clean: Sequence[CleanSteps] = ()) -> list[bool]:
+                        clean: Sequence[CleanSteps] = (), drops: Mapping[int, tuple[int, int, int]] | None = None
+                        ) -> list[bool]:
         """Record the verdicts of many steps, their faults and the series aggregates, in a
         bounded number of statements (at most ten, however many steps; on PostgreSQL each
         one backend execution, except the series UPDATE, one per series).
@@ -197,6 +200,10 @@ class StepStatements(Statements):
         consistent, as columns (:class:`CleanSteps`); if any of their rows existed,
         :class:`StepRowExists` is raised (the caller rolls back).
 
+        ``drops``: per series id, reports its clients dropped (count, first and last step)
+        that the caller's transaction learnt of (:meth:`count_drops`), counted in the same
+        pass over the series rows, so that every transaction takes them in one id order.
+
         Lock order: the ``step_audits`` rows (key order), then the ``series`` rows (id
         order), then the ``series_faults`` rows (key order). The series rows are updated
         before ``series_faults`` so that every auditing transaction takes these locks in
@@ -212,14 +219,14 @@ class StepStatements(Statements):
         order = _key_order(items)
         won = [False] * len(items)
         clean = [c for c in clean if c.steps]
-        if not order and not clean:
-            return won
-        self._write_step_rows(conn, items, order, clean, now, won)
+        if order or clean:
+            self._write_step_rows(conn, items, order, clean, now, won)
         mine = [items[i] for i in order if won[i]]
         if not mine and not clean:
+            self.count_drops(conn, drops or {})
             return won
         old_faults = self._take_old_faults(conn, [it for it in mine if it.previous is not None])
-        self._update_series(conn, mine, clean, now)
+        self._update_series(conn, mine, clean, now, drops or {})
         self._insert_faults(conn, mine)
         self._count_faults(conn, mine, old_faults)
         return won
@@ -256,26 +263,38 @@ class StepStatements(Statements):
         return old_faults
 
     def _update_series(self, conn: sa.Connection, mine: Sequence[VerdictItem], clean: Sequence[CleanSteps],
-                       now: float) -> None:
+                       now: float, drops: Mapping[int, tuple[int, int, int]]) -> None:
         """The ``series`` UPDATE of the recorded items and clean steps (series id order):
         one parameter set per series of plain first audits, one per entry for series with
-        re-audits or progress (:func:`series_params`)."""
+        re-audits or progress (:func:`series_params`); the ``drops`` counted in the same id
+        order (:func:`auditor.db.drops.drops_statement`), each run of consecutive
+        parameter sets of one statement executed at once."""
         by_series: dict[int, list[tuple]] = defaultdict(list)
         for it in mine:
             by_series[it.series_id].append(_item_entry(it))
         mixed = set(by_series) & {c.series_id for c in clean}
         for c in clean:
             by_series[c.series_id].extend(c.entries())
-        params = []
-        for sid in sorted(by_series):
-            entries = by_series[sid]
-            if sid in mixed:
-                entries.sort(key=_FIRST)  # items and clean steps of one series: key order
-            if any(e[4] is not None or e[5] is not None for e in entries):
-                params += [series_params(sid, [e], now) for e in entries]
+        runs: list[tuple[Any, list[dict]]] = []
+
+        def put(stmt, params: list[dict]) -> None:
+            if runs and runs[-1][0] is stmt:
+                runs[-1][1].extend(params)
             else:
-                params.append(series_params(sid, entries, now))
-        conn.execute(self._series_stmt, params)
+                runs.append((stmt, params))
+
+        for sid in sorted(set(by_series).union(drops)):
+            entries = by_series.get(sid)
+            if entries and sid in mixed:
+                entries.sort(key=_FIRST)  # items and clean steps of one series: key order
+            if entries and any(e[4] is not None or e[5] is not None for e in entries):
+                put(self._series_stmt, [series_params(sid, [e], now) for e in entries])
+            elif entries:
+                put(self._series_stmt, [series_params(sid, entries, now)])
+            if sid in drops:
+                put(self._drops_stmt, drops_params({sid: drops[sid]}))
+        for stmt, params in runs:
+            conn.execute(stmt, params)
 
     def _insert_faults(self, conn: sa.Connection, mine: Sequence[VerdictItem]) -> None:
         """INSERT the fault rows of the recorded items (one execution on PostgreSQL, ids in key order)."""
