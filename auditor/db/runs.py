@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from auditor.db.dialect import Statements
 from auditor.db.races import RowDeleted
 from auditor.db.rows import RunRow, SeriesRow
-from auditor.db.tables import faults, reports, runs, series, series_faults, step_audits
+from auditor.db.tables import faults, report_drops, reports, runs, series, series_faults, step_audits
 
 
 class RunStatements(Statements):
@@ -153,10 +153,12 @@ class RunStatements(Statements):
         ).all()]
 
     def delete_steps(self, conn: sa.Connection, series_id: int, first: int, last: int) -> tuple[int, int]:
-        """Delete the reports, faults and step rows of steps ``first..last`` of a series:
-        ``(reports deleted, steps deleted)``."""
+        """Delete the reports (and their dropped tallies), faults and step rows of steps
+        ``first..last`` of a series: ``(reports deleted, steps deleted)``."""
         n = conn.execute(reports.delete().where(reports.c.series_id == series_id,
                                                 reports.c.step.between(first, last))).rowcount
+        conn.execute(report_drops.delete().where(report_drops.c.series_id == series_id,
+                                                 report_drops.c.step.between(first, last)))
         conn.execute(faults.delete().where(faults.c.series_id == series_id, faults.c.step.between(first, last)))
         m = conn.execute(step_audits.delete().where(step_audits.c.series_id == series_id,
                                                     step_audits.c.step.between(first, last))).rowcount
