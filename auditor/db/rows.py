@@ -195,7 +195,7 @@ class CleanSteps:
         return self.steps, self.expected, self.cp_sigma, self.err_sigma, self.tol_sigma, self.groups
 
     def entries(self) -> Iterator[tuple]:
-        """:func:`auditor.db.steps.series_params` entries: (step, verdict, cp σ, applied error σ, previous, progress)."""
+        """:func:`auditor.db.dialect.series_params` entries: (step, verdict, cp σ, applied error σ, previous, progress)."""
         return zip(self.steps, itertools.repeat("consistent"), self.cp_sigma, self.err_sigma,
                    itertools.repeat(None), itertools.repeat(None))
 

@@ -8,20 +8,21 @@ See :mod:`auditor.db.store` for the exactly-once argument these statements imple
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import sqlalchemy as sa
 
-from auditor.core import REPLACEABLE, STALE_LOOKBACK, VERDICTS, compress_ranks, expand_ranks
+from auditor.core import REPLACEABLE, STALE_LOOKBACK, compress_ranks, expand_ranks
 from auditor.db import dialect as sql_text
-from auditor.db.dialect import PG_STEP_COPY_TYPES, PG_VERDICT_KINDS, SQLITE_CHUNK_SIZES, Statements, pg_array, size_runs
+from auditor.db.dialect import (
+    PG_STEP_COPY_TYPES, PG_VERDICT_KINDS, SQLITE_CHUNK_SIZES, Statements, pg_array, series_params, size_runs,
+)
 from auditor.db.drops import drops_params, drops_statement
 from auditor.db.races import StepRowExists
 from auditor.db.rows import (
-    Arrival, CleanSteps, VerdictItem, as_float, figure_or_none, finite_or_none, json_safe, json_text, verdict_values,
+    Arrival, CleanSteps, VerdictItem, as_float, json_safe, json_text, verdict_values,
 )
 from auditor.db.tables import faults, reports, series_faults, step_audits
 
@@ -33,46 +34,6 @@ def _key_order(items: Sequence[VerdictItem]) -> list[int]:
     if any(keys[i] > keys[i + 1] for i in range(len(keys) - 1)):
         order.sort(key=keys.__getitem__)
     return order
-
-
-def series_params(series_id: int, entries: Sequence[tuple], now: float) -> dict:
-    """One parameter set of :func:`series_statement` for ``entries`` of one series (key
-    order), each ``(step, verdict, cp σ, applied error σ, previous, progress)`` (see
-    :class:`VerdictItem`), whose net effect is that of recording them one by one: verdict
-    deltas summed, the lowest/highest inconsistent step, the largest σ with the first step
-    that reached it (an infinite applied-error figure counts: a fingerprint's ∞ gap), the
-    newest step's σ figures. Re-audits and progress come one entry at
-    a time."""
-    d: dict[str, Any] = {"sid": series_id, "now": now, "recompute": 0, "has_progress": 0, "ranks_behind": None,
-                         "v_progress": None}
-    for v in VERDICTS:
-        d[f"d_{v}"] = 0
-    for v in REPLACEABLE:
-        d[f"s_{v}"] = 0
-    bad = []
-    wcp = wcp_step = wae = wae_step = None
-    for step, v, cp, ae, previous, progress in entries:
-        d[f"d_{v}"] += 1
-        if v == "inconsistent":
-            bad.append(step)
-        if previous is not None:  # the same verdict again: steps_<v> unchanged, one more superseded
-            d[f"d_{previous}"] -= 1
-            d[f"s_{previous}"] += 1
-            if previous == "inconsistent" and v != "inconsistent":
-                d["recompute"] = 1  # the step no longer counts as bad
-        if progress is not None:
-            d.update(has_progress=1, ranks_behind=progress["ranks_behind"], v_progress=json_safe(progress))
-        if cp is not None and (wcp is None or wcp < cp) and math.isfinite(cp):
-            wcp, wcp_step = cp, step
-        if ae is not None and (wae is None or wae < ae) and not math.isnan(ae):  # ∞: a non-finite replica
-            wae, wae_step = ae, step
-    d["bad_lo"], d["bad_hi"] = (min(bad), max(bad)) if bad else (None, None)
-    d["wcp"], d["wcp_step"], d["wae"], d["wae_step"] = wcp, wcp_step, wae, wae_step
-    last = max(entries, key=_FIRST)
-    d["lstep"] = last[0]
-    d["cp"] = finite_or_none(last[2])
-    d["ae"] = figure_or_none(last[3])
-    return d
 
 
 def _item_entry(it: VerdictItem) -> tuple:
