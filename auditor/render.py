@@ -41,7 +41,8 @@ def render_report(report: dict[str, Any], console: Console, *, max_steps: int = 
     sizes = shown_sizes(report)
     extra = (f"  order={report['order']}" if report.get("order") else "") + (
         "  topology unknown (judged against group_ranks)" if report.get("topology") == "unknown" else "") + (
-        f"  layout from {report['topology_source']}" if report.get("topology_source") else "")
+        f"  layout from {report['topology_source']}" if report.get("topology_source") else "") + (
+        f"  workload {report['workload']}" if report.get("workload") else "")
     console.print(
         f"[bold]run {report.get('run_id')}[/]: {verdict}  world_size={report.get('world_size')}  "
         + " ".join(f"{k}={v}" for k, v in sizes.items()) + extra

@@ -58,7 +58,7 @@ def runs(ctx: typer.Context, url: Optional[str] = ServiceUrl, database_url: Opti
          format: Format = typer.Option(Format.table, "--format", "-f",
                                        help="table, or json (the runs of GET /v1/runs, every page, as one list)."),
          token: Optional[str] = ReadToken, timeout: float = Timeout) -> None:
-    """List runs with their status, topology and audit counts, newest first."""
+    """List runs with their status, workload label, topology and audit counts, newest first."""
     if ctx.invoked_subcommand is not None:
         return
     with open_source(url, database_url, token, timeout) as source:
@@ -70,7 +70,7 @@ def runs(ctx: typer.Context, url: Optional[str] = ServiceUrl, database_url: Opti
 
     from auditor import status
 
-    t = Table("run", "status", "world", Column("dp×cp×tp×pp", no_wrap=True), "statistics", "steps audited",
+    t = Table("run", "status", "workload", "world", Column("dp×cp×tp×pp", no_wrap=True), "statistics", "steps audited",
               "inconsistent", "unverified", "incomplete", "refused")
     for r in data:
         s = r["sizes"]
@@ -78,7 +78,7 @@ def runs(ctx: typer.Context, url: Optional[str] = ServiceUrl, database_url: Opti
         sizes = (f"unknown (world {r['world_size']})" if r.get("topology") == "unknown"
                  else f"{s['dp']}×{s['cp']}×{s['tp']}×{s['pp']}")
         state = status.status_of(r)
-        t.add_row(r["run_id"], STATUS_STYLE.get(state, state), str(r["world_size"]), sizes,
+        t.add_row(r["run_id"], STATUS_STYLE.get(state, state), r.get("workload") or "—", str(r["world_size"]), sizes,
                   ", ".join(r["statistics"]), str(r["steps_audited"]), str(r["steps_inconsistent"]),
                   str(r.get("steps_unverified", "—")), str(r.get("steps_incomplete", "—")), str(r.get("refused_reports", "—")))
     make_console().print(t)

@@ -35,7 +35,8 @@ when set: a run's ``order``, ``topology``). ``status`` is the service's, or deri
 the counts for documents of services older than that field (:func:`auditor.status.status_of`).
 
 Units: times are Unix seconds (float), σ figures are standard deviations of the correct
-statistic, ranks are global rank numbers. Standard library only (and :mod:`auditor.status`,
+statistic (a ``fingerprint`` statistic's ``applied_error_sigma`` slots hold its replica gap,
+a ratio, and ``"inf"`` where it is infinite), ranks are global rank numbers. Standard library only (and :mod:`auditor.status`,
 itself standard library only): the Reader (stdlib + httpx) decodes with these.
 """
 
@@ -171,7 +172,9 @@ class StepSummary(_Document):
     reports: int
     expected: int
     cp_disagreement_sigma: float | None = None
-    applied_error_sigma: float | None = None
+    #: a ``fingerprint`` statistic's largest replica gap in this slot; ``"inf"`` (a string:
+    #: JSON has no Infinity) where a replica was non-finite
+    applied_error_sigma: float | str | None = None
     tolerance_sigma: float | None = None
     fault_kinds: list[str] = field(default_factory=list)
     audited_at: float | None = None
@@ -209,7 +212,9 @@ class StepDetail(_Document):
     faults: list[Fault]
     ranks: list[RankRow]
     cp_disagreement_sigma: float | None = None
-    applied_error_sigma: float | None = None
+    #: a ``fingerprint`` statistic's largest replica gap in this slot; ``"inf"`` (a string:
+    #: JSON has no Infinity) where a replica was non-finite
+    applied_error_sigma: float | str | None = None
     audited_at: float | None = None
     ranks_total: int | None = None
     ranks_truncated: bool = False
@@ -288,10 +293,12 @@ class StatisticReport(_Document):
     last_bad_step: int | None = None
     last_audited_step: int | None = None
     cp_disagreement_sigma: float | None = None
-    applied_error_sigma: float | None = None
+    #: for a ``fingerprint`` statistic: the latest and the worst largest replica gap, ``"inf"``
+    #: (a string: JSON has no Infinity) after a step with a non-finite replica
+    applied_error_sigma: float | str | None = None
     worst_cp_disagreement_sigma: float | None = None
     worst_cp_disagreement_step: int | None = None
-    worst_applied_error_sigma: float | None = None
+    worst_applied_error_sigma: float | str | None = None
     worst_applied_error_step: int | None = None
     #: ``inconsistent``, ``unverified``, ``incomplete``, ``consistent`` or ``pending`` (:mod:`auditor.status`)
     status: str = ""
@@ -324,7 +331,7 @@ class Report(_Document):
     """A run's consistency report (``GET /v1/runs/{run_id}/report``): the run's topology,
     one :class:`StatisticReport` per statistic, and the run's status and totals."""
 
-    WIRE_ORDER = ("run_id", "world_size", "sizes", "order", "topology", "topology_source", "created_at",
+    WIRE_ORDER = ("run_id", "world_size", "sizes", "order", "topology", "topology_source", "workload", "created_at",
                   "last_activity", "statistics", "status", "consistent", "steps_incomplete", "steps_unverified",
                   "refused_reports", "reports_dropped", "page")
 
@@ -349,6 +356,8 @@ class Report(_Document):
     steps_unverified: int = 0
     steps_incomplete: int = 0
     order: str | None = field(default=None, metadata=OMIT_NONE)
+    #: the workload label the run was given (:attr:`Run.workload`), when given
+    workload: str | None = field(default=None, metadata=OMIT_NONE)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod

@@ -401,11 +401,29 @@ def _hosts_text(ctx: _Ctx, ranks: list[int]) -> str:
     return f" (host{'s' if len(hs) > 1 else ''} {', '.join(hs)})" if hs else ""
 
 
-def _gap_text(ctx: _Ctx, g: float, mg: float) -> str:
+def _gap_text(ctx: _Ctx, g: float, mg: float, pairs: list[tuple[int, int]], s: int) -> str:
+    """How far the (rank, reference) ``pairs`` are apart at step index ``s``: their element
+    counts when those differ (no gap then says anything), else the gap and the tolerance."""
+    counts = _numel_text(ctx, pairs, s)
+    if counts:
+        return counts
     tol = "bitwise agreement" if ctx.agreement == "bitwise" else f"tolerance {ctx.tol:.2g} for {ctx.dtype}"
     if g == 0.0 and mg == 0.0:
         return f"bitwise different, by less than the fingerprint resolves ({tol})"
     return f"by {g:.3g} of the tensor's rms (largest {mg:.3g}; {tol})"
+
+
+def _numel_text(ctx: _Ctx, pairs: list[tuple[int, int]], s: int, shown: int = 4) -> str:
+    """The (rank, reference) ``pairs`` whose tensors have different element counts at step index
+    ``s``, named with both counts (``shown`` pairs at most, the rest counted); "" when none."""
+    n = {r: ctx.fp[ctx.row[r], s, NUMEL] for pair in pairs for r in pair}
+    odd = [(r, q) for r, q in pairs if not np.isnan(n[r]) and not np.isnan(n[q]) and n[r] != n[q]]
+    if not odd:
+        return ""
+    told = "; ".join(f"rank {r} has {n[r]:.0f} elements, rank {q} has {n[q]:.0f}" for r, q in odd[:shown])
+    more = f"; {len(odd) - shown} more pairs" if len(odd) > shown else ""
+    return (f"with different element counts ({told}{more}): the tensors are not the same shape, a sharding "
+            "or padding difference, not rounding")
 
 
 def _along_finding(ctx: _Ctx, dim: str, div_groups: list[int]) -> DriftFinding:
@@ -435,9 +453,9 @@ def _along_finding(ctx: _Ctx, dim: str, div_groups: list[int]) -> DriftFinding:
     fix = LIKELY_FIX.get(dim, _DEFAULT_FIX.format(dim=dim))
     msg = (f"tensor {ctx.tensor!r}: {ranks_text(sorted(odd))} (every rank at {dim}={odd_c}) differ from their "
            f"replicas at {dim}={ref_c} in every replica group from step {int(ctx.steps[first_s])} "
-           f"({steps} step{'s' if steps != 1 else ''}), {_gap_text(ctx, g0, mg)}: a whole slice out of line "
-           f"along {dim}, so a software reduction is missing along {dim}, not a device fault{side}. "
-           f"Likely fix: {fix}")
+           f"({steps} step{'s' if steps != 1 else ''}), {_gap_text(ctx, g0, mg, pairs, first_s)}: "
+           f"a whole slice out of line along {dim}, so a software reduction is missing along {dim}, not a device "
+           f"fault{side}. Likely fix: {fix}")
     return DriftFinding(ctx.tensor, "along_dim", tuple(sorted(odd)), tuple(sorted(ref)), int(ctx.steps[first_s]),
                         steps, g0, mg, ctx.tol, msg, dim, tuple(ctx.host[r] for r in sorted(odd)),
                         {"odd_coords": sorted(odd_coords), "reference_coords": sorted(ref_coords),
@@ -457,8 +475,8 @@ def _group_finding(ctx: _Ctx, g: int) -> DriftFinding:
         g0, mg = _gaps(ctx, [(b, a)], s)
         msg = (f"tensor {ctx.tensor!r}: its two replicas, ranks {a}{_hosts_text(ctx, [a])} and "
                f"{b}{_hosts_text(ctx, [b])}, differ from step {step} ({steps} step{plural}), "
-               f"{_gap_text(ctx, g0, mg)}; with only two replicas which one is out of line cannot be told "
-               "(a third replica, or the same fault in other groups, would tell)")
+               f"{_gap_text(ctx, g0, mg, [(b, a)], s)}; with only two replicas which one is out of line cannot "
+               "be told (a third replica, or the same fault in other groups, would tell)")
         return DriftFinding(ctx.tensor, "undecidable", (a, b), (), step, steps, g0, mg, ctx.tol, msg, None,
                             (ctx.host[a], ctx.host[b]), {"group": ctx.members[g]})
     if major is not None and len(others) == 1:
@@ -467,8 +485,8 @@ def _group_finding(ctx: _Ctx, g: int) -> DriftFinding:
         where = f" on host {ctx.host[r]}" if ctx.host[r] is not None else ""
         msg = (f"tensor {ctx.tensor!r}: rank {r}{where} left its replicas from step {step} ({steps} step{plural}): "
                f"its fingerprint differs from {ranks_text(sorted(major))}, which agree with each other, "
-               f"{_gap_text(ctx, g0, mg)}. One rank out of line while its replicas agree, along no dim: "
-               f"suspect that rank's device or host (a flipped bit, faulty GPU memory or link), not the "
+               f"{_gap_text(ctx, g0, mg, [(r, major[0])], s)}. One rank out of line while its replicas agree, "
+               f"along no dim: suspect that rank's device or host (a flipped bit, faulty GPU memory or link), not the "
                f"software; check rank {r}{where} (ECC/Xid errors, a DCGM diagnostic) and restore the tensor "
                "from a replica")
         return DriftFinding(ctx.tensor, "isolated", (r,), tuple(sorted(major)), step, steps, g0, mg, ctx.tol, msg,
@@ -481,7 +499,8 @@ def _group_finding(ctx: _Ctx, g: int) -> DriftFinding:
     else:
         what = (f"its {n} replicas split into {len(cls)} classes ({'; '.join(ranks_text(sorted(c)) for c in cls)}) "
                 "with no majority")
-    msg = (f"tensor {ctx.tensor!r}: {what}, from step {step} ({steps} step{plural}), {_gap_text(ctx, g0, mg)}; "
+    msg = (f"tensor {ctx.tensor!r}: {what}, from step {step} ({steps} step{plural}), "
+           f"{_gap_text(ctx, g0, mg, [(r, ref[0]) for r in odd], s)}; "
            "the ranks out of line form no slice along a dim and are not one rank: check their hosts and "
            "whether they skipped an update or a reduction")
     return DriftFinding(ctx.tensor, "scattered", tuple(odd), tuple(sorted(ref)), step, steps, g0, mg, ctx.tol, msg,

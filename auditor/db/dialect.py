@@ -10,6 +10,7 @@ UPDATE of a verdict, :func:`fetch_in` a membership read; array literals for Post
 from __future__ import annotations
 
 import itertools
+import math
 import operator
 import sqlite3
 from typing import Any, Sequence
@@ -18,7 +19,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql
 
 from auditor.core import REPLACEABLE, VERDICTS
-from auditor.db.rows import COLUMNS, VERDICT_COLUMNS
+from auditor.db.rows import COLUMNS, VERDICT_COLUMNS, figure_or_none, finite_or_none, json_safe
 from auditor.db.tables import reports, series, step_audits
 
 #: Rows per SQLite ``INSERT`` statement of :meth:`Store.insert_all_new` (27 parameters each).
@@ -171,6 +172,46 @@ def series_statement() -> Any:
     values["progress"] = sa.case((has_progress, sa.bindparam("v_progress", type_=sa.JSON)), (latest, sa.null()),
                                  else_=s.progress)
     return series.update().where(s.id == sid).values(**values)
+
+
+def series_params(series_id: int, entries: Sequence[tuple], now: float) -> dict:
+    """One parameter set of :func:`series_statement` for ``entries`` of one series (key
+    order), each ``(step, verdict, cp σ, applied error σ, previous, progress)`` (see
+    :class:`VerdictItem`), whose net effect is that of recording them one by one: verdict
+    deltas summed, the lowest/highest inconsistent step, the largest σ with the first step
+    that reached it (an infinite applied-error figure counts: a fingerprint's ∞ gap), the
+    newest step's σ figures. Re-audits and progress come one entry at
+    a time."""
+    d: dict[str, Any] = {"sid": series_id, "now": now, "recompute": 0, "has_progress": 0, "ranks_behind": None,
+                         "v_progress": None}
+    for v in VERDICTS:
+        d[f"d_{v}"] = 0
+    for v in REPLACEABLE:
+        d[f"s_{v}"] = 0
+    bad = []
+    wcp = wcp_step = wae = wae_step = None
+    for step, v, cp, ae, previous, progress in entries:
+        d[f"d_{v}"] += 1
+        if v == "inconsistent":
+            bad.append(step)
+        if previous is not None:  # the same verdict again: steps_<v> unchanged, one more superseded
+            d[f"d_{previous}"] -= 1
+            d[f"s_{previous}"] += 1
+            if previous == "inconsistent" and v != "inconsistent":
+                d["recompute"] = 1  # the step no longer counts as bad
+        if progress is not None:
+            d.update(has_progress=1, ranks_behind=progress["ranks_behind"], v_progress=json_safe(progress))
+        if cp is not None and (wcp is None or wcp < cp) and math.isfinite(cp):
+            wcp, wcp_step = cp, step
+        if ae is not None and (wae is None or wae < ae) and not math.isnan(ae):  # ∞: a non-finite replica
+            wae, wae_step = ae, step
+    d["bad_lo"], d["bad_hi"] = (min(bad), max(bad)) if bad else (None, None)
+    d["wcp"], d["wcp_step"], d["wae"], d["wae_step"] = wcp, wcp_step, wae, wae_step
+    last = max(entries, key=operator.itemgetter(0))
+    d["lstep"] = last[0]
+    d["cp"] = finite_or_none(last[2])
+    d["ae"] = figure_or_none(last[3])
+    return d
 
 
 def pg_array(kind: str, xs: Sequence) -> str:

@@ -195,7 +195,7 @@ class CleanSteps:
         return self.steps, self.expected, self.cp_sigma, self.err_sigma, self.tol_sigma, self.groups
 
     def entries(self) -> Iterator[tuple]:
-        """:func:`auditor.db.steps.series_params` entries: (step, verdict, cp σ, applied error σ, previous, progress)."""
+        """:func:`auditor.db.dialect.series_params` entries: (step, verdict, cp σ, applied error σ, previous, progress)."""
         return zip(self.steps, itertools.repeat("consistent"), self.cp_sigma, self.err_sigma,
                    itertools.repeat(None), itertools.repeat(None))
 
@@ -240,6 +240,19 @@ def json_text(obj: Any) -> str:
         return _json_encode(obj).decode()
     except (TypeError, OverflowError, msgspec.EncodeError):
         return json.dumps(obj)
+
+
+def figure_or_none(x: float | None) -> float | None:
+    """A step figure that may be infinite (the applied-error slot, which holds a
+    ``fingerprint`` step's replica gap: ∞ for a non-finite replica) as a plain float: NaN
+    stored as NULL, ±Inf kept (a REAL/double precision column holds it on both databases)."""
+    return None if x is None or math.isnan(x) else float(x)
+
+
+def wire_figure(x: float | None) -> float | str | None:
+    """A stored figure as the read documents carry it: ±Inf as the string ``"inf"``/``"-inf"``
+    (JSON has no Infinity; :func:`json_safe`'s spelling), anything else unchanged."""
+    return str(x) if x is not None and math.isinf(x) else x
 
 
 def float_or_none(x: float | None) -> float | None:
@@ -325,7 +338,8 @@ VERDICT_COLUMNS = ("verdict", "complete_at_audit", "cp_disagreement_sigma", "app
 
 
 def verdict_values(it: VerdictItem) -> tuple:
-    """The :data:`VERDICT_COLUMNS` of one item: the σ figures as floats or None, the
+    """The :data:`VERDICT_COLUMNS` of one item: the σ figures as floats or None (the
+    applied-error figure keeps an infinite value: :func:`figure_or_none`), the
     fault kinds as text, the groups as JSON text (``[[key, mb, count, mean, var], ...]``,
     NaN/Inf as strings: :func:`json_safe`)."""
     v = it.verdict
@@ -339,5 +353,5 @@ def verdict_values(it: VerdictItem) -> tuple:
     except TypeError:  # numpy values
         text = _json_encode(json_safe(groups))
     return (v.verdict, bool(it.complete), float_or_none(v.cp_disagreement_sigma),
-            float_or_none(v.applied_error_sigma), float_or_none(v.tolerance_sigma),
+            figure_or_none(v.applied_error_sigma), float_or_none(v.tolerance_sigma),
             ",".join(map(str, v.fault_kinds)) or None, text.decode())

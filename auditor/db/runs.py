@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from auditor.db.dialect import Statements
 from auditor.db.races import RowDeleted
 from auditor.db.rows import RunRow, SeriesRow
-from auditor.db.tables import faults, reports, runs, series, series_faults, step_audits
+from auditor.db.tables import faults, report_drops, reports, runs, series, series_faults, step_audits
 
 
 class RunStatements(Statements):
@@ -112,14 +112,6 @@ class RunStatements(Statements):
         return self._count_reports(conn, [r[:5] for r in refused], "refused_reports", "refused_first_step",
                                    "refused_last_step", [{"refused_at": now, "refused_kind": r[5][:32]} for r in refused])
 
-    def record_dropped(self, conn: sa.Connection, dropped: Sequence[tuple[str, str, int, int, int]]) -> int:
-        """Count reports a trainer's client dropped at hand-over (wire field ``dropped``,
-        issue 24): per ``(run_id, statistic, n, first_step, last_step)`` add ``n`` to
-        ``reports_dropped`` and widen ``dropped_first_step``/``dropped_last_step`` to the
-        steps. A series that does not exist is skipped. Returns the number of series
-        updated; one UPDATE per series, in series id order, as :meth:`record_refused`."""
-        return self._count_reports(conn, dropped, "reports_dropped", "dropped_first_step", "dropped_last_step")
-
     def _count_reports(self, conn: sa.Connection, rows: Sequence[tuple[str, str, int, int, int]], count: str,
                        first: str, last: str, extra: Sequence[dict] | None = None) -> int:
         """Per ``(run_id, statistic, n, lo, hi)`` (and its ``extra`` column values): add
@@ -161,10 +153,12 @@ class RunStatements(Statements):
         ).all()]
 
     def delete_steps(self, conn: sa.Connection, series_id: int, first: int, last: int) -> tuple[int, int]:
-        """Delete the reports, faults and step rows of steps ``first..last`` of a series:
-        ``(reports deleted, steps deleted)``."""
+        """Delete the reports (and their dropped tallies), faults and step rows of steps
+        ``first..last`` of a series: ``(reports deleted, steps deleted)``."""
         n = conn.execute(reports.delete().where(reports.c.series_id == series_id,
                                                 reports.c.step.between(first, last))).rowcount
+        conn.execute(report_drops.delete().where(report_drops.c.series_id == series_id,
+                                                 report_drops.c.step.between(first, last)))
         conn.execute(faults.delete().where(faults.c.series_id == series_id, faults.c.step.between(first, last)))
         m = conn.execute(step_audits.delete().where(step_audits.c.series_id == series_id,
                                                     step_audits.c.step.between(first, last))).rowcount

@@ -8,19 +8,21 @@ See :mod:`auditor.db.store` for the exactly-once argument these statements imple
 from __future__ import annotations
 
 import itertools
-import math
 import operator
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import sqlalchemy as sa
 
-from auditor.core import REPLACEABLE, STALE_LOOKBACK, VERDICTS, compress_ranks, expand_ranks
+from auditor.core import REPLACEABLE, STALE_LOOKBACK, compress_ranks, expand_ranks
 from auditor.db import dialect as sql_text
-from auditor.db.dialect import PG_STEP_COPY_TYPES, PG_VERDICT_KINDS, SQLITE_CHUNK_SIZES, Statements, pg_array, size_runs
+from auditor.db.dialect import (
+    PG_STEP_COPY_TYPES, PG_VERDICT_KINDS, SQLITE_CHUNK_SIZES, Statements, pg_array, series_params, size_runs,
+)
+from auditor.db.drops import drops_params, drops_statement
 from auditor.db.races import StepRowExists
 from auditor.db.rows import (
-    Arrival, CleanSteps, VerdictItem, as_float, finite_or_none, json_safe, json_text, verdict_values,
+    Arrival, CleanSteps, VerdictItem, as_float, json_safe, json_text, verdict_values,
 )
 from auditor.db.tables import faults, reports, series_faults, step_audits
 
@@ -32,45 +34,6 @@ def _key_order(items: Sequence[VerdictItem]) -> list[int]:
     if any(keys[i] > keys[i + 1] for i in range(len(keys) - 1)):
         order.sort(key=keys.__getitem__)
     return order
-
-
-def series_params(series_id: int, entries: Sequence[tuple], now: float) -> dict:
-    """One parameter set of :func:`series_statement` for ``entries`` of one series (key
-    order), each ``(step, verdict, cp σ, applied error σ, previous, progress)`` (see
-    :class:`VerdictItem`), whose net effect is that of recording them one by one: verdict
-    deltas summed, the lowest/highest inconsistent step, the largest σ with the first step
-    that reached it, the newest step's σ figures. Re-audits and progress come one entry at
-    a time."""
-    d: dict[str, Any] = {"sid": series_id, "now": now, "recompute": 0, "has_progress": 0, "ranks_behind": None,
-                         "v_progress": None}
-    for v in VERDICTS:
-        d[f"d_{v}"] = 0
-    for v in REPLACEABLE:
-        d[f"s_{v}"] = 0
-    bad = []
-    wcp = wcp_step = wae = wae_step = None
-    for step, v, cp, ae, previous, progress in entries:
-        d[f"d_{v}"] += 1
-        if v == "inconsistent":
-            bad.append(step)
-        if previous is not None:  # the same verdict again: steps_<v> unchanged, one more superseded
-            d[f"d_{previous}"] -= 1
-            d[f"s_{previous}"] += 1
-            if previous == "inconsistent" and v != "inconsistent":
-                d["recompute"] = 1  # the step no longer counts as bad
-        if progress is not None:
-            d.update(has_progress=1, ranks_behind=progress["ranks_behind"], v_progress=json_safe(progress))
-        if cp is not None and (wcp is None or wcp < cp) and math.isfinite(cp):
-            wcp, wcp_step = cp, step
-        if ae is not None and (wae is None or wae < ae) and math.isfinite(ae):
-            wae, wae_step = ae, step
-    d["bad_lo"], d["bad_hi"] = (min(bad), max(bad)) if bad else (None, None)
-    d["wcp"], d["wcp_step"], d["wae"], d["wae_step"] = wcp, wcp_step, wae, wae_step
-    last = max(entries, key=_FIRST)
-    d["lstep"] = last[0]
-    d["cp"] = finite_or_none(last[2])
-    d["ae"] = finite_or_none(last[3])
-    return d
 
 
 def _item_entry(it: VerdictItem) -> tuple:
@@ -92,6 +55,7 @@ class StepStatements(Statements):
         """The texts of this dialect's step-row statements (built once per store)."""
         self._step_sql_of = sql_text.verdict_sql(self.dialect)
         self._series_stmt = sql_text.series_statement()
+        self._drops_stmt = drops_statement()
 
     def count_arrivals(self, conn: sa.Connection, added: Mapping[tuple[int, int], int],
                        expected: Mapping[tuple[int, int], int], now: float) -> list[Arrival]:
@@ -163,7 +127,8 @@ class StepStatements(Statements):
         return load
 
     def record_verdicts(self, conn: sa.Connection, items: Sequence["VerdictItem"], now: float,
-                        clean: Sequence[CleanSteps] = ()) -> list[bool]:
+                        clean: Sequence[CleanSteps] = (), drops: Mapping[int, tuple[int, int, int]] | None = None
+                        ) -> list[bool]:
         """Record the verdicts of many steps, their faults and the series aggregates, in a
         bounded number of statements (at most ten, however many steps; on PostgreSQL each
         one backend execution, except the series UPDATE, one per series).
@@ -196,6 +161,10 @@ class StepStatements(Statements):
         consistent, as columns (:class:`CleanSteps`); if any of their rows existed,
         :class:`StepRowExists` is raised (the caller rolls back).
 
+        ``drops``: per series id, reports its clients dropped (count, first and last step)
+        that the caller's transaction learnt of (:meth:`count_drops`), counted in the same
+        pass over the series rows, so that every transaction takes them in one id order.
+
         Lock order: the ``step_audits`` rows (key order), then the ``series`` rows (id
         order), then the ``series_faults`` rows (key order). The series rows are updated
         before ``series_faults`` so that every auditing transaction takes these locks in
@@ -211,14 +180,14 @@ class StepStatements(Statements):
         order = _key_order(items)
         won = [False] * len(items)
         clean = [c for c in clean if c.steps]
-        if not order and not clean:
-            return won
-        self._write_step_rows(conn, items, order, clean, now, won)
+        if order or clean:
+            self._write_step_rows(conn, items, order, clean, now, won)
         mine = [items[i] for i in order if won[i]]
         if not mine and not clean:
+            self.count_drops(conn, drops or {})
             return won
         old_faults = self._take_old_faults(conn, [it for it in mine if it.previous is not None])
-        self._update_series(conn, mine, clean, now)
+        self._update_series(conn, mine, clean, now, drops or {})
         self._insert_faults(conn, mine)
         self._count_faults(conn, mine, old_faults)
         return won
@@ -255,26 +224,38 @@ class StepStatements(Statements):
         return old_faults
 
     def _update_series(self, conn: sa.Connection, mine: Sequence[VerdictItem], clean: Sequence[CleanSteps],
-                       now: float) -> None:
+                       now: float, drops: Mapping[int, tuple[int, int, int]]) -> None:
         """The ``series`` UPDATE of the recorded items and clean steps (series id order):
         one parameter set per series of plain first audits, one per entry for series with
-        re-audits or progress (:func:`series_params`)."""
+        re-audits or progress (:func:`series_params`); the ``drops`` counted in the same id
+        order (:func:`auditor.db.drops.drops_statement`), each run of consecutive
+        parameter sets of one statement executed at once."""
         by_series: dict[int, list[tuple]] = defaultdict(list)
         for it in mine:
             by_series[it.series_id].append(_item_entry(it))
         mixed = set(by_series) & {c.series_id for c in clean}
         for c in clean:
             by_series[c.series_id].extend(c.entries())
-        params = []
-        for sid in sorted(by_series):
-            entries = by_series[sid]
-            if sid in mixed:
-                entries.sort(key=_FIRST)  # items and clean steps of one series: key order
-            if any(e[4] is not None or e[5] is not None for e in entries):
-                params += [series_params(sid, [e], now) for e in entries]
+        runs: list[tuple[Any, list[dict]]] = []
+
+        def put(stmt, params: list[dict]) -> None:
+            if runs and runs[-1][0] is stmt:
+                runs[-1][1].extend(params)
             else:
-                params.append(series_params(sid, entries, now))
-        conn.execute(self._series_stmt, params)
+                runs.append((stmt, params))
+
+        for sid in sorted(set(by_series).union(drops)):
+            entries = by_series.get(sid)
+            if entries and sid in mixed:
+                entries.sort(key=_FIRST)  # items and clean steps of one series: key order
+            if entries and any(e[4] is not None or e[5] is not None for e in entries):
+                put(self._series_stmt, [series_params(sid, [e], now) for e in entries])
+            elif entries:
+                put(self._series_stmt, [series_params(sid, entries, now)])
+            if sid in drops:
+                put(self._drops_stmt, drops_params({sid: drops[sid]}))
+        for stmt, params in runs:
+            conn.execute(stmt, params)
 
     def _insert_faults(self, conn: sa.Connection, mine: Sequence[VerdictItem]) -> None:
         """INSERT the fault rows of the recorded items (one execution on PostgreSQL, ids in key order)."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 
+from auditor.db.drops import DropStatements
 from auditor.db.engine import write_begin
 from auditor.db.races import ReportsExist, RowDeleted, StepRowExists
 from auditor.db.reports import ReportStatements
@@ -54,7 +55,7 @@ __all__ = [
 ]
 
 
-class Store(RunStatements, ReportStatements, StepStatements, ViewStatements):
+class Store(RunStatements, ReportStatements, StepStatements, ViewStatements, DropStatements):
     """All SQL of the service. Thread-safe; holds no state but prepared statement text."""
 
     def __init__(self, engine: sa.Engine):

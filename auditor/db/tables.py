@@ -140,6 +140,22 @@ reports = sa.Table(
     sa.Index("uq_reports_coords", "series_id", "step", "microbatch", "dp", "cp", "tp", "pp", unique=True),
 )
 
+# The ``dropped`` block (issue 24) of each stored report that carried one: the client's tally
+# of reports it dropped before that report, by the report's key (revision 0012). A re-send
+# is compared with it: the same tally is a duplicate, a higher one (more drops since, the
+# steps widened) counts the difference, any other a 409 (auditor.service.dropped).
+report_drops = sa.Table(
+    "report_drops",
+    metadata,
+    sa.Column("series_id", BigInt, sa.ForeignKey("series.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("step", BigInt, primary_key=True, autoincrement=False),
+    sa.Column("microbatch", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("rank", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("count", BigInt, nullable=False),
+    sa.Column("first_step", BigInt, nullable=False),
+    sa.Column("last_step", BigInt, nullable=False),
+)
+
 # One row per (series, step): created by the step's first report, counts arrivals, and
 # holds the verdict once audited. The row lock on it makes "audit exactly once" hold
 # across concurrent ingest transactions and replicas.

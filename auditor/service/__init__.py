@@ -34,6 +34,7 @@ from auditor.db.store import Store
 from auditor.contract.models import Report, RunRegistration
 from auditor.contract import reads as documents
 from auditor.service.caches import OPEN_STEP_ROWS, Caches, OpenStepRows, by_step
+from auditor.service import errors
 from auditor.service.errors import (
     ConflictError, Contended, LimitError, NotFound, StaleCaches, check_placed, conflict, microbatch_conflict,
     wire_fields,
@@ -109,21 +110,19 @@ class Service:
 
         A :class:`ConflictError` (409) stores nothing of the batch; after its rollback, the
         reports that contradicted a stored series are counted against it in a small write
-        transaction of their own (:meth:`auditor.service.ingest.Ingest.record_refused`; ``record_refused=False``: not,
+        transaction of their own (:func:`auditor.service.errors.record_refused`; ``record_refused=False``: not,
         e.g. while ``auditor audit`` bisects a batch), so the report can say that a run id
         was reused or a rank re-sent different values. The ConflictError is raised either way.
 
         Reports that tell of reports their client dropped at hand-over (wire field
-        ``dropped``, counted once, with the report's first storing) are counted on their
-        series after the commit, the same way (:meth:`auditor.service.ingest.Ingest.record_dropped`)."""
+        ``dropped``) are counted on their series in the ingest's transaction, a re-send's
+        grown tally by its growth (:mod:`auditor.service.dropped`)."""
         try:
             out = self.ingestion.ingest(batch, now)
         except ConflictError as exc:
             if record_refused and exc.against_stored:
-                self.ingestion.record_refused(exc, batch, time.time() if now is None else now)
+                errors.record_refused(self.store, exc, batch, time.time() if now is None else now)
             raise
-        if out.dropped:
-            self.ingestion.record_dropped(out.dropped)
         return out
 
     def _ingest(self, batch: Sequence[Report], now: float | None = None, in_hand: bool = True,

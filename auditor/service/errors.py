@@ -8,6 +8,8 @@ report, so a client can point at the report and field.
 
 from __future__ import annotations
 
+import logging
+from collections import defaultdict
 from typing import TYPE_CHECKING, Sequence
 
 from auditor.core import DIMS
@@ -16,6 +18,7 @@ from auditor.contract.models import Report
 
 if TYPE_CHECKING:
     from auditor.contract.models import StatisticSpec
+    from auditor.db.store import Store
     from auditor.service.model import SeriesInfo, Topology
 
 
@@ -206,6 +209,35 @@ def conflict(clashes: list[tuple[int, tuple, tuple, tuple]], batch: Sequence[Rep
     return ConflictError("conflicting_report", message, conflicts, against_stored=within is None)
 
 
+def dropped_conflict(clashes: list[tuple[int, tuple | None, tuple | None]], batch: Sequence[Report],
+                     within: int | None = None) -> ConflictError:
+    """409 ``conflicting_report`` for re-sent reports whose ``dropped`` tally contradicts the
+    stored one's, or (``within``: its index) an earlier copy's in the same batch: the tally
+    (count, first_step, last_step) of a report only grows (a higher count over steps that
+    cover the stored ones); a lower, an equal count with other steps, or none where one
+    was stored is a contradiction. ``clashes``: (index, stored tally, sent tally; None:
+    none) per report."""
+    def told(d: tuple | None) -> str:
+        return "none" if d is None else f"{{count: {d[0]}, first_step: {d[1]}, last_step: {d[2]}}}"
+
+    conflicts = []
+    for i, had, sent in clashes:
+        r = batch[i]
+        fields = [f"dropped.{f}" for f, a, b in zip(("count", "first_step", "last_step"), had or (None,) * 3,
+                                                     sent or (None,) * 3) if a != b]
+        conflicts.append({"index": i, "run_id": r.run_id, "statistic": r.statistic, "step": r.step,
+                          "microbatch": r.microbatch, "rank": r.rank, "fields": fields})
+    i, had, sent = clashes[0]
+    whose = f"reports[{within}]" if within is not None else "the stored report"
+    message = (f"{len(conflicts)} re-sent report(s) contradict the dropped tally of {whose} with the same (run, "
+               f"statistic, step, microbatch, rank), e.g. reports[{i}] (step {batch[i].step}, rank {batch[i].rank}) "
+               f"says dropped {told(sent)} where {whose} says {told(had)}: a client's tally of the reports it "
+               "dropped only grows (a higher count, steps covering the earlier ones); "
+               + ("nothing of this batch was stored" if within is not None
+                  else "the stored report stays, nothing of this batch was stored"))
+    return ConflictError("conflicting_report", message, conflicts, against_stored=within is None)
+
+
 #: ``reports`` column → the wire field it stores (409 bodies name wire fields).
 _WIRE_FIELD = {
     **{f"local_{f}": f"local.{f}" for f in ("count", "sum", "sum_sq", "min", "max", "replicated_sum_sq")},
@@ -225,3 +257,36 @@ def wire_fields(stored: dict, sent: dict):
             yield from (_WIRE_FIELD.get(n, n) for n in sorted(names) if n)
         else:
             yield _WIRE_FIELD.get(c, c)
+
+
+log = logging.getLogger("auditor.service")
+
+
+def record_refused(store: "Store", exc: ConflictError, batch: Sequence[Report], now: float) -> None:
+    """Count the reports ``exc`` refused per series (``series.refused_*``), in a write
+    transaction of its own after the batch's rollback: the reports its ``conflicts`` name,
+    or for a topology (spec) conflict every report of the batch of that run (statistic).
+    Never raises: a failure is logged, the 409 stays a 409."""
+    try:
+        picked: list[Report] = []
+        for c in exc.conflicts:
+            i = c.get("index")
+            if i is None or not 0 <= i < len(batch) or "other_index" in c:
+                continue  # a registration, or two reports of this batch: nothing stored contradicted
+            r = batch[i]
+            if exc.error == "topology_conflict":
+                picked.extend(x for x in batch if x.run_id == r.run_id)
+            elif exc.error == "spec_conflict":
+                picked.extend(x for x in batch if (x.run_id, x.statistic) == (r.run_id, r.statistic))
+            else:
+                picked.append(r)
+        per: dict[tuple[str, str], list[int]] = defaultdict(list)
+        for r in {id(r): r for r in picked}.values():
+            per[(r.run_id, r.statistic)].append(r.step)
+        if not per:
+            return
+        rows = [(rid, st, len(steps), min(steps), max(steps), exc.error) for (rid, st), steps in per.items()]
+        with store.write() as conn:
+            store.record_refused(conn, rows, now)
+    except Exception:  # noqa: BLE001 - counting must never turn the 409 into a 500
+        log.exception("could not count the reports refused by a %s", exc.error)

@@ -22,11 +22,10 @@ The stages of one attempt (:meth:`Ingest.attempt`), each relying on the proof it
 
 from __future__ import annotations
 
-import logging
 import operator
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
@@ -34,16 +33,14 @@ import sqlalchemy as sa
 
 from auditor.core import DIMS, REPLACEABLE
 from auditor.db.store import ReportsExist, RowDeleted, StepRowExists, Store, report_row
-from auditor.contract.fields import MAX_STEP
 from auditor.contract.models import DEFAULT_SPECS, Report, RunRegistration, StatisticSpec
-from auditor.service import errors
+from auditor.service import dropped, errors
 from auditor.service.caches import Caches, by_step
 from auditor.service.errors import StaleCaches
 from auditor.service.judge import Judge, _Due, _Fresh
 from auditor.service.model import SeriesInfo, Topology
 
 _get_workload = operator.attrgetter("workload")
-log = logging.getLogger("auditor.service")
 
 
 @dataclass
@@ -51,9 +48,9 @@ class IngestOutcome:
     accepted: int = 0
     duplicates: int = 0
     audited: list[tuple[int, int, str]] = field(default_factory=list)  # (series_id, step, verdict)
-    #: reports the trainers' clients dropped, told by the reports this ingest stored (wire
-    #: field ``dropped``): (run_id, statistic, count, first_step, last_step) per series
-    dropped: list[tuple[str, str, int, int, int]] = field(default_factory=list)
+    #: reports the trainers' clients dropped that this ingest counted (wire field ``dropped``,
+    #: :mod:`auditor.service.dropped`): series_id -> (count, first_step, last_step)
+    dropped: dict[int, tuple[int, int, int]] = field(default_factory=dict)
 
 
 class Mode(NamedTuple):
@@ -198,60 +195,12 @@ class Ingest:
 
         self.run(attempt, lambda n: errors.contended_registration(run_id, n))
 
-    def record_refused(self, exc: errors.ConflictError, batch: Sequence[Report], now: float) -> None:
-        """Count the reports ``exc`` refused per series (``series.refused_*``): the reports
-        its ``conflicts`` name, or for a topology (spec) conflict every report of the batch
-        of that run (statistic). Never raises: a failure is logged, the 409 stays a 409."""
-        try:
-            picked: list[Report] = []
-            for c in exc.conflicts:
-                i = c.get("index")
-                if i is None or not 0 <= i < len(batch) or "other_index" in c:
-                    continue  # a registration, or two reports of this batch: nothing stored contradicted
-                r = batch[i]
-                if exc.error == "topology_conflict":
-                    picked.extend(x for x in batch if x.run_id == r.run_id)
-                elif exc.error == "spec_conflict":
-                    picked.extend(x for x in batch if (x.run_id, x.statistic) == (r.run_id, r.statistic))
-                else:
-                    picked.append(r)
-            per: dict[tuple[str, str], list[int]] = defaultdict(list)
-            for r in {id(r): r for r in picked}.values():
-                per[(r.run_id, r.statistic)].append(r.step)
-            if not per:
-                return
-            rows = [(rid, st, len(steps), min(steps), max(steps), exc.error) for (rid, st), steps in per.items()]
-            with self.store.write() as conn:
-                self.store.record_refused(conn, rows, now)
-        except Exception:  # noqa: BLE001 - counting must never turn the 409 into a 500
-            log.exception("could not count the reports refused by a %s", exc.error)
-
-    @staticmethod
-    def told_drops(t: Txn, stored: Stored) -> list[tuple[str, str, int, int, int]]:
-        """The ``dropped`` blocks of the reports this attempt stored (a re-send's count
-        nothing), summed per series: ``(run_id, statistic, count, first_step, last_step)``."""
-        per: dict[tuple[str, str], tuple[int, int, int]] = {}
-        for r in (t.batch[t.index_of[k]] for k in t.told if k in stored.keys):
-            d, had = r.dropped, per.get((r.run_id, r.statistic), (0, MAX_STEP, 0))
-            per[(r.run_id, r.statistic)] = (had[0] + d.count, min(had[1], d.first_step), max(had[2], d.last_step))
-        return [(rid, st, *gap) for (rid, st), gap in per.items()]
-
-    def record_dropped(self, dropped: Sequence[tuple[str, str, int, int, int]]) -> None:
-        """Count :attr:`IngestOutcome.dropped` on the series (``series.reports_dropped``,
-        ``dropped_first_step``/``_last_step``) in a write transaction after the ingest's, as
-        :meth:`record_refused` (never inside the audit's, whose series locks follow its step
-        rows). Never raises: a failure is logged (the reports stay stored, the count is lost)."""
-        try:
-            with self.store.write() as conn:
-                self.store.record_dropped(conn, dropped)
-        except Exception:  # noqa: BLE001 - the batch is stored: its answer must stay a 200
-            log.exception("could not count %d report(s) the clients dropped", sum(d[2] for d in dropped))
-
     # ------------------------------------------------------------------------- stages
     def attempt(self, batch: Sequence[Report], now: float | None = None, mode: Mode = Mode()) -> IngestOutcome:
         """Store a validated batch in one transaction and audit the steps it completes.
 
-        Re-sent identical reports are counted as duplicates and change nothing. Raises
+        Re-sent identical reports are counted as duplicates and change nothing (but a
+        grown ``dropped`` tally: :mod:`auditor.service.dropped`). Raises
         :class:`ConflictError` (and stores nothing of the batch) when a report differs from
         a stored one with the same key, claims the coordinates another rank holds in its
         step, or contradicts its run's topology, its statistic's kind/spec, or its step's
@@ -266,11 +215,12 @@ class Ingest:
             self.lock_series(t)
             self.rows_of(t)
             stored = self.store_rows(t)
-            if t.told:
-                t.out.dropped = self.told_drops(t, stored)
+            t.out.dropped = dropped.settle(self.store, t, stored) if t.told or not stored.all_new else {}
             due, fresh_of = self.count_steps(t, stored)
-            if due or fresh_of:
-                t.out.audited += self.judge.audit_steps(conn, due, now, fresh_of)
+            if due or fresh_of:  # the drops are counted in the audit's pass over the series rows
+                t.out.audited += self.judge.audit_steps(conn, due, now, fresh_of, t.out.dropped)
+            else:
+                self.store.count_drops(conn, t.out.dropped)
         self.caches.after_commit(t.grown, t.done, t.new_runs, t.new_series)
         self.caches.workloads.update(t.workloads)
         return t.out
@@ -358,6 +308,7 @@ class Ingest:
             if prev is not None:
                 if prev[:-1] != row[:-1]:
                     raise errors.conflict([(i, key, prev, row)], t.batch, within=t.index_of[key])
+                dropped.within_batch(t, key, i)
                 t.out.duplicates += 1
                 continue
             t.rows[key] = row

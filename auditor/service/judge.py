@@ -60,7 +60,8 @@ class Judge:
         self.store = store
 
     def audit_steps(self, conn: sa.Connection, due: Sequence["_Due"], now: float,
-                     fresh: dict[int, _Fresh] | None = None) -> list[tuple[int, int, str]]:
+                     fresh: dict[int, _Fresh] | None = None,
+                     drops: dict[int, tuple[int, int, int]] | None = None) -> list[tuple[int, int, str]]:
         """Audit steps (key order) inside the caller's transaction and record their verdicts
         with :meth:`auditor.db.store.Store.record_verdicts`; return ``(series_id, step,
         verdict)`` of those recorded (not those another transaction recorded first).
@@ -74,13 +75,15 @@ class Judge:
         of every finding. A step's reports are the rows in hand (``_Due.rows``) or read
         back. Verdicts wait to be written until the end, except that a step whose diagnosis
         needs the series' history first writes those of the steps before it, so it sees
-        them as it did when each verdict was written at once."""
+        them as it did when each verdict was written at once. ``drops``: per series id, the
+        reports its clients dropped that this transaction learnt of, counted with the
+        verdicts in the same pass over the series rows (:class:`VerdictBuffer`)."""
         clean, unclean = self._judge_fresh(fresh or {})
         if unclean:  # both kinds: key order
             due = sorted([*due, *unclean], key=_key) if due else unclean
         rows = self._rows_of(conn, due)
         fast = self.audit_clean(due, rows)
-        buffer = VerdictBuffer(self.store, conn, now, clean)
+        buffer = VerdictBuffer(self.store, conn, now, clean, drops)
         unstored: dict[int, set[int]] | None = None
         for d in due:
             p = d.arrival
@@ -254,11 +257,15 @@ class VerdictBuffer:
     """Verdicts waiting to be written in one transaction (:meth:`Judge.audit_steps`): the
     items of the exact path and the clean steps as columns, recorded together by
     :meth:`auditor.db.store.Store.record_verdicts` at the end, or those before a step
-    whose diagnosis reads the series' history first (:meth:`flush` with ``upto``)."""
+    whose diagnosis reads the series' history first (:meth:`flush` with ``upto``). The
+    ``drops`` counts of a series go with the first flush that reaches its id, so the series
+    rows are updated in one ascending id order across flushes."""
 
-    def __init__(self, store: Store, conn: sa.Connection, now: float, clean: list[CleanSteps]):
+    def __init__(self, store: Store, conn: sa.Connection, now: float, clean: list[CleanSteps],
+                 drops: dict[int, tuple[int, int, int]] | None = None):
         self.store, self.conn, self.now = store, conn, now
         self.clean = clean
+        self.drops = dict(drops or {})
         self.pending: list[VerdictItem] = []
         #: ``(series_id, step, verdict)`` of each verdict recorded (not those another
         #: transaction recorded first)
@@ -272,7 +279,10 @@ class VerdictBuffer:
         :data:`recorded` so far. A fresh item whose step row existed after all raises
         :class:`StepRowExists` (the batch is ingested again the general way)."""
         take = self._take_clean(upto)
-        for it, ok in zip(self.pending, self.store.record_verdicts(self.conn, self.pending, self.now, take)):
+        drops = {sid: d for sid, d in self.drops.items() if upto is None or sid <= upto[0]}
+        for sid in drops:
+            del self.drops[sid]
+        for it, ok in zip(self.pending, self.store.record_verdicts(self.conn, self.pending, self.now, take, drops)):
             if ok:
                 self.recorded.append((it.series_id, it.step, it.verdict.verdict))
             elif it.fresh:

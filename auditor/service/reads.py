@@ -18,6 +18,7 @@ from auditor import status as statuses
 from auditor.contract.reads import (Fault, Progress, RankRow, Report, Run, StatisticReport, StepDetail, StepPage,
                                     StepsPage, StepSummary, Workload)
 from auditor.core import REPLACEABLE
+from auditor.db.rows import wire_figure
 from auditor.db.store import RunRow, Store, json_scalar
 from auditor.service.errors import NotFound
 from auditor.service.model import SeriesInfo, Topology
@@ -127,8 +128,8 @@ class Reads:
         state = statuses.combine(s.status for s in stats)
         return Report(
             run_id=run.run_id, world_size=run.world_size, sizes=run.sizes, order=run.order, topology=run.topology,
-            topology_source=run.topology_source, created_at=run.created_at, last_activity=run.last_activity,
-            statistics=stats, status=state, consistent=statuses.is_consistent(state),
+            topology_source=run.topology_source, workload=run.workload, created_at=run.created_at,
+            last_activity=run.last_activity, statistics=stats, status=state, consistent=statuses.is_consistent(state),
             steps_incomplete=sum(s.steps_incomplete for s in stats),
             steps_unverified=sum(s.steps_unverified for s in stats),
             refused_reports=sum(s.refused_reports for s in stats), reports_dropped=sum(s.reports_dropped for s in stats))
@@ -160,10 +161,10 @@ class Reads:
             steps_reaudited=sum(s[f"superseded_{v}"] for v in REPLACEABLE),
             first_bad_step=s["first_bad_step"], last_bad_step=s["last_bad_step"],
             last_audited_step=s["last_audited_step"], faults=fault_counts,
-            cp_disagreement_sigma=cp["cp_disagreement_sigma"], applied_error_sigma=s["applied_error_sigma"],
+            cp_disagreement_sigma=cp["cp_disagreement_sigma"], applied_error_sigma=wire_figure(s["applied_error_sigma"]),
             worst_cp_disagreement_sigma=cp["worst_cp_disagreement_sigma"],
             worst_cp_disagreement_step=cp["worst_cp_disagreement_step"],
-            worst_applied_error_sigma=s["worst_applied_error_sigma"],
+            worst_applied_error_sigma=wire_figure(s["worst_applied_error_sigma"]),
             worst_applied_error_step=s["worst_applied_error_step"],
             ranks_behind=s["ranks_behind"], progress=None if s["progress"] is None else Progress.from_json(s["progress"]),
             bad_steps=[self._report_step(conn, info, topo, row, cap, budget) for row in bad_rows],
@@ -247,7 +248,7 @@ class Reads:
         steps = [StepSummary(
             step=r["step"], verdict=r["verdict"] or "pending", reports=r["received"], expected=r["expected"],
             cp_disagreement_sigma=_cp_sigma(r["verdict"], r["cp_disagreement_sigma"]),
-            applied_error_sigma=r["applied_error_sigma"], tolerance_sigma=r["tolerance_sigma"],
+            applied_error_sigma=wire_figure(r["applied_error_sigma"]), tolerance_sigma=r["tolerance_sigma"],
             fault_kinds=r["fault_kinds"].split(",") if r["fault_kinds"] else [], audited_at=r["audited_at"],
         ) for r in rows]
         page = StepsPage(run_id=run_id, statistic=statistic, kind=found[0]["kind"], steps=steps)
@@ -300,7 +301,7 @@ def _step_document(cls: type[StepDetail], row, faults: list[Fault], ranks: list[
                previous_verdict=row["previous_verdict"], verdict_changed_at=row["verdict_changed_at"],
                reports=row["received"], expected=row["expected"],
                cp_disagreement_sigma=_cp_sigma(row["verdict"], row["cp_disagreement_sigma"]),
-               applied_error_sigma=row["applied_error_sigma"], faults=faults, ranks=ranks, ranks_total=total,
+               applied_error_sigma=wire_figure(row["applied_error_sigma"]), faults=faults, ranks=ranks, ranks_total=total,
                ranks_truncated=truncated, **more)
 
 

@@ -54,7 +54,7 @@ def test_check_fails_an_incomplete_run_and_says_what_is_missing(live_server, run
     assert "incomplete" in out.stdout and "refused" in out.stdout  # the columns
     (line,) = [x for x in out.stdout.splitlines() if run_id in x]
     assert [c.strip() for c in line.split("│")[1:-1]] == [
-        run_id, "INCOMPLETE", "4", "2×2×1×1", "advantages", "6", "0", "0", "6", "0"], out.stdout
+        run_id, "INCOMPLETE", "—", "4", "2×2×1×1", "advantages", "6", "0", "0", "6", "0"], out.stdout
 
 
 def test_check_fails_a_reused_run_id(live_server, run_id):

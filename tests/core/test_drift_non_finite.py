@@ -2,7 +2,8 @@
 fingerprint) was judged ``consistent``: nothing was compared (the values cannot be), yet the
 step was green. It is a ``non_finite`` fault naming the ranks (as for the other kinds,
 DESIGN.md §5), the step ``inconsistent`` with gap ∞; finite identical replicas stay
-consistent with gap 0."""
+consistent with gap 0. Replicas whose element counts differ are worded so (not as a gap
+too small to resolve)."""
 
 from __future__ import annotations
 
@@ -63,3 +64,21 @@ def test_replicas_agreeing_on_nan_are_no_majority_against_a_finite_rank():
                                None)  # through the step audit: the non-finite ranks named, rank 0 never blamed
     assert v.verdict == "inconsistent"
     assert [(f.kind, f.ranks) for f in v.faults] == [(FaultKind.REPLICA_DIVERGENCE, [1, 2])]
+
+
+@pytest.mark.parametrize("agreement", ["bitwise", "rounding"])
+def test_replicas_of_different_element_counts_are_worded_so(agreement):
+    """A rank whose tensor has another element count (same values otherwise: gap 0) was
+    worded "bitwise different, by less than the fingerprint resolves"; the finding names
+    both counts and both ranks."""
+    exact = FINITE + [1.0, 2.0]  # with the two digests
+    short = list(exact)
+    short[replicas.NUMEL] = 3.0
+    for world, fps in ((2, [exact, short]), (3, [exact, exact, short])):
+        arr = np.array([[fp] for fp in fps], dtype=np.float64)
+        (f,) = replicas.replica_drift("w", arr, ranks=list(range(world)), steps=[3],
+                                      coords=[{"dp": r} for r in range(world)], dtype="float32",
+                                      replicate_over=("dp",), k=8, agreement=agreement)
+        assert f.attribution == ("undecidable" if world == 2 else "isolated")
+        assert "by less than the fingerprint resolves" not in f.message
+        assert f"with different element counts (rank {world - 1} has 3 elements, rank 0 has 4)" in f.message

@@ -13,7 +13,7 @@ from auditor.db.engine import (
 )
 from auditor.db.tables import metadata
 
-TABLES = {"runs", "series", "reports", "step_audits", "faults", "series_faults"}
+TABLES = {"runs", "series", "reports", "report_drops", "step_audits", "faults", "series_faults"}
 
 
 def tables(engine) -> set[str]:

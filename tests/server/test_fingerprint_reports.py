@@ -14,7 +14,7 @@ import re
 import pytest
 import torch
 
-from auditor.testing.http import assert_problem, only_series, post_reports, post_reports_ok
+from auditor.testing.http import assert_problem, only_series, post_reports, post_reports_non_finite, post_reports_ok
 from auditor.trainer.fingerprint import fingerprint
 
 N = 4096
@@ -227,3 +227,30 @@ def test_the_heat_strip_is_bounded():
     assert (len(t["y"]), len(t["x"]), len(t["z"]), len(t["z"][0])) == (64, 1000, 64, 1000)
     assert "first 64 of 200 ranks, first 1000 of 1500 bad steps" in fig["layout"]["title"]["text"]
     assert drift_strip([{"step": 0, "faults": [{"kind": "group_mismatch", "ranks": [1], "evidence": {}}]}], "w") is None
+
+
+def test_an_infinite_gap_stays_the_worst_gap_on_report_page_and_metrics(server, run_id):
+    """Rank 2 of four DP replicas holds an Inf at step 1 (a non-finite pair: gap ∞), every
+    replica agrees again at step 2: the worst gap was stored as null and read 0.0 after the
+    ∞ step. It reads ``"inf"`` (JSON has no Infinity) at step 1 on the report and the step
+    listing, ``inf`` on the run page; a last step at ∞ is +Inf on the gap gauge."""
+    reports = _dp_world(run_id, 3)
+    bad = _weights(1)
+    bad[7] = math.inf
+    reports[4 + 2] = _report(run_id, 1, 2, bad, sizes={"dp": 4}, coords={"dp": 2}, spec=None, host="node-1")
+    assert post_reports_non_finite(server, reports).status_code == 200
+    s = only_series(server, run_id)
+    assert (s["steps_inconsistent"], s["first_bad_step"]) == (1, 1)
+    assert (s["worst_applied_error_sigma"], s["worst_applied_error_step"], s["applied_error_sigma"]) == ("inf", 1, 0.0)
+    assert [x["applied_error_sigma"] for x in _steps(server, run_id)] == [0.0, "inf", 0.0]
+    assert _step(server, run_id, 1)["applied_error_sigma"] == "inf"
+    html = server.get(f"/runs/{run_id}").text
+    card = html[html.index("largest replica gap</div>"):][:400]
+    assert '<div class="value">inf</div>' in card and "(step 1)" in card, card
+    last = [_report(run_id, 3, r, bad if r == 2 else _weights(1), sizes={"dp": 4}, coords={"dp": r}, spec=None)
+            for r in range(4)]
+    assert post_reports_non_finite(server, last).status_code == 200
+    m = server.get("/metrics").text
+    assert f'auditor_replica_gap_ratio{{run="{run_id}",statistic="ln.weight"}} +Inf' in m
+    s = only_series(server, run_id)
+    assert (s["worst_applied_error_sigma"], s["worst_applied_error_step"], s["applied_error_sigma"]) == ("inf", 1, "inf")

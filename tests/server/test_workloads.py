@@ -133,6 +133,37 @@ def test_not_comparable_is_never_invariant(live_server, run_id, data):
     assert_problem(live_server.get("/v1/compare", params={"run": ["a b"]}), 422, "validation")
 
 
+def test_a_step_range_past_its_end_is_a_422_naming_from_and_to(live_server, run_id, data):
+    w = f"rng-{uuid.uuid4().hex[:8]}"
+    _post_run(live_server, run_id, data, w)
+    for r in (live_server.get(f"/v1/workloads/{w}", params={"from": 5, "to": 2}),
+              live_server.get("/v1/compare", params={"run": [run_id, run_id], "from": 5, "to": 2})):
+        body = assert_problem(r, 422, "validation")
+        assert [e["field"] for e in body["errors"]] == ["query.from", "query.to"], body
+        assert "from (5) is past to (2)" in body["detail"], body
+    # an equal bound is one step, no error
+    assert live_server.get(f"/v1/workloads/{w}", params={"from": 1, "to": 1}).status_code == 200
+
+
+def test_the_workload_label_is_shown_wherever_the_run_is(live_server, data):
+    w = f"lbl-{uuid.uuid4().hex[:8]}"
+    run_id = f"{w}-run"
+    _post_run(live_server, run_id, data, w)
+    assert live_server.get(f"/v1/runs/{run_id}/report").json()["workload"] == w
+    assert live_server.get(f"/v1/runs/{run_id}").json()["workload"] == w
+    listed = [r for r in live_server.get("/v1/runs", params={"limit": 1000}).json()["runs"] if r["run_id"] == run_id]
+    assert [r["workload"] for r in listed] == [w]
+    assert Reader(live_server.url).report(run_id).workload == w
+    assert f'id="run-workload" href="/workloads/{w}">{w}</a>' in live_server.get(f"/runs/{run_id}").text
+    assert f'href="/workloads/{w}">{w}</a>' in live_server.get("/").text
+    out = run_auditor("runs", "--url", live_server.url, clean=True)
+    assert out.returncode == 0, out.stderr
+    (line,) = [x for x in out.stdout.splitlines() if run_id in x]
+    assert f" {w} " in line, out.stdout
+    out = run_auditor("report", run_id, "--url", live_server.url, clean=True)
+    assert f"workload {w}" in out.stdout.splitlines()[0], out.stdout
+
+
 def test_reader_and_cli_exit_codes(live_server, invariant):
     w, runs = invariant
     with Reader(live_server.url) as reader:

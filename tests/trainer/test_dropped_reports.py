@@ -7,12 +7,14 @@ and PostgreSQL (the ``live_server`` fixture's backends)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 
 import pytest
 
 from auditor.testing.cli import run_auditor
+from auditor.testing.http import assert_problem, only_series, post_reports, post_reports_ok
 from auditor.testing.wait import wait_until
 from auditor.testing.world import spawn_world
 from auditor.trainer.handover import Gaps
@@ -167,3 +169,83 @@ def test_spooled_reports_carry_the_drops_and_an_offline_audit_fails_on_them(tmp_
     assert out.returncode == 1 and "DROPPED REPORTS — 2 report(s)" in out.stdout + out.stderr, out.stdout + out.stderr
     out = run_auditor("audit", str(spool), "--check", "--allow-dropped")
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_a_resent_report_with_a_grown_tally_counts_the_growth(live_server, run_id):
+    """The client's tally only grows (``Gaps.attach`` adds the drops it still has to tell to
+    a report it sends again): a re-send of a stored report whose ``dropped`` grew (2 → 5,
+    steps 2-3 → 1-3) was a duplicate and its 3 new drops were lost. It stays a duplicate of
+    the values and the growth is counted (5 in all, steps 1-3); the same tally again counts
+    nothing; a lower count, other steps at the same count, or no tally where one was stored
+    contradict it: 409 conflicting_report naming the dropped fields, the stored one stays,
+    and the refusal is counted on the series. Two copies of the report in one batch keep the
+    higher tally."""
+    from factory import world_reports
+
+    (rep,) = world_reports(run_id, step=4, dp=1, cp=1)
+    first = {**rep, "dropped": {"count": 2, "first_step": 2, "last_step": 3}}
+    grown = {**rep, "dropped": {"count": 5, "first_step": 1, "last_step": 3}}
+    assert post_reports_ok(live_server, [first])["accepted"] == 1
+    for again in (grown, grown):
+        out = post_reports_ok(live_server, [again])
+        assert (out["accepted"], out["duplicates"]) == (0, 1)
+        st = only_series(live_server, run_id)
+        assert (st["reports_dropped"], st["dropped_first_step"], st["dropped_last_step"]) == (5, 1, 3)
+    for told, fields in (({"count": 4, "first_step": 1, "last_step": 3}, ["dropped.count"]),
+                         ({"count": 5, "first_step": 2, "last_step": 4}, ["dropped.first_step", "dropped.last_step"]),
+                         ({"count": 6, "first_step": 2, "last_step": 3}, ["dropped.count", "dropped.first_step"]),
+                         (None, ["dropped.count", "dropped.first_step", "dropped.last_step"])):
+        body = assert_problem(post_reports(live_server, [{**rep, "dropped": told}] if told else [rep]), 409,
+                              "conflicting_report")
+        assert [c["fields"] for c in body["conflicts"]] == [fields], body
+        assert "where the stored report says {count: 5, first_step: 1, last_step: 3}" in body["detail"], body
+    st = only_series(live_server, run_id)
+    assert (st["reports_dropped"], st["refused_reports"], st["refused_kind"]) == (5, 4, "conflicting_report")
+    # in one batch: the higher copy wins, whichever comes first; copies that contradict are a 409
+    (nxt,) = world_reports(run_id, step=5, dp=1, cp=1)
+    low, high = ({**nxt, "dropped": {"count": n, "first_step": 0, "last_step": n}} for n in (1, 2))
+    assert post_reports_ok(live_server, [high, low])["duplicates"] == 1
+    assert post_reports_ok(live_server, [low, high])["duplicates"] == 2
+    st = only_series(live_server, run_id)
+    assert (st["reports_dropped"], st["dropped_first_step"], st["dropped_last_step"]) == (7, 0, 3)
+    odd = {**nxt, "step": 6, "dropped": {"count": 2, "first_step": 1, "last_step": 1}}
+    body = assert_problem(post_reports(live_server, [{**odd, "dropped": {"count": 1, "first_step": 0, "last_step": 0}},
+                                                     odd]), 409, "conflicting_report")
+    assert "reports[0]" in body["detail"] and body["conflicts"][0]["index"] == 1, body
+
+
+def test_the_drops_are_counted_in_the_ingest_transaction(service, run_id, monkeypatch):
+    """The count was written in a transaction of its own after the ingest's commit: a crash
+    between the two (here: every write transaction after the first fails) stored the report
+    and lost its drops. The ingest is one transaction: both or neither, on either database;
+    a re-send's growth likewise."""
+    from factory import world_reports
+
+    from auditor.contract.models import Report
+
+    (rep,) = world_reports(run_id, step=4, dp=1, cp=1)
+    real, committed = service.store.write, []
+
+    @contextlib.contextmanager
+    def write_once():
+        """A write transaction, unless one committed already (a failed attempt's rollback
+        is no commit: the ingest retries a re-send row by row)."""
+        if committed:
+            raise RuntimeError("the process died after the ingest's commit")
+        with real() as conn:
+            yield conn
+        committed.append(1)
+
+    monkeypatch.setattr(service.store, "write", write_once)
+    told = Report.model_validate({**rep, "dropped": {"count": 2, "first_step": 2, "last_step": 3}})
+    assert service.ingest([told]).accepted == 1
+    monkeypatch.undo()
+    st = service.report(run_id)["statistics"][0]
+    assert (st["reports_dropped"], st["dropped_first_step"], st["dropped_last_step"]) == (2, 2, 3)
+    committed.clear()
+    monkeypatch.setattr(service.store, "write", write_once)
+    grown = Report.model_validate({**rep, "dropped": {"count": 3, "first_step": 1, "last_step": 3}})
+    assert service.ingest([grown]).duplicates == 1
+    monkeypatch.undo()
+    st = service.report(run_id)["statistics"][0]
+    assert (st["reports_dropped"], st["dropped_first_step"], st["dropped_last_step"]) == (3, 1, 3)

@@ -10,6 +10,7 @@ from dataclasses import replace
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
 from pydantic import Field
 
 from auditor.contract.names import RUN_ID_PATTERN, STATISTIC_PATTERN
@@ -145,6 +146,15 @@ _FROM = Query(None, alias="from", ge=0, le=2**62, description="First step (inclu
 _TO = Query(None, alias="to", ge=0, le=2**62, description="Last step (inclusive).")
 
 
+def check_step_range(start: int | None, stop: int | None) -> None:
+    """A 422 naming ``from`` and ``to`` when both are given and ``from`` is past ``to`` (an
+    empty range compares nothing: the caller swapped them, not a ``not_comparable`` verdict)."""
+    if start is not None and stop is not None and start > stop:
+        msg = f"from ({start}) is past to ({stop}): the step range is empty"
+        raise RequestValidationError([{"loc": ("query", "from"), "type": "value_error", "input": start, "msg": msg},
+                                      {"loc": ("query", "to"), "type": "value_error", "input": stop, "msg": msg}])
+
+
 @router.get("/v1/workloads/{workload}", tags=["workloads"],
             summary="Layout invariance: the runs of one workload compared step by step")
 async def get_workload(request: Request, state: StateDep, workload: str = WorkloadPath,
@@ -162,7 +172,9 @@ async def get_workload(request: Request, state: StateDep, workload: str = Worklo
     steps_compared, runs_truncated, page}``. ``verdict``: ``invariant``, ``variant`` or
     ``not_comparable`` (fewer than two runs sharing steps: never ``invariant`` unchecked).
     Bounded: at most 64 runs (the first by run id), ``steps`` steps per run and statistic,
-    2²¹ stored reports read. 404 when no run carries the label."""
+    2²¹ stored reports read. 404 when no run carries the label; 422 naming ``from`` and
+    ``to`` when ``from`` is past ``to``."""
+    check_step_range(start, stop)
     page = str(request.url_for("workload_page", workload=workload))
     return await state.read(lambda: replace(state.service.compare_workload(workload, start=start, stop=stop,
                                                                            max_steps=steps), page=page))
@@ -175,5 +187,6 @@ async def get_compare(state: StateDep,
                       start: int | None = _FROM, stop: int | None = _TO, steps: int = _STEPS):
     """The runs ``run`` compared as one workload whatever their labels: the document of
     ``GET /v1/workloads/{workload}`` with ``workload`` null. 404 naming an unknown run, 422
-    naming a malformed run id."""
+    naming a malformed run id, 422 naming ``from`` and ``to`` when ``from`` is past ``to``."""
+    check_step_range(start, stop)
     return await state.read(lambda: state.service.compare_runs(run, start=start, stop=stop, max_steps=steps))
