@@ -240,12 +240,12 @@ def test_the_drops_are_counted_in_the_ingest_transaction(service, run_id, monkey
     told = Report.model_validate({**rep, "dropped": {"count": 2, "first_step": 2, "last_step": 3}})
     assert service.ingest([told]).accepted == 1
     monkeypatch.undo()
-    st = service.report(run_id)["statistics"][0]
-    assert (st["reports_dropped"], st["dropped_first_step"], st["dropped_last_step"]) == (2, 2, 3)
+    st = service.report(run_id).statistics[0]
+    assert (st.reports_dropped, st.dropped_first_step, st.dropped_last_step) == (2, 2, 3)
     committed.clear()
     monkeypatch.setattr(service.store, "write", write_once)
     grown = Report.model_validate({**rep, "dropped": {"count": 3, "first_step": 1, "last_step": 3}})
     assert service.ingest([grown]).duplicates == 1
     monkeypatch.undo()
-    st = service.report(run_id)["statistics"][0]
-    assert (st["reports_dropped"], st["dropped_first_step"], st["dropped_last_step"]) == (3, 1, 3)
+    st = service.report(run_id).statistics[0]
+    assert (st.reports_dropped, st.dropped_first_step, st.dropped_last_step) == (3, 1, 3)
