@@ -35,9 +35,11 @@ Timeout = typer.Option(
 def header_token(value: str | None) -> str | None:
     """``--token`` is sent as ``Authorization: Bearer <token>``: printable ASCII only (httpx
     raised UnicodeEncodeError for any other character: a traceback, "unexpected" exit 2)."""
+    if not value:
+        return value
     from auditor.reader import header_safe
 
-    if value and not header_safe(value):
+    if not header_safe(value):
         raise typer.BadParameter("must be printable ASCII (it is sent in the Authorization header)")
     return value
 
