@@ -11,7 +11,8 @@ import threading
 from pydantic import Field, ValidationInfo, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-DEFAULT_DATABASE_URL = "sqlite:///./auditor.db"
+from auditor.defaults import DEFAULT_DATABASE_URL, DEFAULT_GRACE_SECONDS
+
 #: The largest world_size, size of a dim or num_microbatches the wire schema admits at all
 #: (auditor.contract); the deployment's own limits below may only be lower. Past the limit a
 #: caller is told the configured value, never this one.
@@ -41,7 +42,8 @@ class Settings(BaseSettings):
         description="SQLAlchemy URL: sqlite:///path.db (default, WAL mode) or postgresql+psycopg://...",
     )
     grace_seconds: float = Field(
-        60.0, ge=0, description="How long a step may stay incomplete before it is audited with missing_report."
+        DEFAULT_GRACE_SECONDS, ge=0,
+        description="How long a step may stay incomplete before it is audited with missing_report.",
     )
     sweep_interval_seconds: float = Field(
         5.0, gt=0, description="How often the background sweep looks for steps whose grace period ended."

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 
 import typer
 
-from auditor.config import DEFAULT_DATABASE_URL
+from auditor.defaults import DEFAULT_DATABASE_URL
 
 
 class UsageError(Exception):
@@ -20,13 +21,8 @@ class UsageError(Exception):
 def errors_as_exit_2(fn):
     """Turn the errors a user can cause (bad URL, unreachable service or database, unknown
     revision, missing driver) into one line on stderr and exit code 2 — never a traceback,
-    and never exit 1, which `check` reserves for "inconsistent"."""
-    import httpx
-    import sqlalchemy as sa
-    from alembic.util.exc import CommandError
-
-    from auditor.offline_reader import SpoolError, SpoolReaderError
-    from auditor.reader import ReaderError
+    and never exit 1, which `check` reserves for "inconsistent". Imports nothing until an
+    error arrives (``auditor --help`` starts without SQLAlchemy, alembic or httpx)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -34,30 +30,47 @@ def errors_as_exit_2(fn):
             return fn(*args, **kwargs)
         except BrokenPipeError:  # `auditor ... | head`: the reader left; end quietly, as CLI tools do
             quiet_broken_pipe()
-        except (UsageError, SpoolReaderError, SpoolError) as e:
-            msg = str(e)
-        except (ReaderError, httpx.HTTPError, httpx.InvalidURL) as e:
-            msg = http_error_message(e)
-        except OSError as e:  # a file that cannot be read or written: permissions, I/O error, disk full
-            msg = f"{e.strerror}: {e.filename}" if e.strerror and e.filename else f"{type(e).__name__}: {e}"
-        except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ModuleNotFoundError) as e:
-            msg = f"bad database URL: {e}{database_url_hint(kwargs.get('database_url') or kwargs.get('keep_database'))}"
-        except sa.exc.OperationalError as e:
-            msg = (f"cannot reach the database: {str(e.orig or e).strip().splitlines()[0]}"
-                   f"{database_url_hint(kwargs.get('database_url'))}")
-        except CommandError as e:
-            msg = f"migration: {e}"
         except (typer.Exit, typer.Abort, KeyboardInterrupt, SystemExit):
             raise
-        except Exception as e:  # noqa: BLE001 - a bug, still never exit 1 (which `check` reserves)
-            import traceback
-
-            traceback.print_exc()
-            msg = f"unexpected {type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - one line, exit 2; a bug too, never exit 1 (which `check` reserves)
+            msg = _error_line(e, kwargs)
         typer.echo(f"error: {msg}", err=True)
         raise typer.Exit(2)
 
     return wrapper
+
+
+def _loaded(module: str):
+    """``module`` if this process imported it, else None: an exception of its classes can
+    only come from a module that was imported, so matching needs no import."""
+    return sys.modules.get(module)
+
+
+def _error_line(e: Exception, kwargs: dict) -> str:
+    """The line :func:`errors_as_exit_2` prints for ``e``, raised by a command called with
+    ``kwargs`` (its ``database_url``/``keep_database`` pick the database hint); a bug
+    prints its traceback first and is ``unexpected <type>: <message>``."""
+    httpx, sa, alembic_exc = _loaded("httpx"), _loaded("sqlalchemy"), _loaded("alembic.util.exc")
+    offline_reader, reader = _loaded("auditor.offline_reader"), _loaded("auditor.reader")
+    spool_errors = (offline_reader.SpoolReaderError, offline_reader.SpoolError) if offline_reader else ()
+    http_errors = ((reader.ReaderError,) if reader else ()) + ((httpx.HTTPError, httpx.InvalidURL) if httpx else ())
+    if isinstance(e, (UsageError, *spool_errors)):
+        return str(e)
+    if isinstance(e, http_errors):
+        return http_error_message(e)
+    if isinstance(e, OSError):  # a file that cannot be read or written: permissions, I/O error, disk full
+        return f"{e.strerror}: {e.filename}" if e.strerror and e.filename else f"{type(e).__name__}: {e}"
+    if isinstance(e, (ModuleNotFoundError, *((sa.exc.ArgumentError, sa.exc.NoSuchModuleError) if sa else ()))):
+        return f"bad database URL: {e}{database_url_hint(kwargs.get('database_url') or kwargs.get('keep_database'))}"
+    if sa and isinstance(e, sa.exc.OperationalError):
+        return (f"cannot reach the database: {str(e.orig or e).strip().splitlines()[0]}"
+                f"{database_url_hint(kwargs.get('database_url'))}")
+    if alembic_exc and isinstance(e, alembic_exc.CommandError):
+        return f"migration: {e}"
+    import traceback
+
+    traceback.print_exc()
+    return f"unexpected {type(e).__name__}: {e}"
 
 
 #: Exit status after stdout was closed by its reader (``| head``): 128 + SIGPIPE, what a
@@ -68,8 +81,6 @@ BROKEN_PIPE_EXIT = 141
 def quiet_broken_pipe() -> None:
     """Stdout's reader left: point stdout at /dev/null (so the interpreter's last flush
     says nothing) and exit :data:`BROKEN_PIPE_EXIT`, with no message."""
-    import sys
-
     try:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())

@@ -4,13 +4,18 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import TYPE_CHECKING
 
 import typer
-from rich.console import Console
 
 from auditor import status as _status
 from auditor.cli.errors import UsageError, quiet_broken_pipe
-from auditor.config import DEFAULT_DATABASE_URL, Settings
+from auditor.defaults import DEFAULT_DATABASE_URL
+
+if TYPE_CHECKING:  # imported where used: `auditor --help` needs neither pydantic nor a console
+    from rich.console import Console
+
+    from auditor.config import Settings
 
 DatabaseUrl = typer.Option(
     None, "--database-url", envvar="AUDITOR_DATABASE_URL",
@@ -30,9 +35,11 @@ Timeout = typer.Option(
 def header_token(value: str | None) -> str | None:
     """``--token`` is sent as ``Authorization: Bearer <token>``: printable ASCII only (httpx
     raised UnicodeEncodeError for any other character: a traceback, "unexpected" exit 2)."""
+    if not value:
+        return value
     from auditor.reader import header_safe
 
-    if value and not header_safe(value):
+    if not header_safe(value):
         raise typer.BadParameter("must be printable ASCII (it is sent in the Authorization header)")
     return value
 
@@ -90,6 +97,8 @@ def load_settings(**values) -> Settings:
     pydantic's ValidationError: a traceback and "unexpected ValidationError")."""
     import pydantic
 
+    from auditor.config import Settings
+
     try:
         return Settings(**values)
     except pydantic.ValidationError as e:
@@ -100,6 +109,8 @@ def load_settings(**values) -> Settings:
 
 def make_console() -> Console:
     """A console for tables; when output is piped (CI logs), wide enough not to cut numbers."""
+    from rich.console import Console
+
     console = Console()
     console = console if console.is_terminal else Console(width=160)
     console.on_broken_pipe = quiet_broken_pipe  # rich's own exits 1, which `check` reserves

@@ -11,7 +11,7 @@ from auditor.cli.root import app
 from auditor.cli.db import database_shown, ensure_schema
 from auditor.cli.errors import UsageError, errors_as_exit_2
 from auditor.cli.options import DatabaseUrl, load_settings
-from auditor.config import Settings
+from auditor.defaults import DEFAULT_GRACE_SECONDS
 
 
 @app.command()
@@ -27,7 +27,7 @@ def serve(
     grace_seconds: Optional[float] = typer.Option(
         None, min=0, envvar="AUDITOR_GRACE_SECONDS", show_default=False,
         help=f"Seconds a step may stay incomplete before it is audited with missing_report "
-             f"[default: {Settings.model_fields['grace_seconds'].default:g}]."),
+             f"[default: {DEFAULT_GRACE_SECONDS:g}]."),
     log_level: str = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug."),
 ) -> None:
     """Run the HTTP service. Migrates an empty database first (under a PostgreSQL advisory lock,

@@ -220,12 +220,12 @@ class LocalSource(Source):
     SQLite file) and hold an auditor schema."""
 
     def __init__(self, database_url: str):
+        require_existing_sqlite(database_url)  # first: a missing file is refused before the service is imported
         from auditor.db.engine import current_revision, make_engine
         from auditor.service import LocalReader, NotFound, Service
 
         self.url, self.where = None, database_url
         self.not_found = NotFound
-        require_existing_sqlite(database_url)
         engine = make_engine(database_url)
         if current_revision(engine) is None:
             where = engine.url.render_as_string(hide_password=True)

@@ -9,7 +9,6 @@ import time
 from typing import Optional
 
 import typer
-from rich.console import Console
 
 from auditor.cli.root import app
 from auditor.cli.errors import UsageError, errors_as_exit_2
@@ -46,6 +45,8 @@ def _spool_progress(what: str, quiet: bool):
     yielding the ``on_progress(done_bytes, total_bytes, reports)`` callback of
     :mod:`auditor.offline`. Off with ``--quiet`` and when stderr is not a terminal (CI logs,
     pipes: the callback is then a no-op)."""
+    from rich.console import Console
+
     console = Console(stderr=True)
     if quiet or not console.is_terminal:
         yield None

@@ -13,11 +13,12 @@ import sqlite3
 from importlib import resources
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 import sqlalchemy as sa
-from alembic import command
-from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
+
+if TYPE_CHECKING:  # alembic is imported by the functions that use it: a read command needs none of it
+    from alembic.config import Config
 
 SQLITE_BUSY_TIMEOUT_MS = 30_000
 
@@ -117,6 +118,8 @@ def write_begin(engine: sa.Engine):
 
 def alembic_config(url: str) -> Config:
     """Alembic configuration for ``url``, pointing at the migrations shipped in the package."""
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(resources.files("auditor.migrations")))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
@@ -125,11 +128,15 @@ def alembic_config(url: str) -> Config:
 
 def head_revision() -> str:
     """The newest migration revision this code ships."""
+    from alembic.script import ScriptDirectory
+
     return ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head()
 
 
 def current_revision(engine: sa.Engine) -> str | None:
     """The database's revision, or None for an empty database."""
+    from alembic.runtime.migration import MigrationContext
+
     with engine.connect() as conn:
         return MigrationContext.configure(conn).get_current_revision()
 
@@ -163,12 +170,16 @@ def migration_lock(url: str):
 
 def upgrade(url: str, revision: str = "head") -> None:
     """Apply migrations up to ``revision`` (``auditor db upgrade``), under :func:`migration_lock`."""
+    from alembic import command
+
     with migration_lock(url):
         command.upgrade(alembic_config(url), revision)
 
 
 def downgrade(url: str, revision: str) -> None:
     """Revert migrations down to ``revision`` (``base`` empties the schema), under :func:`migration_lock`."""
+    from alembic import command
+
     with migration_lock(url):
         command.downgrade(alembic_config(url), revision)
 
@@ -180,6 +191,9 @@ def ensure_schema(engine: sa.Engine, url: str) -> None:
     older revision or at one this code does not know (newer code wrote it) raises
     :class:`SchemaError` with the command to run.
     """
+    from alembic import command
+    from alembic.script import ScriptDirectory
+
     current = current_revision(engine)
     head = head_revision()
     if current == head:

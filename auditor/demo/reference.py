@@ -326,6 +326,7 @@ def run_demo(
     prefix: str | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     steps: int = 1,
+    preload: Sequence[str] | None = None,
 ) -> DemoResult:
     """Run the reference case on dp·cp real workers against the service at ``url``, print it.
 
@@ -349,6 +350,10 @@ def run_demo(
     steps:
         Rollout steps per run: step 0 is the reference case, later steps whiten fresh
         rewards (:func:`step_advantages`), so the run page has a history to plot.
+    preload:
+        Fork the workers from a server that imported these modules once (e.g.
+        :data:`auditor.testing.world.MEGATRON_PRELOAD`: tests that run several worlds); default
+        ``None``, a fresh interpreter per worker (``spawn``), as ``auditor demo`` runs them.
     """
     console = console or Console()
     samples = tuple(sequences or REFERENCE_SAMPLES)
@@ -356,7 +361,7 @@ def run_demo(
     run_ids = (f"{prefix}-buggy", f"{prefix}-fixed")
     console.print(f"[bold]Whitening {len(samples)} sequences on dp={dp} × cp={cp} gloo workers[/] "
                   f"(runs {run_ids[0]}, {run_ids[1]})")
-    ranks = run_workers(samples, dp, cp, run_ids, url=url, timeout=timeout, steps=steps)
+    ranks = run_workers(samples, dp, cp, run_ids, url=url, timeout=timeout, steps=steps, preload=preload)
     result = DemoResult(dp, cp, samples, *run_ids, ranks)
     _print_local(console, result)
     _print_whitened(console, result)

@@ -38,6 +38,13 @@ def _auditor(*args: str, cwd=None):
     return run_capped([sys.executable, "-m", "auditor", *args], timeout=90, env=_env(), cwd=cwd)
 
 
+def _timeout(mode: str) -> str:
+    """``--timeout`` against ``mode``: 0.5 s for the trickles, which it ends (still over the
+    0.2 s between their bytes, so only the whole-answer bound can end them); 1 s for the
+    others, which answer at once."""
+    return "0.5" if mode.startswith("trickle") else "1"
+
+
 def test_the_trainer_client_counts_nothing_sent_and_keeps_every_report(servers, tmp_path):
     """One client per kind of garbage in one training process: no report counted sent (a
     junk 200 counted 24,000 reports sent and dropped them), every one in the spool, the
@@ -67,18 +74,18 @@ def test_the_cli_ends_in_one_line_exit_2(servers, mode):
     repeating cursor looped `runs` for ever), memory flat."""
     url = servers[mode].url
     for cmd in COMMANDS if mode in ("html", "wrong_types", "cursor_loop", "trickle_body") else COMMANDS[:1]:
-        out = _auditor(*cmd, "--url", url, "--timeout", "1")
+        out = _auditor(*cmd, "--url", url, "--timeout", _timeout(mode))
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (cmd, out.stderr)
         assert url in lines[0] and "Traceback" not in out.stderr and out.stdout == ""
         assert out.maxrss < MAX_RSS, out.maxrss
         assert out.seconds < 30, out.seconds
-    said = _auditor("runs", "--url", url, "--timeout", "1").stderr
+    said = _auditor("runs", "--url", url, "--timeout", _timeout(mode)).stderr
     expect = {"endless": "an answer longer than 33,554,432 bytes", "gzip_bomb": "an answer longer than 33,554,432",
               "html": "HTTP 200 but not JSON: '<html>", "nested": "HTTP 200 but not JSON",
               "wrong_types": "not a listing of runs", "cursor_loop": "next_cursor 'again' was given before",
               "redirect": "HTTP 302, a redirect to /v1/runs", "reset": "Connection reset by peer",
-              "trickle_headers": "within 1 s", "trickle_body": "within 1 s"}[mode]
+              "trickle_headers": "within 0.5 s", "trickle_body": "within 0.5 s"}[mode]
     assert expect in said, said
 
 
@@ -87,7 +94,7 @@ import json, sys
 from auditor import Reader, ReaderError
 out = {}
 for mode, url in json.loads(sys.argv[1]).items():
-    with Reader(url, timeout=1.0, deadline=3.0) as r:
+    with Reader(url, timeout=0.5 if mode.startswith("trickle") else 1.0, deadline=3.0) as r:
         got = []
         for call in (lambda: list(r.runs()), lambda: r.report("r"), lambda: r.step("r", "a", 0),
                      lambda: list(r.steps("r", "a"))):
@@ -104,14 +111,14 @@ print(json.dumps(out))
 def test_the_reader_raises_reader_error_naming_the_url(servers):
     """Every Reader call against each garbage raises ReaderError naming the URL (it raised
     raw JSONDecodeError, KeyError, RecursionError, and hung on a trickle), in bounded
-    memory and time."""
+    memory and time (a trickle within the 0.5 s timeout, as the CLI's :func:`_timeout`)."""
     urls = {mode: s.url for mode, s in servers.items()}
     out = run_capped([sys.executable, "-c", READER, json.dumps(urls)], timeout=90, env=_env())
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
     got = json.loads(out.stdout)
     for mode, url in urls.items():
         assert len(got[mode]) == 4 and all(g.startswith(f"ReaderError: {url}/") for g in got[mode]), (mode, got[mode])
-    assert "within 1 s" in got["trickle_headers"][0] and "within 1 s" in got["trickle_body"][0]
+    assert "within 0.5 s" in got["trickle_headers"][0] and "within 0.5 s" in got["trickle_body"][0]
     assert "next_cursor 'again' was given before" in got["cursor_loop"][0]
     assert "not a Report document" in got["wrong_types"][1] and "not a Report document" in got["cursor_loop"][1]
     assert out.maxrss < MAX_RSS, out.maxrss
@@ -128,7 +135,7 @@ def test_import_delivers_only_to_an_auditor(servers, tmp_path, mode):
     path.write_text("".join(json.dumps(r) + "\n" for s in range(3) for r in reference_reports("g", buggy=False,
                                                                                                step=s)))
     url = servers[mode].url
-    out = _auditor("import", str(d), "--url", url, "--timeout", "1")
+    out = _auditor("import", str(d), "--url", url, "--timeout", _timeout(mode))
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and url in lines[0], out.stderr
     assert "imported" not in out.stdout and "Traceback" not in out.stderr

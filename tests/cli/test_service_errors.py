@@ -105,19 +105,19 @@ def test_a_failing_service(failing_server, cmd):
 @pytest.mark.parametrize("cmd", [*COMMANDS, ("import", "SPOOL")], ids=lambda c: c[0])
 def test_a_host_that_never_answers_fails_within_the_timeout(silent_host, cmd, tmp_path):
     """A host that accepts TCP and never answers: `report` took 69 s and `import` 258 s.
-    With --timeout 1 the reads fail after one second, the import after three seconds with
-    no answer ('unreachable'), exit 2, one line."""
+    With --timeout 0.5 the reads fail after half a second, the import after 1.5 s (three
+    timeouts) with no answer ('unreachable'), exit 2, one line."""
     if cmd[0] == "import":
         spool = tmp_path / "rank0.jsonl"
         spool.write_text("".join(json.dumps(r) + "\n" for r in reference_reports("r", buggy=False)))
         cmd = ("import", str(spool))
     t = time.monotonic()
-    err = one_line_error(auditor(*cmd, "--url", silent_host, "--timeout", "1"))
+    err = one_line_error(auditor(*cmd, "--url", silent_host, "--timeout", "0.5"))
     elapsed = time.monotonic() - t
     if cmd[0] == "import":
-        assert f"{silent_host} is unreachable" in err and "no HTTP answer within 3 s" in err, err
+        assert f"{silent_host} is unreachable" in err and "no HTTP answer within 1.5 s" in err, err
     else:
-        assert f"no answer from {silent_host}/healthz within 1 s (ReadTimeout" in err, err
+        assert f"no answer from {silent_host}/healthz within 0.5 s (ReadTimeout" in err, err
     assert elapsed < 15, elapsed  # (the interpreter's start-up included)
 
 

@@ -5,6 +5,11 @@ two prompt-heavy ones twice — over ``get_data_parallel_group()`` (slime's bug)
 ``get_data_parallel_group(with_context_parallel=True)`` (the fix) — and reports to the
 in-process service of ``auditor.pytest_plugin`` (the ``audited`` fixture, SQLite), which
 also fails the test if any run but the expected-buggy one is inconsistent.
+
+The workers are forked from one server that imported torch and Megatron-core once
+(``preload``, :func:`auditor.testing.world.spawn_world`): each spawned rank paid that import
+(~6 s of CPU), 11 ranks here. ``auditor demo``'s own start method (``spawn``, a fresh
+interpreter per rank) is run by tests/e2e/test_pages.py and test_prometheus_e2e.py.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import pytest
 from rich.console import Console
 
 from auditor.demo import REFERENCE_SAMPLES, Sample, local_batch, run_demo, run_workers, whiten_reference
+from auditor.testing.world import MEGATRON_PRELOAD
 
 pytestmark = pytest.mark.multiprocess
 
@@ -45,7 +51,8 @@ def test_whitening_across_factorizations(audited, dp, cp):
     prefix = f"mp-{dp}x{cp}-{uuid.uuid4().hex[:8]}"
     if cp > 1:
         audited.expect_inconsistent(f"{prefix}-buggy")
-    result = run_demo(audited.url, dp, cp, sequences=SAMPLES, console=Console(file=io.StringIO()), prefix=prefix)
+    result = run_demo(audited.url, dp, cp, sequences=SAMPLES, console=Console(file=io.StringIO()), prefix=prefix,
+                      preload=MEGATRON_PRELOAD)
     buggy, fixed = result.buggy_run_id, result.fixed_run_id
 
     assert sorted((r.dp, r.cp) for r in result.ranks) == [(d, c) for d in range(dp) for c in range(cp)]

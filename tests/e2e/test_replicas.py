@@ -24,6 +24,7 @@ import sqlalchemy as sa
 from auditor.core import stats
 from auditor.db.engine import head_revision, make_engine
 from auditor.db.tables import faults, series, step_audits
+from auditor.testing.postgres import database
 from auditor.testing.server import ServerProcess
 
 SIZES = {"dp": 2, "cp": 4, "tp": 2, "pp": 1}
@@ -175,8 +176,27 @@ def servers(tmp_path):
         s.stop()
 
 
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """(reference database, shared database, the reference process on the first, two replicas
+    on the second), started once for every seed (grace 8 s, sweep every 0.2 s): each seed
+    posts its own run id, whose verdicts, counters and metric series are its own."""
+    logs = tmp_path_factory.mktemp("replicas")
+    with database("auditor_test_ref") as ref_db, database("auditor_test_shared") as shared_db:
+        procs = [ServerProcess(db, logs / f"{name}.log", AUDITOR_GRACE_SECONDS=str(GRACE_SECONDS),
+                               AUDITOR_SWEEP_INTERVAL_SECONDS=str(SWEEP_INTERVAL))
+                 for db, name in ((ref_db, "reference"), (shared_db, "replica0"), (shared_db, "replica1"))]
+        try:
+            with ThreadPoolExecutor(3) as pool:
+                list(pool.map(lambda s: s.start(), procs))
+            yield ref_db, shared_db, procs[0], procs[1:]
+        finally:
+            for s in procs:
+                s.stop()
+
+
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_two_replicas_give_the_single_process_verdicts(pg_databases, servers, seed):
+def test_two_replicas_give_the_single_process_verdicts(cluster, seed):
     """2 replicas on one PostgreSQL database; 8 concurrent clients post the 3200 reports of
     200 steps × 16 ranks, shuffled (within windows of 40 steps) and cut into random batches
     (1–48 reports), each batch to a random replica. Exactly 200 verdicts are recorded, each identical (verdict,
@@ -190,11 +210,7 @@ def test_two_replicas_give_the_single_process_verdicts(pg_databases, servers, se
     complete_steps = {s for s, k in kinds.items() if not k.startswith("missing")}
     rng = random.Random(1000 + seed)
 
-    ref_db, shared_db = pg_databases("ref"), pg_databases("shared")
-    reference = servers(ref_db, "reference")
-    replicas = [servers(shared_db, f"replica{i}") for i in range(2)]
-    with ThreadPoolExecutor(3) as pool:
-        list(pool.map(lambda s: s.start(), [reference, *replicas]))
+    ref_db, shared_db, reference, replicas = cluster
 
     # Reference: one process, one client, reports in step order.
     errors: list[BaseException] = []

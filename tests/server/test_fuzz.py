@@ -7,6 +7,13 @@ unsupported methods and missing auth. No answer may be a 5xx, every status and c
 type must be declared in the document, every body must match its declared schema, and
 every schema-violating request must be refused. Bounded by example count (and a timeout),
 with a fixed seed so that a failure reproduces.
+
+PostgreSQL gets the full count, SQLite a third of it: everything above the store (the
+OpenAPI document, validation, the answers' schemas) is the same code on both, so a second
+full run re-tests it; what differs is the store, and PostgreSQL is the stricter one (it
+refuses NUL bytes in text and out-of-range integers that SQLite stores), so the odd values
+that could reach a database error meet it there. SQLite's third still sends every
+operation each phase's cases against its own store.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from auditor.testing.server import ServerProcess
 #: phase is ~3/4 of the run and scales with it (11 operations x 300 cases was ~50 s of one core
 #: per backend, 80-90 s in CI beside the other worker); the suite has a 10-minute budget.
 EXAMPLES = 150
+#: ... on SQLite (module docstring: the layers above the store were fuzzed on PostgreSQL).
+SQLITE_EXAMPLES = 50
 CHECKS = "all"
 #: Schema-valid bodies that break cross-field rules (world_size = product of sizes, coords <
 #: sizes, Cauchy–Schwarz) are refused with 422 by design: JSON Schema cannot say them.
@@ -33,7 +42,7 @@ EXCLUDED = "positive_data_acceptance"
 @pytest.mark.timeout(600)
 def test_openapi_fuzzing_finds_no_5xx_and_no_undocumented_answer(database_url, tmp_path):
     """0 responses >= 500 and 0 failed checks over ~150 generated cases per operation and
-    phase; the run report's numbers are printed for the record."""
+    phase (50 on SQLite); the run report's numbers are printed for the record."""
     server = ServerProcess(database_url, tmp_path / "server.log", memory_limit=1536 * 2**20,
                            AUDITOR_GRACE_SECONDS="1", AUDITOR_SWEEP_INTERVAL_SECONDS="0.3").start()
     try:
@@ -44,7 +53,7 @@ def test_openapi_fuzzing_finds_no_5xx_and_no_undocumented_answer(database_url, t
         # tool, not an answer of ours; it skipped the coverage phase). Same time on 2 cores.
         out = subprocess.run(
             [str(st), "run", f"{server.url}/openapi.json", "--checks", CHECKS, "--exclude-checks", EXCLUDED,
-             "-n", str(EXAMPLES), "--seed", "9", "--generation-database", "none", "--no-color",
+             "-n", str(SQLITE_EXAMPLES if database_url.startswith("sqlite") else EXAMPLES), "--seed", "9", "--generation-database", "none", "--no-color",
              "--workers", "1", "--request-timeout", "30", "--report", "json",
              "--report-json-path", str(tmp_path / "report.json")],
             capture_output=True, text=True, timeout=540, cwd=tmp_path,
