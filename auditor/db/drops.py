@@ -12,6 +12,12 @@ import sqlalchemy as sa
 from auditor.db.dialect import Statements
 from auditor.db.tables import report_drops, series
 
+#: The most a series counts as dropped (the wire's bound on one report's ``dropped.count``,
+#: 2**62): the count saturates there, so that reports each within the bound never overflow
+#: the BIGINT column (PostgreSQL raised "bigint out of range", a 500; SQLite turned the sum
+#: into a float that no read could decode).
+MAX_DROPPED = 2**62  # = auditor.contract.fields.MAX_STEP (the store imports no wire contract)
+
 #: A report key: (series_id, step, microbatch, rank).
 Key = tuple[int, int, int, int]
 #: A tally: (count, first_step, last_step).
@@ -57,7 +63,8 @@ class DropStatements(Statements):
               "last_step": hi} for k, (n, lo, hi) in sorted(rows)])
 
     def count_drops(self, conn: sa.Connection, drops: Mapping[int, Tally]) -> None:
-        """Per series id, add ``count`` to ``reports_dropped`` and widen
+        """Per series id, add ``count`` to ``reports_dropped`` (saturating at
+        :data:`MAX_DROPPED`) and widen
         ``dropped_first_step``/``dropped_last_step`` to the steps; one UPDATE per series,
         in id order (the order every transaction updates series rows in:
         :meth:`auditor.db.store.Store.record_verdicts` calls this within its own pass)."""
@@ -73,7 +80,8 @@ def drops_statement() -> sa.Update:
     hi = sa.bindparam("d_hi", type_=sa.BigInteger)
     first, last = c.dropped_first_step, c.dropped_last_step
     return series.update().where(c.id == sa.bindparam("d_sid", type_=sa.BigInteger)).values(
-        reports_dropped=c.reports_dropped + n,
+        reports_dropped=sa.case((c.reports_dropped > sa.literal(MAX_DROPPED, sa.BigInteger) - n, MAX_DROPPED),
+                                else_=c.reports_dropped + n),
         dropped_first_step=sa.case((first.is_(None), lo), (first > lo, lo), else_=first),
         dropped_last_step=sa.case((last.is_(None), hi), (last < hi, hi), else_=last))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
+from auditor.db.drops import MAX_DROPPED
 from auditor.db.store import Store
 from auditor.service import errors
 
@@ -85,5 +86,5 @@ def settle(store: Store, t: "Txn", stored: "Stored") -> dict[int, Tally]:
     per: dict[int, Tally] = {}
     for sid, n, lo, hi in growth:
         was = per.get(sid)
-        per[sid] = (n, lo, hi) if was is None else (was[0] + n, min(was[1], lo), max(was[2], hi))
+        per[sid] = (n, lo, hi) if was is None else (min(was[0] + n, MAX_DROPPED), min(was[1], lo), max(was[2], hi))
     return per

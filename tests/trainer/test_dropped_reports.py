@@ -249,3 +249,27 @@ def test_the_drops_are_counted_in_the_ingest_transaction(service, run_id, monkey
     monkeypatch.undo()
     st = service.report(run_id).statistics[0]
     assert (st.reports_dropped, st.dropped_first_step, st.dropped_last_step) == (3, 1, 3)
+
+
+def test_counts_at_the_wire_s_bound_saturate_the_series_count(live_server, run_id):
+    """Every rank may tell up to 2**62 drops (the wire's bound on ``dropped.count``): two
+    ranks, each at the bound, first in one batch and then in two, are stored (200, not a
+    500 "bigint out of range" on PostgreSQL) and the series count saturates at 2**62 (on
+    SQLite the sum became a float that broke every read of the run list); the run list,
+    the report and ``auditor runs`` still read."""
+    from factory import world_reports
+
+    from auditor.db.drops import MAX_DROPPED
+    from auditor.contract.fields import MAX_STEP
+
+    assert MAX_DROPPED == MAX_STEP == 2**62
+    most = {"count": 2**62, "first_step": 0, "last_step": 2}
+    batches = [world_reports(run_id, step=4, dp=2, cp=1), *([r] for r in world_reports(run_id, step=5, dp=2, cp=1))]
+    for batch in batches:
+        post_reports_ok(live_server, [{**r, "dropped": most} for r in batch])
+    st = only_series(live_server, run_id)
+    assert (st["reports_dropped"], st["dropped_first_step"], st["dropped_last_step"]) == (2**62, 0, 2)
+    runs = live_server.get("/v1/runs", params={"limit": 1000}).json()["runs"]
+    assert [r["reports_dropped"] for r in runs if r["run_id"] == run_id] == [2**62]
+    out = run_auditor("runs", "--url", live_server.url)
+    assert out.returncode == 0, out.stderr
