@@ -26,7 +26,7 @@ ServiceUrl = typer.Option(
     help="Base URL of a running auditor service; without it the database is read directly.",
 )
 Timeout = typer.Option(
-    10.0, "--timeout", min=0.01,
+    10.0, "--timeout", min=0.01, max=86400.0,
     help="Seconds for the service's first whole answer (connecting included: a host that accepts connections "
          "and never answers, or trickles its answer, fails after this); once it answered, each request may take "
          "max(--timeout, 60) s in all, and the command 600 s waiting on the service.")

@@ -14,6 +14,10 @@ from auditor.cli.options import DatabaseUrl, load_settings
 from auditor.defaults import DEFAULT_GRACE_SECONDS
 
 
+
+#: The log levels ``--log-level`` takes (uvicorn's, but "trace").
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+
 @app.command()
 @errors_as_exit_2
 def serve(
@@ -28,12 +32,15 @@ def serve(
         None, min=0, envvar="AUDITOR_GRACE_SECONDS", show_default=False,
         help=f"Seconds a step may stay incomplete before it is audited with missing_report "
              f"[default: {DEFAULT_GRACE_SECONDS:g}]."),
-    log_level: str = typer.Option("info", help="uvicorn log level: critical, error, warning, info, debug."),
+    log_level: str = typer.Option("info", help=f"uvicorn log level: {', '.join(LOG_LEVELS)}."),
 ) -> None:
     """Run the HTTP service. Migrates an empty database first (under a PostgreSQL advisory lock,
     so replicas may start at once); refuses a database whose schema is at another revision
     (run `auditor db upgrade`). Exit 2 with one line when the port is taken or the database
     is unusable; SIGTERM/SIGINT stop it within AUDITOR_SHUTDOWN_TIMEOUT_SECONDS + 5 s."""
+    if log_level.lower() not in LOG_LEVELS:  # before the database is touched
+        raise UsageError(f"--log-level {log_level!r}: expected one of {', '.join(LOG_LEVELS)}")
+    log_level = log_level.lower()
     if database_url:
         os.environ["AUDITOR_DATABASE_URL"] = database_url
     if grace_seconds is not None:

@@ -53,6 +53,7 @@ def test_the_command_line_is_declared_without_the_service_s_libraries():
     (("demo", "--layouts", "1x1,2"), "--layouts: layout '2' is not DPxCP (e.g. 2x1)"),
     (("demo", "--layouts", "1x1,2x1,1x1"), "--layouts: layout 1x1 given twice"),
     (("demo", "--layouts", "1x2,8x8"), "--dp × --cp is 8 × 8 = 64 workers; the demo runs at most 32"),
+    (("serve", "--log-level", "bogus"), "--log-level 'bogus': expected one of critical, error, warning, info, debug"),
 ])
 def test_mistakes_are_one_line_exit_2_and_create_nothing(tmp_path, args, message):
     """A bad database URL, a mistyped SQLite path or a non-HTTP service URL: one line naming
@@ -62,6 +63,16 @@ def test_mistakes_are_one_line_exit_2_and_create_nothing(tmp_path, args, message
     assert out.returncode == 2, out.stderr
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("error: ") and message in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("args", [("runs",), ("report", "r"), ("check", "r"), ("compare", "a", "b"),
+                                  ("import", "x.jsonl")])
+def test_a_timeout_past_a_day_is_refused_naming_the_option(tmp_path, args):
+    """``--timeout inf`` (or 1e10) was a 60-line traceback ("timestamp out of range for
+    platform time_t") from the deadline arithmetic: the option takes at most 86,400 s."""
+    out = auditor(*args, "--url", "http://127.0.0.1:9", "--timeout", "inf", cwd=tmp_path)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert "--timeout" in out.stderr and "86400" in out.stderr, out.stderr
 
 
 def test_demo_on_a_missing_postgresql_database_exits_2_at_once(tmp_path):
