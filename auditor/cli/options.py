@@ -108,11 +108,11 @@ def load_settings(**values) -> Settings:
 
 
 def make_console() -> Console:
-    """A console for tables; when output is piped (CI logs), wide enough not to cut numbers."""
+    """A console for tables; when output is piped (CI logs, grep), wide enough to cut nothing."""
     from rich.console import Console
 
     console = Console()
-    console = console if console.is_terminal else Console(width=160)
+    console = console if console.is_terminal else Console(width=1000)  # a table takes its natural width
     console.on_broken_pipe = quiet_broken_pipe  # rich's own exits 1, which `check` reserves
     return console
 

@@ -70,8 +70,15 @@ def runs(ctx: typer.Context, url: Optional[str] = ServiceUrl, database_url: Opti
 
     from auditor import status
 
-    t = Table("run", "status", "workload", "world", Column("dp×cp×tp×pp", no_wrap=True), "statistics", "steps audited",
-              "inconsistent", "unverified", "incomplete", "refused")
+    def whole(title: str, values: list[str]) -> Column:
+        """A column never cut or wrapped (run ids and workload labels are copied and grepped):
+        the other columns give up the width."""
+        return Column(title, no_wrap=True, min_width=max(map(len, values), default=len(title)))
+
+    t = Table(whole("run", [r["run_id"] for r in data]), "status",
+              whole("workload", [r.get("workload") or "—" for r in data]), "world",
+              Column("dp×cp×tp×pp", no_wrap=True), "statistics", "steps audited", "inconsistent", "unverified",
+              "incomplete", "refused", "dropped")
     for r in data:
         s = r["sizes"]
         # an unknown topology's sizes are placeholders of 1, not a 1×1×1×1 layout (as on the run page)
@@ -80,5 +87,6 @@ def runs(ctx: typer.Context, url: Optional[str] = ServiceUrl, database_url: Opti
         state = status.status_of(r)
         t.add_row(r["run_id"], STATUS_STYLE.get(state, state), r.get("workload") or "—", str(r["world_size"]), sizes,
                   ", ".join(r["statistics"]), str(r["steps_audited"]), str(r["steps_inconsistent"]),
-                  str(r.get("steps_unverified", "—")), str(r.get("steps_incomplete", "—")), str(r.get("refused_reports", "—")))
+                  str(r.get("steps_unverified", "—")), str(r.get("steps_incomplete", "—")), str(r.get("refused_reports", "—")),
+                  str(r.get("reports_dropped", "—")))
     make_console().print(t)

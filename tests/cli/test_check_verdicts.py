@@ -30,7 +30,7 @@ def test_check_fails_an_incomplete_run_and_says_what_is_missing(live_server, run
     and rank 1 (was: "consistent (6 step(s) audited)", exit 0); --allow-incomplete passes;
     report's header says INCOMPLETE with the 0/0/0/6 table and no CP σ of 0; JSON status
     incomplete, consistent false; runs shows the status and the incomplete count."""
-    run_id = f"inc-{run_id[-8:]}"  # short: one line of the `auditor runs` table
+    run_id = f"incomplete-run-with-a-long-id-that-a-user-copies-{run_id[-8:]}"  # never cut in `auditor runs`
     incomplete_run(live_server, run_id)
     want = (f"{run_id}: INCOMPLETE — 6 step(s) audited with reports missing (advantages 6 of 6); rank 1 never "
             "reported: their values were never checked; pass --allow-incomplete for a run known to lose ranks")
@@ -54,7 +54,7 @@ def test_check_fails_an_incomplete_run_and_says_what_is_missing(live_server, run
     assert "incomplete" in out.stdout and "refused" in out.stdout  # the columns
     (line,) = [x for x in out.stdout.splitlines() if run_id in x]
     assert [c.strip() for c in line.split("│")[1:-1]] == [
-        run_id, "INCOMPLETE", "—", "4", "2×2×1×1", "advantages", "6", "0", "0", "6", "0"], out.stdout
+        run_id, "INCOMPLETE", "—", "4", "2×2×1×1", "advantages", "6", "0", "0", "6", "0", "0"], out.stdout
 
 
 def test_check_fails_a_reused_run_id(live_server, run_id):
