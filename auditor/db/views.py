@@ -107,6 +107,18 @@ class ViewStatements(Statements):
             q = q.where(a.step <= stop)
         return [StepLine(*r) for r in conn.execute(q)]
 
+    def count_step_rows(self, conn: sa.Connection, series_id: int, *, start: int | None = None,
+                        stop: int | None = None) -> int:
+        """How many step rows a series holds in [``start``, ``stop``] (an index-only count
+        over the primary key)."""
+        a = step_audits.c
+        q = sa.select(sa.func.count()).select_from(step_audits).where(a.series_id == series_id)
+        if start is not None:
+            q = q.where(a.step >= start)
+        if stop is not None:
+            q = q.where(a.step <= stop)
+        return int(conn.execute(q).scalar_one())
+
     def step_row(self, conn: sa.Connection, series_id: int, step: int) -> StepRow | None:
         """The ``step_audits`` row (:class:`StepRow`) of one step, or None."""
         row = conn.execute(

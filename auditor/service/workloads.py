@@ -121,8 +121,8 @@ class Workloads:
                 skipped["not_comparable_spec"] += 1
                 continue
             steps = self.store.step_rows(conn, info.id, start=start, stop=stop, limit=max_steps + 1)
-            if len(steps) > max_steps:
-                skipped["truncated"] += 1
+            if len(steps) > max_steps:  # every step past the first max_steps is left out
+                skipped["truncated"] += self.store.count_step_rows(conn, info.id, start=start, stop=stop) - max_steps
                 steps = steps[:max_steps]
             builder = SeriesBuilder(row.run_id, info.statistic, info.kind, info.engine_spec, topo.sizes)
             placed = max(1, topo.placed_count(info.engine_spec))

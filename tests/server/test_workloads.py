@@ -188,3 +188,17 @@ def test_reader_and_cli_exit_codes(live_server, invariant):
                        clean=True).returncode == 2
     both = run_auditor("compare", "--url", live_server.url, runs[0], "--workload", w, clean=True)
     assert both.returncode == 2 and "either RUN_ID" in both.stderr
+
+
+def test_truncated_counts_every_step_left_out(live_server):
+    """``?steps=1`` over runs of 4 steps and 2 statistics leaves out 3 steps of each
+    statistic: ``skipped.truncated`` is 6 per run (it was 1 per statistic, whatever the
+    number of steps past the cut)."""
+    small = workload_data(steps=4, sequences=4, tokens=4_000, mu=0.5, sigma=1.0)
+    w = f"cut-{uuid.uuid4().hex[:8]}"
+    for dp, cp in ((1, 1), (2, 1)):
+        reports = layout_reports(f"{w}-dp{dp}", small, dp=dp, cp=cp, workload=w)
+        assert post_reports_ok(live_server, reports)["steps_audited"] == 8
+    doc = live_server.get(f"/v1/workloads/{w}", params={"steps": 1}).json()
+    assert [r["skipped"].get("truncated") for r in doc["runs"]] == [6, 6], doc["runs"]
+    assert (doc["verdict"], doc["steps_compared"]) == ("invariant", 1), doc["reason"]
