@@ -48,6 +48,9 @@ def compare(
 
     if bool(run_ids) == bool(workload):
         raise UsageError("pass either RUN_ID ... (two or more runs) or --workload W")
+    if run_ids and len(set(run_ids)) < 2:
+        raise UsageError(f"compare needs two or more different runs, got {', '.join(map(repr, run_ids))}; "
+                         "or pass --workload W")
     with open_source(url, database_url, token, timeout) as source:
         doc = source.compare(run_ids or [], workload, steps)
     result = Workload.from_json(doc)

@@ -62,6 +62,10 @@ class Source:
         """Raise the :class:`UsageError` of an unknown run (``exc``: :attr:`not_found`)."""
         raise NotImplementedError
 
+    def _foreign(self, exc: Exception) -> None:
+        """After a 404 (``exc``: :attr:`not_found`): raise the :class:`UsageError` saying the
+        URL is no auditor's when its API is missing too; return when only the thing asked for is."""
+
     def _delete(self, run_id: str, chunk_rows: int) -> dict:
         raise NotImplementedError
 
@@ -110,6 +114,7 @@ class Source:
             r = self.reads()
             return r.workload_json(workload, steps=steps) if workload else r.compare_json(run_ids, steps=steps)
         except self.not_found as e:
+            self._foreign(e)
             what = f"no run is labelled workload {workload!r}" if workload else f"a run was not found ({e})"
             raise UsageError(f"{what} at {self.where}") from None
         except ValueError as e:  # the database's own limits (more runs than a comparison takes)
@@ -180,12 +185,15 @@ class HttpSource(Source):
         return self._reader
 
     def _unknown_run(self, run_id: str, exc: Exception) -> NoReturn:
+        self._foreign(exc)
+        raise UsageError(f"run {run_id!r} not found at {self.url}") from None
+
+    def _foreign(self, exc: Exception) -> None:
         try:
             self.reads()._get("/v1/runs", {"limit": 1})
         except self.not_found:  # no API under this URL: not a missing run
             raise UsageError(f"{self.url} is not an auditor service's base URL ({exc.url} and {self.url}/v1/runs "
                              "answered 404); pass e.g. --url http://host:8000") from None
-        raise UsageError(f"run {run_id!r} not found at {self.url}") from None
 
     def _delete(self, run_id: str, chunk_rows: int) -> dict:
         """``DELETE /v1/runs/{run_id}`` as one bounded exchange (``chunk_rows`` is the
@@ -242,6 +250,9 @@ class LocalSource(Source):
 
     def _unknown_run(self, run_id: str, exc: Exception) -> NoReturn:
         raise UsageError(f"run {run_id!r} not found") from None
+
+    def _foreign(self, exc: Exception) -> None:
+        """A database answers for itself: a missing run is only that."""
 
     def _delete(self, run_id: str, chunk_rows: int) -> dict:
         return self.service.delete_run(run_id, chunk_rows=chunk_rows)

@@ -8,7 +8,9 @@ exit codes."""
 
 from __future__ import annotations
 
+import http.server
 import json
+import threading
 import uuid
 
 import httpx
@@ -173,10 +175,9 @@ def test_reader_and_cli_exit_codes(live_server, invariant):
     ok = run_auditor("compare", "--url", live_server.url, *runs[:3], clean=True)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "invariant" in ok.stdout and "world 2: dp=2, float32" in ok.stdout
-    one = run_auditor("compare", "--url", live_server.url, runs[0], clean=True)
-    assert one.returncode == 1 and "not_comparable" in one.stdout
-    assert run_auditor("compare", "--url", live_server.url, runs[0], "--allow-not-comparable",
-                       clean=True).returncode == 0
+    for given in ([runs[0]], [runs[0], runs[0]]):  # a usage mistake, not a comparison that found nothing
+        one = run_auditor("compare", "--url", live_server.url, *given, clean=True)
+        assert one.returncode == 2 and "compare needs two or more different runs" in one.stderr, one.stderr
     missing = run_auditor("compare", "--url", live_server.url, "--workload", f"{w}-none", clean=True)
     assert missing.returncode == 2 and "no run is labelled workload" in missing.stderr
     # the database itself (auditor.cli.sources.LocalSource): the same documents
@@ -202,3 +203,33 @@ def test_truncated_counts_every_step_left_out(live_server):
     doc = live_server.get(f"/v1/workloads/{w}", params={"steps": 1}).json()
     assert [r["skipped"].get("truncated") for r in doc["runs"]] == [6, 6], doc["runs"]
     assert (doc["verdict"], doc["steps_compared"]) == ("invariant", 1), doc["reason"]
+
+
+class _HealthyStranger(http.server.BaseHTTPRequestHandler):
+    """A service that is no auditor: /healthz 200, every other path a JSON 404."""
+
+    def do_GET(self):  # noqa: N802 - http.server's name
+        ok = self.path == "/healthz"
+        body = b'{"status": "ok"}' if ok else b'{"detail": "Not Found"}'
+        self.send_response(200 if ok else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_compare_against_a_service_that_is_no_auditor_says_so():
+    """A URL whose /healthz answers 200 but has no auditor API: `compare` says the URL is no
+    auditor's (exit 2), as `report` and `check` do, not that a run or workload is missing."""
+    stranger = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HealthyStranger)
+    threading.Thread(target=stranger.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{stranger.server_address[1]}"
+    try:
+        for args in (("a", "b"), ("--workload", "W1")):
+            out = run_auditor("compare", *args, "--url", url, clean=True)
+            assert out.returncode == 2 and f"{url} is not an auditor service's base URL" in out.stderr, out.stderr
+    finally:
+        stranger.shutdown()
