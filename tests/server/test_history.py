@@ -60,7 +60,8 @@ def test_step_history_pages_filters_and_sigma_figures(live_server, run_id):
 
 def test_step_history_errors_name_the_parameter(live_server, run_id):
     """Unknown run or statistic → 404; a forged cursor, an unknown verdict or a negative
-    bound → 422 naming the query parameter."""
+    bound → 422 naming the query parameter; ``from`` past ``to`` → 422 naming both (it
+    was a 200 with no steps, where the workload reads refuse the same range)."""
     history_run(live_server, run_id, n=1, bad=())
     assert live_server.get("/v1/runs/no-such-run/statistics/advantages/steps").status_code == 404
     assert live_server.get(f"/v1/runs/{run_id}/statistics/nope/steps").status_code == 404
@@ -70,6 +71,8 @@ def test_step_history_errors_name_the_parameter(live_server, run_id):
         r = live_server.get(path, params=params)
         assert r.status_code == 422, (params, r.text)
         assert field in r.text, (params, r.text)
+    r = live_server.get(path, params={"from": 2, "to": 1})
+    assert r.status_code == 422 and [e["loc"] for e in r.json()["errors"]] == [["query", "from"], ["query", "to"]], r.text
 
 
 def test_report_shows_worst_and_latest_sigma(live_server, run_id):

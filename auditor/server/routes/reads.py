@@ -106,7 +106,9 @@ async def get_steps(
     expected, cp_disagreement_sigma, applied_error_sigma, tolerance_sigma, fault_kinds,
     audited_at}], "next_cursor"}``. σ figures are in standard deviations of the correct
     statistic (``moments`` only; null for ``sum``/``norm``); ``tolerance_sigma`` is the
-    most a correct reduction's rounding can show. 404 for an unknown run or statistic."""
+    most a correct reduction's rounding can show. 404 for an unknown run or statistic; 422
+    naming ``from`` and ``to`` when ``from`` is past ``to``."""
+    check_step_range(start, stop)
     after = decode_cursor(cursor, step_key)
 
     def page():
