@@ -72,12 +72,7 @@ def _service(url: Optional[str], database_url: Optional[str], console) -> Iterat
     that does not answer, a bad database URL or workers that time out: UsageError (exit 2)."""
     url = service_url(url)
     if url:
-        from auditor.server.run import wait_healthy
-
-        try:
-            wait_healthy(url, timeout=10)
-        except TimeoutError as e:
-            raise UsageError(str(e)) from None
+        _require_auditor(url)
         yield url, None
         return
     from auditor.server.run import BackgroundServer
@@ -90,6 +85,24 @@ def _service(url: Optional[str], database_url: Optional[str], console) -> Iterat
             yield base, settings.database_url
     except TimeoutError as e:
         raise UsageError(str(e)) from None
+
+
+def _require_auditor(url: str) -> None:
+    """Before any worker starts: ``url`` answers ``/healthz`` (as every command checks it,
+    :func:`auditor.cli.sources.reach`) and lists runs as an auditor does; else UsageError
+    naming the URL (a server that answered /healthz but no API got every report
+    dead-lettered, and the demo exited 0)."""
+    from auditor.cli.sources import HttpSource
+    from auditor.reader import ReaderError
+
+    with HttpSource(url, None, 10.0) as source:
+        try:
+            next(iter(source.reads().runs_json(page_size=1)), None)  # one page, checked to be a listing of runs
+        except source.not_found as e:
+            source._foreign(e)
+            raise UsageError(f"{url} is not an auditor service: {e}") from None
+        except ReaderError as e:
+            raise UsageError(f"{url} is not an auditor service: {e}") from None
 
 
 def _layouts(text: str) -> list:

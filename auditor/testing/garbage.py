@@ -148,6 +148,45 @@ class GarbageServer:
 
 
 @dataclass
+class StrangerServer:
+    """Another HTTP service on the URL, no auditor: ``GET /healthz`` answers 200
+    ``{"status": "ok"}`` (as many services' do), every other request a JSON 404. A context
+    manager yielding its base URL; a thread of the test process."""
+
+    def __init__(self):
+        import http.server
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 - http.server's name
+                ok = self.path == "/healthz"
+                self._answer(200 if ok else 404, b'{"status": "ok"}' if ok else b'{"detail": "Not Found"}')
+
+            def do_POST(self):  # noqa: N802
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                self._answer(404, b'{"detail": "Not Found"}')
+
+            def _answer(self, status: int, body: bytes) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
+        threading.Thread(target=self._server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def __enter__(self) -> str:
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
 class Capped:
     """What :func:`run_capped` saw: exit status (negative: the signal), output, peak
     resident memory in bytes, wall seconds."""

@@ -75,6 +75,21 @@ def test_a_timeout_past_a_day_is_refused_naming_the_option(tmp_path, args):
     assert "--timeout" in out.stderr and "86400" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("server", ["stranger", "html"])
+def test_demo_against_a_url_that_is_no_auditor_exits_2_before_any_worker(tmp_path, server):
+    """`auditor demo --url` at a service whose /healthz answers 200 but has no auditor API
+    (it exited 0 with every report dead-lettered as poison), or that answers HTML: one
+    line naming the URL, exit 2, no spool left."""
+    from auditor.testing.garbage import GarbageServer, StrangerServer
+
+    with (StrangerServer() if server == "stranger" else GarbageServer("html")) as srv:
+        url = srv if isinstance(srv, str) else srv.url
+        out = subprocess.run([sys.executable, "-m", "auditor", "demo", "--url", url], capture_output=True, text=True,
+                             timeout=60, cwd=tmp_path, env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")})
+    assert out.returncode == 2 and out.stderr.startswith(f"error: {url} is not an auditor service"), out.stderr
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr and list(tmp_path.iterdir()) == []
+
+
 def test_demo_on_a_missing_postgresql_database_exits_2_at_once(tmp_path):
     out = auditor("demo", "--database-url", "postgresql+psycopg://127.0.0.1:5432/no_such_db_here", cwd=tmp_path)
     assert out.returncode == 2 and 'database "no_such_db_here" does not exist' in out.stderr, out.stderr

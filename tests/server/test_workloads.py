@@ -8,9 +8,7 @@ exit codes."""
 
 from __future__ import annotations
 
-import http.server
 import json
-import threading
 import uuid
 
 import httpx
@@ -19,6 +17,7 @@ import pytest
 from auditor.contract.workloads import Workload
 from auditor.reader import Reader
 from auditor.testing.cli import run_auditor
+from auditor.testing.garbage import StrangerServer
 from auditor.testing.http import assert_problem, post_reports, post_reports_ok
 from auditor.testing.workload import layout_reports, workload_data
 
@@ -205,31 +204,10 @@ def test_truncated_counts_every_step_left_out(live_server):
     assert (doc["verdict"], doc["steps_compared"]) == ("invariant", 1), doc["reason"]
 
 
-class _HealthyStranger(http.server.BaseHTTPRequestHandler):
-    """A service that is no auditor: /healthz 200, every other path a JSON 404."""
-
-    def do_GET(self):  # noqa: N802 - http.server's name
-        ok = self.path == "/healthz"
-        body = b'{"status": "ok"}' if ok else b'{"detail": "Not Found"}'
-        self.send_response(200 if ok else 404)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, *args):
-        pass
-
-
 def test_compare_against_a_service_that_is_no_auditor_says_so():
     """A URL whose /healthz answers 200 but has no auditor API: `compare` says the URL is no
     auditor's (exit 2), as `report` and `check` do, not that a run or workload is missing."""
-    stranger = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _HealthyStranger)
-    threading.Thread(target=stranger.serve_forever, daemon=True).start()
-    url = f"http://127.0.0.1:{stranger.server_address[1]}"
-    try:
+    with StrangerServer() as url:
         for args in (("a", "b"), ("--workload", "W1")):
             out = run_auditor("compare", *args, "--url", url, clean=True)
             assert out.returncode == 2 and f"{url} is not an auditor service's base URL" in out.stderr, out.stderr
-    finally:
-        stranger.shutdown()
