@@ -109,6 +109,9 @@ def database_url_hint(url: str | None) -> str:
     if scheme.startswith("sqlite") and rest.startswith("/") and not rest.startswith("//") and rest[1:] != ":memory:":
         return (f" — sqlite:///{rest[1:]} is relative to the current directory ({os.path.abspath(rest[1:])}); an "
                 f"absolute path takes four slashes: sqlite:////{rest[1:].lstrip('/')}")
+    if not scheme.startswith(("sqlite", "postgresql")):
+        return (f" — the auditor stores in SQLite (sqlite:///path) or PostgreSQL (postgresql+psycopg://user@host/db); "
+                f"{scheme.split('+')[0]!r} is not supported")
     return ""
 
 

@@ -16,8 +16,12 @@ def addressable(name: str) -> str:
     ValueError: a run id or statistic is a URL path segment (a statistic may span several,
     ``policy/grad_norm``), and an empty, ``.`` or ``..`` part is dropped or resolved away
     by clients and proxies, so such a name could be stored but never read back."""
-    for part in name.split("/"):
+    parts = name.split("/")
+    for part in parts:
         if not part.strip("."):
+            if len(parts) == 1:  # a run id or workload (no '/'): say it of the whole name
+                raise ValueError(f"{name!r} must hold a character other than '.' (an empty, '.' or '..' name "
+                                 "cannot be addressed in a URL)")
             raise ValueError(f"{name!r}: every '/'-separated part must hold a character other than '.' "
                              "(no empty, '.' or '..' part: it cannot be addressed in a URL)")
     return name

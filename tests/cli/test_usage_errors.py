@@ -53,6 +53,7 @@ def test_the_command_line_is_declared_without_the_service_s_libraries():
     (("demo", "--layouts", "1x1,2"), "--layouts: layout '2' is not DPxCP (e.g. 2x1)"),
     (("demo", "--layouts", "1x1,2x1,1x1"), "--layouts: layout 1x1 given twice"),
     (("demo", "--layouts", "1x2,8x8"), "--dp × --cp is 8 × 8 = 64 workers; the demo runs at most 32"),
+    (("runs", "--database-url", "mysql://u@h/db"), "the auditor stores in SQLite (sqlite:///path) or PostgreSQL"),
     (("serve", "--log-level", "bogus"), "--log-level 'bogus': expected one of critical, error, warning, info, debug"),
 ])
 def test_mistakes_are_one_line_exit_2_and_create_nothing(tmp_path, args, message):
