@@ -109,7 +109,8 @@ def _ranks_text(ranks: Iterable[int]) -> str:
 
 
 def _span(lo: Any, hi: Any) -> str:
-    return f"{lo}" if lo == hi else f"{lo}–{hi}"
+    """``step 6`` for one step, ``steps 0–2`` for a range."""
+    return f"step {lo}" if lo == hi else f"steps {lo}–{hi}"
 
 
 def incomplete_line(report: Mapping[str, Any]) -> str:
@@ -162,7 +163,7 @@ def refused_line(report: Mapping[str, Any]) -> str | None:
     hi = max(s["refused_last_step"] for s in stats if s.get("refused_last_step") is not None)
     kinds = sorted({s.get("refused_kind") for s in stats if s.get("refused_kind")})
     names = ", ".join(f"{s['statistic']} {s['refused_reports']}" for s in stats)
-    return (f"{n} report(s) conflicting with stored ones were refused, steps {_span(lo, hi)} ({names}; "
+    return (f"{n} report(s) conflicting with stored ones were refused, {_span(lo, hi)} ({names}; "
             f"{', '.join(kinds) or 'conflict'}): the run id was reused or a rank re-sent different values")
 
 
@@ -177,7 +178,7 @@ def dropped_line(report: Mapping[str, Any]) -> str | None:
     lo = min(s["dropped_first_step"] for s in stats if s.get("dropped_first_step") is not None)
     hi = max(s["dropped_last_step"] for s in stats if s.get("dropped_last_step") is not None)
     names = ", ".join(f"{s['statistic']} {s['reports_dropped']}" for s in stats)
-    return (f"{n} report(s) were dropped by the trainer's client before they were sent, steps {_span(lo, hi)} "
+    return (f"{n} report(s) were dropped by the trainer's client before they were sent, {_span(lo, hi)} "
             f"({names}; its ring or queue was full: client stats['reports_dropped']): the audit of those steps "
             "has gaps, their values were never checked")
 

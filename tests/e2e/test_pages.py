@@ -191,7 +191,7 @@ def test_incomplete_run_page_says_incomplete_not_consistent(browser, live_server
     page.goto(f"{live_server.url}/runs/{rerun}")
     wait_ready(page)
     assert page.inner_text("#run-refused") == (
-        "4 report(s) conflicting with stored ones were refused, steps 0 (advantages 4; conflicting_report): the run "
+        "4 report(s) conflicting with stored ones were refused, step 0 (advantages 4; conflicting_report): the run "
         "id was reused or a rank re-sent different values")
     shot(page, "run-page-refused.png")
     page.context.close()

@@ -85,7 +85,7 @@ def test_an_incomplete_run_and_a_reused_run_id_fail_the_audited_test(tmp_path):
     assert summary["FAILED test_status.py::test_incomplete"].startswith(
         "FAILED test_status.py::test_incomplete - Failed: auditor: run 'plug-inc' is INCOMPLETE — advantages step 0: "
         "missing_report: 1 of 4 expected reports never arrived"), summary
-    assert ("auditor: plug-rerun: REFUSED REPORTS — 4 report(s) conflicting with stored ones were refused, steps 0 "
+    assert ("auditor: plug-rerun: REFUSED REPORTS — 4 report(s) conflicting with stored ones were refused, step 0 "
             "(advantages 4; conflicting_report)") in text, text
 
 
