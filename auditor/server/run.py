@@ -420,10 +420,36 @@ def serve(host: str, port: int, workers: int = 1, log_level: str = "info",
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    """A TCP port on 127.0.0.1 that nothing listens on right now, picked at random below the
+    kernel's ephemeral range (``/proc/sys/net/ipv4/ip_local_port_range``) where one exists.
+
+    Not ``bind(0)`` alone: that hands out a port of the ephemeral range, which the client
+    side of any outgoing connection may take before the caller listens on it (parallel test
+    workers' HTTP traffic took a rendezvous port: ``EADDRINUSE``), and processes asking at
+    the same moment may be handed the same port. The port is free when chosen, not held."""
+    import secrets
+
+    low = _ephemeral_low()
+    for _ in range(64):
+        port = 10_000 + secrets.randbelow(low - 10_000) if low > 11_000 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel gives to outgoing connections (32768 when unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def wait_healthy(url: str, timeout: float = 30.0, alive: Callable[[], bool] | None = None) -> None:

@@ -147,7 +147,6 @@ class GarbageServer:
         return self._send(sock, "200 OK", body, extra="Content-Encoding: gzip\r\n")
 
 
-@dataclass
 class StrangerServer:
     """Another HTTP service on the URL, no auditor: ``GET /healthz`` answers 200
     ``{"status": "ok"}`` (as many services' do), every other request a JSON 404. A context
@@ -187,6 +186,7 @@ class StrangerServer:
         self._server.server_close()
 
 
+@dataclass
 class Capped:
     """What :func:`run_capped` saw: exit status (negative: the signal), output, peak
     resident memory in bytes, wall seconds."""

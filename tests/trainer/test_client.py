@@ -221,13 +221,18 @@ def test_unreachable_service_never_raises_and_close_spools(spool_dir):
 
 def test_full_queue_without_spool_drops_and_counts(server):
     """With spooling disabled, report() beyond max_queue drops (and counts) instead of
-    growing memory; what was held is still delivered."""
+    growing memory; what was held is still delivered, in order. How many the sender took
+    off the queue before it filled depends on the thread schedule (a full queue wakes the
+    sender: on a loaded CI machine it drained the first two, so 4 of 5 were enqueued), so
+    20 reports go in one burst: every one is either enqueued or counted as dropped."""
     client = AuditorClient(server.url, max_queue=2, flush_interval=30.0, spool=False)
-    for r in _reports(5):
+    for r in _reports(20):
         client.report(r)
-    assert client.stats["enqueued"] == 2 and client.stats["dropped"] == 3
+    st = dict(client.stats)
+    assert st["enqueued"] + st["dropped"] == 20 and st["dropped"] >= 1, st
     assert client.flush(timeout=10)
-    assert [r["step"] for r in server.reports()] == [0, 1]
+    delivered = [r["step"] for r in server.reports()]
+    assert len(delivered) == st["enqueued"] and delivered == sorted(delivered), (delivered, st)
     client.close()
 
 
