@@ -83,6 +83,20 @@ async def get_report(
                                                                  statistic=statistic, rank_rows=rank_rows), page=page))
 
 
+_FROM = Query(None, alias="from", ge=0, le=2**62, description="First step (inclusive).")
+_TO = Query(None, alias="to", ge=0, le=2**62, description="Last step (inclusive).")
+
+
+def check_step_range(start: int | None, stop: int | None) -> None:
+    """A 422 naming ``from`` and ``to`` when both are given and ``from`` is past ``to`` (an
+    empty range: the caller swapped them; a workload read would compare nothing and call it
+    ``not_comparable``)."""
+    if start is not None and stop is not None and start > stop:
+        msg = f"from ({start}) is past to ({stop}): the step range is empty"
+        raise RequestValidationError([{"loc": ("query", "from"), "type": "value_error", "input": start, "msg": msg},
+                                      {"loc": ("query", "to"), "type": "value_error", "input": stop, "msg": msg}])
+
+
 # ``{statistic:path}`` in both step routes: statistic names may hold "/" ("policy/grad_norm",
 # sent as policy%2Fgrad_norm or policy/grad_norm; the ASGI path is decoded either way),
 # which the default converter would not match (404). Unambiguous: ".../steps" ends the
@@ -94,8 +108,8 @@ async def get_steps(
     state: StateDep,
     run_id: str = RunIdPath,
     statistic: str = Path(min_length=1, max_length=128, pattern=STATISTIC_PATTERN),
-    start: int | None = Query(None, alias="from", ge=0, le=2**62, description="First step (inclusive)."),
-    stop: int | None = Query(None, alias="to", ge=0, le=2**62, description="Last step (inclusive)."),
+    start: int | None = _FROM,
+    stop: int | None = _TO,
     verdict: Literal["consistent", "inconsistent", "incomplete", "audit_error", "unverified", "pending"] | None = Query(
         None, description="Only steps with this verdict (pending: not audited yet)."),
     limit: int = Query(1000, ge=1, le=10_000, description="Steps per page."),
@@ -144,17 +158,6 @@ async def get_step(state: StateDep, run_id: str = RunIdPath,
 RunIdItem = Annotated[str, Field(min_length=1, max_length=128, pattern=RUN_ID_PATTERN)]
 _STEPS = Query(WORKLOAD_STEPS, ge=1, le=WORKLOAD_STEPS_MAX, description="Steps per run and statistic compared "
                "(the first from `from`).")
-_FROM = Query(None, alias="from", ge=0, le=2**62, description="First step (inclusive).")
-_TO = Query(None, alias="to", ge=0, le=2**62, description="Last step (inclusive).")
-
-
-def check_step_range(start: int | None, stop: int | None) -> None:
-    """A 422 naming ``from`` and ``to`` when both are given and ``from`` is past ``to`` (an
-    empty range compares nothing: the caller swapped them, not a ``not_comparable`` verdict)."""
-    if start is not None and stop is not None and start > stop:
-        msg = f"from ({start}) is past to ({stop}): the step range is empty"
-        raise RequestValidationError([{"loc": ("query", "from"), "type": "value_error", "input": start, "msg": msg},
-                                      {"loc": ("query", "to"), "type": "value_error", "input": stop, "msg": msg}])
 
 
 @router.get("/v1/workloads/{workload}", tags=["workloads"],
